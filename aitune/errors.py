@@ -1,0 +1,101 @@
+"""The one exception tree of aitune.
+
+Every error aitune raises on purpose derives from :class:`AITuneError`. Third-party exceptions are
+translated at the backend boundary with ``raise ... from exc`` so the original cause stays chained.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class AITuneError(Exception):
+    """Base class of every error raised by aitune."""
+
+
+class ConfigError(AITuneError, ValueError):
+    """A configuration value, argument or dataset is invalid; the message says which and how to fix it."""
+
+
+class UnknownBackendError(AITuneError, KeyError):
+    """A backend name is not registered; the message lists every registered name."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class BackendUnavailableError(AITuneError):
+    """A backend cannot run here (package missing, wrong device, ...); the message names the fix."""
+
+
+class BackendStateError(AITuneError, RuntimeError):
+    """A backend method was called in a state that does not allow it (e.g. build twice)."""
+
+
+class BackendBuildError(AITuneError):
+    """A backend failed to build a module.
+
+    Attributes:
+        backend: registered name of the backend.
+        config_key: the backend config's key (sha256 hex).
+        log_path: path of the build log, if one was written.
+    """
+
+    def __init__(self, message: str, *, backend: str = "", config_key: str = "", log_path: Path | None = None):
+        super().__init__(message)
+        self.backend = backend
+        self.config_key = config_key
+        self.log_path = log_path
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.log_path is not None:
+            text += f" (log: {self.log_path})"
+        return text
+
+
+class BackendRuntimeError(AITuneError, RuntimeError):
+    """A built backend failed while running inference."""
+
+
+class CorrectnessError(AITuneError):
+    """A candidate's outputs do not agree with eager PyTorch."""
+
+
+class ShapeMismatchError(CorrectnessError):
+    """Output structure, shape, dtype or device differs from eager."""
+
+
+class ToleranceExceededError(CorrectnessError):
+    """Values differ from eager by more than the tolerance.
+
+    Attributes:
+        leaf: path of the output leaf that failed, e.g. ``"[0]['logits']"``.
+        max_abs_error: largest ``|candidate - eager|`` over the leaf.
+        max_rel_error: largest ``|candidate - eager| / |eager|`` over the leaf.
+        tolerance: a description of the tolerance that was applied.
+    """
+
+    def __init__(self, message: str, *, leaf: str = "", max_abs_error: float = float("nan"),
+                 max_rel_error: float = float("nan"), tolerance: str = ""):
+        super().__init__(message)
+        self.leaf = leaf
+        self.max_abs_error = max_abs_error
+        self.max_rel_error = max_rel_error
+        self.tolerance = tolerance
+
+
+class TuningError(AITuneError, RuntimeError):
+    """Tuning could not pick any backend (e.g. a latency budget nobody meets)."""
+
+
+class CheckpointError(AITuneError):
+    """A checkpoint cannot be written or read."""
+
+
+class CheckpointVersionError(CheckpointError):
+    """A checkpoint was written by a newer format version than this aitune reads."""
+
+
+class CheckpointIntegrityError(CheckpointError):
+    """A checkpoint's contents do not match its digests, or its layout is unsafe or incomplete."""

@@ -1,0 +1,443 @@
+"""The backend contract (DESIGN.md §3): configs, availability, the state machine and the registry.
+
+A backend is a blueprint: strategies copy it (:meth:`Backend.copy`) before each build, so one instance
+can serve many modules. Subclasses implement the private hooks ``_build``, ``_infer``, ``_save``,
+``_load``, optionally ``_supports``, ``_activate``, ``_deactivate``; every state check lives here.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from aitune.errors import (
+    BackendBuildError,
+    BackendStateError,
+    BackendUnavailableError,
+    ConfigError,
+    UnknownBackendError,
+)
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FORMAT_VERSION = 1
+
+
+class BuildMode(str, enum.Enum):
+    """AOT: self-contained artifact. JIT: needs the original module (weights) at run time."""
+
+    AOT = "aot"
+    JIT = "jit"
+
+
+class BackendState(str, enum.Enum):
+    INIT = "init"
+    ACTIVE = "active"
+    INACTIVE = "inactive"
+    CHECKPOINT_LOADED = "checkpoint_loaded"
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """Result of :meth:`Backend.availability` / :meth:`Backend.supports`: ``ok`` and a one-line ``reason``."""
+
+    ok: bool
+    reason: str = ""
+    versions: dict = dataclasses.field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclasses.dataclass(frozen=True)
+class Requirement:
+    """An optional package a backend needs.
+
+    Args:
+        module: import name (``onnxruntime``).
+        distributions: distribution names that provide it (``onnxruntime``, ``onnxruntime-gpu``).
+        extra: the aitune pip extra that installs it. min_version: lowest supported version.
+    """
+
+    module: str
+    distributions: tuple[str, ...]
+    extra: str
+    min_version: str | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def probe_requirement(requirement: Requirement) -> Check:
+    """Is ``requirement`` importable and new enough? Cheap and silent (find_spec + metadata only)."""
+    if importlib.util.find_spec(requirement.module) is None:
+        return Check(False, f"package '{requirement.distributions[0]}' not found — "
+                            f"pip install 'aitune[{requirement.extra}]'")
+    version = None
+    for distribution in requirement.distributions:
+        try:
+            version = importlib.metadata.version(distribution)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if requirement.min_version and version and _version_tuple(version) < _version_tuple(requirement.min_version):
+        return Check(False, f"package '{requirement.distributions[0]}' {version} is older than "
+                            f"{requirement.min_version} — pip install -U 'aitune[{requirement.extra}]'",
+                     {requirement.module: version})
+    return Check(True, "", {requirement.module: version or "unknown"})
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def torch_version_at_least(version: str) -> bool:
+    return _version_tuple(torch.__version__) >= _version_tuple(version)
+
+
+# --------------------------------------------------------------------------------------------- configs
+
+
+def _to_jsonable(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, BackendConfig):
+        return value.to_dict()
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(_to_jsonable(v) for v in value)
+    if isinstance(value, dict):
+        return {str(k): _to_jsonable(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def parse_dtype(value: Any, field: str) -> torch.dtype | None:
+    """``torch.float16`` / ``"float16"`` / ``"fp16"`` / None -> torch dtype. Raises ConfigError."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    aliases = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}
+    name = aliases.get(str(value), str(value)).removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"{field}: {value!r} is not a torch dtype (use e.g. torch.float16 or 'bfloat16')")
+    return dtype
+
+
+_CONFIG_CLASSES: dict[str, type["BackendConfig"]] = {}
+
+
+@dataclasses.dataclass(kw_only=True)
+class BackendConfig:
+    """Base of every ``<Backend>Config``: keyword-only plain data, validated in ``__post_init__``.
+
+    Serialised as ``{"type": <class name>, "version": 1, "data": {...}}``; :meth:`from_dict` resolves the
+    type among aitune's own config classes only and fills fields missing from older files with defaults.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _CONFIG_CLASSES[cls.__name__] = cls
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` on an invalid field. Subclasses extend this."""
+
+    def data(self) -> dict:
+        return {field.name: _to_jsonable(getattr(self, field.name)) for field in dataclasses.fields(self)}
+
+    def to_dict(self) -> dict:
+        return {"type": type(self).__name__, "version": CONFIG_FORMAT_VERSION, "data": self.data()}
+
+    @classmethod
+    def from_dict(cls, payload: dict) -> "BackendConfig":
+        """Rebuild a config written by :meth:`to_dict`. Raises ConfigError for an unknown type."""
+        type_name = payload.get("type")
+        config_class = _CONFIG_CLASSES.get(type_name)
+        if config_class is None or not issubclass(config_class, cls):
+            raise ConfigError(f"unknown backend config type {type_name!r}; known: {sorted(_CONFIG_CLASSES)}")
+        return config_class._from_data(dict(payload.get("data", {})))
+
+    @classmethod
+    def _from_data(cls, data: dict) -> "BackendConfig":
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def key(self) -> str:
+        """sha256 of the canonical JSON of this config plus what invalidates a build (torch version)."""
+        canonical = json.dumps({"config": self.to_dict(), "torch": torch.__version__}, sort_keys=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def describe(self) -> str:
+        """``a=b,c=d`` for the fields that differ from their defaults."""
+        default = None
+        try:
+            default = type(self)()
+        except Exception:  # noqa: BLE001 - a config with required fields has no default instance
+            pass
+        parts = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if default is None or _to_jsonable(value) != _to_jsonable(getattr(default, field.name)):
+                parts.append(f"{field.name}={_to_jsonable(value)}")
+        return ",".join(parts)
+
+
+# --------------------------------------------------------------------------------------------- registry
+
+_REGISTRY: dict[str, type["Backend"]] = {}
+
+
+def registered_backends() -> dict[str, type["Backend"]]:
+    """All registered backend classes by name (built-in ones are registered on import of the package)."""
+    import aitune.torch.backend  # noqa: F401 - registers the built-in backends
+
+    return dict(_REGISTRY)
+
+
+def get_backend_class(name: str) -> type["Backend"]:
+    """Backend class registered as ``name``. Raises UnknownBackendError listing every registered name."""
+    backends = registered_backends()
+    if name not in backends:
+        raise UnknownBackendError(f"unknown backend {name!r}; registered backends: {', '.join(sorted(backends))}")
+    return backends[name]
+
+
+# --------------------------------------------------------------------------------------------- backend
+
+
+class Backend:
+    """Base class of every backend.
+
+    Class attributes set by subclasses:
+        name: registry name (``"inductor_jit"``).
+        config_class: the ``<Backend>Config`` dataclass.
+        build_mode: :class:`BuildMode`.
+        requirements: optional packages (:class:`Requirement`).
+        device_types: device types it can run on (``{"cpu", "cuda"}``).
+        is_quantizing: judged by SQNR/cosine instead of atol/rtol.
+        rank: tie-break order (lower = simpler/cheaper); eager is 0.
+    """
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type[BackendConfig]] = BackendConfig
+    build_mode: ClassVar[BuildMode] = BuildMode.JIT
+    requirements: ClassVar[tuple[Requirement, ...]] = ()
+    device_types: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+    is_quantizing: ClassVar[bool] = False
+    rank: ClassVar[int] = 50
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            _REGISTRY[cls.name] = cls
+
+    def __init__(self, config: BackendConfig | None = None):
+        if config is None:
+            config = self.config_class()
+        if not isinstance(config, self.config_class):
+            raise ConfigError(f"{type(self).__name__} takes a {self.config_class.__name__}, "
+                              f"got {type(config).__name__}")
+        self.config = config
+        self.state = BackendState.INIT
+        self.device: torch.device | None = None
+        self.graph = None
+        self.module: torch.nn.Module | None = None
+        self.workdir: Path | None = None
+        self.build_info: dict[str, Any] = {}
+
+    # ---- identity
+    def key(self) -> str:
+        return f"{type(self).__name__}_{self.config.key()[:16]}"
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}({self.config.describe()})"
+
+    def __repr__(self) -> str:
+        return f"<{self.describe()} state={self.state.value}>"
+
+    def copy(self) -> "Backend":
+        """A fresh INIT copy of this blueprint (configs are plain data)."""
+        return type(self)(copy.deepcopy(self.config))
+
+    # ---- availability / eligibility
+    @classmethod
+    def availability(cls) -> Check:
+        """Are the optional packages importable, at what version. Cached, silent, no side effects."""
+        versions: dict[str, str] = {}
+        for requirement in cls.requirements:
+            check = probe_requirement(requirement)
+            if not check.ok:
+                return Check(False, check.reason, versions)
+            versions.update(check.versions)
+        return Check(True, "", versions)
+
+    def supports(self, module: torch.nn.Module, graph, device: torch.device) -> Check:
+        """Can this backend build ``module`` for ``graph`` on ``device``? Checked before any build."""
+        available = self.availability()
+        if not available.ok:
+            return available
+        device = torch.device(device)
+        if device.type not in self.device_types:
+            return Check(False, f"runs on {'/'.join(sorted(self.device_types))} only, not {device.type}")
+        return self._supports(module, graph, device)
+
+    def _supports(self, module, graph, device: torch.device) -> Check:
+        return Check(True)
+
+    def require_available(self) -> None:
+        check = self.availability()
+        if not check.ok:
+            raise BackendUnavailableError(f"Backend '{self.name}' is unavailable: {check.reason}")
+
+    # ---- lifecycle
+    def build(self, module: torch.nn.Module, graph, device: torch.device | str, workdir: Path | str) -> "Backend":
+        """INIT -> ACTIVE. Build ``module`` for ``graph`` (its recorded samples) on ``device``.
+
+        Writes files under ``workdir`` and a log to ``workdir/build.log``. Never changes the module's
+        parameters, buffers or ``training`` flag, nor the samples.
+
+        Raises:
+            BackendStateError: if not in INIT.
+            BackendUnavailableError: if a required package is missing.
+            BackendBuildError: on any build failure, the cause chained.
+        """
+        if self.state is not BackendState.INIT:
+            raise BackendStateError(f"{self.describe()}: build() runs once, from INIT (state: {self.state.value})")
+        self.require_available()
+        self.device = torch.device(device)
+        self.graph = graph
+        self.module = module
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log_path = self.workdir / "build.log"
+        handler = logging.FileHandler(log_path, mode="w")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        package_logger = logging.getLogger("aitune")
+        package_logger.addHandler(handler)
+        previous_level = package_logger.level
+        if package_logger.getEffectiveLevel() > logging.DEBUG:
+            handler.setLevel(logging.DEBUG)
+            package_logger.setLevel(logging.DEBUG)
+        started = time.perf_counter()
+        try:
+            logger.debug("building %s for %s on %s", self.describe(), getattr(graph, "name", "?"), self.device)
+            with torch.no_grad():
+                self._build(module, graph, self.device, self.workdir)
+        except BackendBuildError as exc:
+            exc.log_path = exc.log_path or log_path
+            logger.debug("build failed", exc_info=True)
+            raise
+        except Exception as exc:  # noqa: BLE001 - translated at the boundary, cause chained
+            logger.debug("build failed", exc_info=True)
+            raise BackendBuildError(f"{self.name}: {one_line(exc)}", backend=self.name,
+                                    config_key=self.config.key(), log_path=log_path) from exc
+        finally:
+            package_logger.removeHandler(handler)
+            package_logger.setLevel(previous_level)
+            handler.close()
+        self.build_info["build_s"] = time.perf_counter() - started
+        self.state = BackendState.ACTIVE
+        return self
+
+    def __call__(self, *args, **kwargs):
+        return self.infer(*args, **kwargs)
+
+    def infer(self, *args, **kwargs):
+        """Run inference with the module's call signature; outputs are structured like eager's."""
+        if self.state is not BackendState.ACTIVE:
+            if self.state in (BackendState.INACTIVE, BackendState.CHECKPOINT_LOADED):
+                self.activate()
+            else:
+                raise BackendStateError(f"{self.describe()}: infer() needs a built backend (state: {self.state.value})")
+        return self._infer(args, kwargs)
+
+    def activate(self) -> None:
+        """INACTIVE/CHECKPOINT_LOADED -> ACTIVE (reacquire device memory, reload or recompile)."""
+        if self.state is BackendState.ACTIVE:
+            return
+        if self.state is BackendState.INIT:
+            raise BackendStateError(f"{self.describe()}: activate() before build()")
+        self._activate()
+        self.state = BackendState.ACTIVE
+
+    def deactivate(self) -> None:
+        """ACTIVE -> INACTIVE: release what can be reacquired by :meth:`activate`."""
+        if self.state is not BackendState.ACTIVE:
+            return
+        self._deactivate()
+        self.state = BackendState.INACTIVE
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- checkpoints
+    def save(self, directory: Path) -> dict:
+        """Write what is needed to run without re-tuning under ``directory``; returns JSON-able metadata."""
+        if self.state not in (BackendState.ACTIVE, BackendState.INACTIVE, BackendState.CHECKPOINT_LOADED):
+            raise BackendStateError(f"{self.describe()}: save() needs a built backend")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        return self._save(directory) or {}
+
+    @classmethod
+    def from_checkpoint(cls, directory: Path, config: BackendConfig, metadata: dict, module: torch.nn.Module | None,
+                        graph, device: torch.device | str) -> "Backend":
+        """Rebuild a backend saved by :meth:`save`; returns it ACTIVE."""
+        backend = cls(config)
+        backend.device = torch.device(device)
+        backend.graph = graph
+        backend.module = module
+        backend.workdir = Path(directory)
+        backend._load(Path(directory), metadata, module, graph, backend.device)
+        backend.state = BackendState.ACTIVE
+        return backend
+
+    # ---- hooks
+    def _build(self, module, graph, device: torch.device, workdir: Path) -> None:
+        raise NotImplementedError
+
+    def _infer(self, args: tuple, kwargs: dict):
+        raise NotImplementedError
+
+    def _activate(self) -> None:
+        pass
+
+    def _deactivate(self) -> None:
+        pass
+
+    def _save(self, directory: Path) -> dict:
+        return {}
+
+    def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot be loaded from a checkpoint")
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """First meaningful line of an exception, prefixed by its type, for report 'reason' columns."""
+    text = str(exc).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return message if len(message) <= limit else message[: limit - 1] + "…"

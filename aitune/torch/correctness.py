@@ -1,0 +1,236 @@
+"""Compare a candidate's outputs with eager PyTorch, leaf by leaf, by value (DESIGN.md §5).
+
+Rules, per output leaf:
+  1. Same structure (container types, keys, number of leaves), shape, dtype and device.
+  2. Finite where eager is finite; NaN/Inf only where eager has the same NaN/Inf (case C09).
+  3. Float leaves: ``|candidate - eager| <= atol + rtol * |eager|`` (the rule of ``torch.isclose``) with
+     per-dtype defaults: fp32/fp64 ``atol=1e-4, rtol=1e-3``; fp16/bf16 ``atol=rtol=1e-2``.
+     Quantizing backends instead need SQNR >= ``min_sqnr_db`` (torchao's tests use 20 dB) and cosine
+     similarity >= ``min_cosine`` (Torch-TensorRT's tests use 0.99).
+  4. Integer/bool leaves and constants must be equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from aitune.errors import ConfigError, ShapeMismatchError, ToleranceExceededError
+from aitune.torch.pytree import leaf_paths, path_to_str, tree_flatten
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Tolerance:
+    """Thresholds used to compare with eager.
+
+    Args:
+        atol / rtol: for fp32/fp64 leaves (defaults 1e-4 / 1e-3).
+        low_precision_atol / low_precision_rtol: for fp16/bf16 leaves (and TF32 paths) (defaults 1e-2 / 1e-2).
+        min_sqnr_db: quantized candidates' floor of signal-to-quantization-noise ratio, dB (default 20).
+        min_cosine: quantized candidates' floor of cosine similarity of each leaf (default 0.99).
+
+    Raises:
+        ConfigError: on a negative or non-finite tolerance, or a cosine floor outside [-1, 1].
+    """
+
+    atol: float = 1e-4
+    rtol: float = 1e-3
+    low_precision_atol: float = 1e-2
+    low_precision_rtol: float = 1e-2
+    min_sqnr_db: float = 20.0
+    min_cosine: float = 0.99
+
+    def __post_init__(self):
+        for name in ("atol", "rtol", "low_precision_atol", "low_precision_rtol"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"Tolerance.{name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.min_sqnr_db, (int, float)) or math.isnan(self.min_sqnr_db):
+            raise ConfigError(f"Tolerance.min_sqnr_db must be a number (dB), got {self.min_sqnr_db!r}")
+        if not isinstance(self.min_cosine, (int, float)) or not -1.0 <= self.min_cosine <= 1.0:
+            raise ConfigError(f"Tolerance.min_cosine must lie in [-1, 1], got {self.min_cosine!r}")
+
+    def for_dtype(self, dtype: torch.dtype) -> tuple[float, float]:
+        if dtype in LOW_PRECISION:
+            return self.low_precision_atol, self.low_precision_rtol
+        return self.atol, self.rtol
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class LeafError:
+    """Measured error of one output leaf: max abs/rel error, and for quantized checks SQNR and cosine."""
+
+    path: str
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    sqnr_db: float | None = None
+    cosine: float | None = None
+
+
+@dataclasses.dataclass
+class ComparisonResult:
+    """Outcome of comparing all samples: the worst error per leaf and the thresholds used."""
+
+    leaves: list[LeafError]
+    metric: str  # "allclose" or "sqnr+cosine"
+    tolerance: dict
+
+    @property
+    def max_abs_error(self) -> float:
+        return max((leaf.max_abs_error for leaf in self.leaves), default=0.0)
+
+    @property
+    def max_rel_error(self) -> float:
+        return max((leaf.max_rel_error for leaf in self.leaves), default=0.0)
+
+    @property
+    def min_sqnr_db(self) -> float | None:
+        values = [leaf.sqnr_db for leaf in self.leaves if leaf.sqnr_db is not None]
+        return min(values) if values else None
+
+    @property
+    def min_cosine(self) -> float | None:
+        values = [leaf.cosine for leaf in self.leaves if leaf.cosine is not None]
+        return min(values) if values else None
+
+    def to_dict(self) -> dict:
+        return {"metric": self.metric, "tolerance": self.tolerance, "max_abs_error": self.max_abs_error,
+                "max_rel_error": self.max_rel_error, "min_sqnr_db": self.min_sqnr_db, "min_cosine": self.min_cosine,
+                "leaves": [dataclasses.asdict(leaf) for leaf in self.leaves]}
+
+
+def sqnr_db(reference: torch.Tensor, candidate: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: ``20 * log10(||ref|| / ||ref - cand||)`` (torchao's definition)."""
+    reference = reference.double()
+    noise = torch.linalg.vector_norm(reference - candidate.double())
+    signal = torch.linalg.vector_norm(reference)
+    if noise == 0:
+        return math.inf
+    if signal == 0:
+        return -math.inf
+    return float(20 * torch.log10(signal / noise))
+
+
+def cosine_similarity(reference: torch.Tensor, candidate: torch.Tensor) -> float:
+    """Cosine similarity of the flattened tensors (1.0 when both are all-zero)."""
+    reference, candidate = reference.double().flatten(), candidate.double().flatten()
+    norms = torch.linalg.vector_norm(reference) * torch.linalg.vector_norm(candidate)
+    if norms == 0:
+        return 1.0 if torch.equal(reference, candidate) else 0.0
+    return float(torch.dot(reference, candidate) / norms)
+
+
+class OutputComparator:
+    """Accumulates per-leaf errors over samples; raises on the first violation.
+
+    Args:
+        tolerance: thresholds. quantized: use SQNR/cosine floors for float leaves instead of atol/rtol.
+    """
+
+    def __init__(self, tolerance: Tolerance | None = None, quantized: bool = False):
+        self.tolerance = tolerance or Tolerance()
+        self.quantized = quantized
+        self._errors: dict[str, LeafError] = {}
+
+    def compare(self, reference: Any, candidate: Any) -> None:
+        """Compare one sample's outputs. Raises ShapeMismatchError or ToleranceExceededError."""
+        reference_leaves, reference_spec = tree_flatten(reference)
+        candidate_leaves, candidate_spec = tree_flatten(candidate)
+        if _structure(reference_spec) != _structure(candidate_spec):
+            raise ShapeMismatchError(f"output structure differs from eager: expected {_describe(reference_spec)}, "
+                                     f"got {_describe(candidate_spec)}")
+        for path, expected, actual in zip(leaf_paths(reference_spec), reference_leaves, candidate_leaves):
+            self._compare_leaf(path_to_str(path), expected, actual)
+
+    def result(self) -> ComparisonResult:
+        metric = "sqnr+cosine" if self.quantized else "allclose"
+        return ComparisonResult(list(self._errors.values()), metric, self.tolerance.to_dict())
+
+    def _compare_leaf(self, path: str, expected: Any, actual: Any) -> None:
+        if not isinstance(expected, torch.Tensor):
+            if isinstance(actual, torch.Tensor) or not _constants_equal(expected, actual):
+                raise ShapeMismatchError(f"output {path}: expected {expected!r}, got {actual!r}")
+            return
+        if not isinstance(actual, torch.Tensor):
+            raise ShapeMismatchError(f"output {path}: expected a tensor, got {type(actual).__name__}")
+        if expected.shape != actual.shape:
+            raise ShapeMismatchError(f"output {path}: shape {tuple(actual.shape)} != eager {tuple(expected.shape)}")
+        if expected.dtype != actual.dtype:
+            raise ShapeMismatchError(f"output {path}: dtype {actual.dtype} != eager {expected.dtype}")
+        if expected.device.type != actual.device.type:
+            raise ShapeMismatchError(f"output {path}: device {actual.device} != eager {expected.device}")
+        record = self._errors.setdefault(path, LeafError(path))
+        if not (expected.is_floating_point() or expected.is_complex()):
+            if not torch.equal(expected.cpu(), actual.cpu()):
+                mismatches = int((expected.cpu() != actual.cpu()).sum())
+                raise ToleranceExceededError(f"output {path}: {mismatches} of {expected.numel()} integer/bool "
+                                             "elements differ from eager", leaf=path, tolerance="exact")
+            return
+        leaf_dtype = expected.dtype
+        expected, actual = expected.detach().cpu(), actual.detach().cpu()
+        expected_finite, actual_finite = torch.isfinite(expected), torch.isfinite(actual)
+        if not torch.equal(expected_finite, actual_finite):
+            bad = int((expected_finite & ~actual_finite).sum())
+            extra = int((~expected_finite & actual_finite).sum())
+            raise ToleranceExceededError(
+                f"output {path}: {bad} non-finite values where eager is finite"
+                + (f", {extra} finite where eager is NaN/Inf" if extra else ""), leaf=path, tolerance="finite")
+        if not torch.equal(expected[~expected_finite].nan_to_num(), actual[~actual_finite].nan_to_num()):
+            raise ToleranceExceededError(f"output {path}: infinities of a different sign than eager", leaf=path,
+                                         tolerance="finite")
+        expected, actual = expected[expected_finite].double(), actual[actual_finite].double()
+        if expected.numel() == 0:
+            return
+        difference = (actual - expected).abs()
+        max_abs = float(difference.max())
+        max_rel = float((difference / expected.abs().clamp_min(1e-12)).max())
+        record.max_abs_error = max(record.max_abs_error, max_abs)
+        record.max_rel_error = max(record.max_rel_error, max_rel)
+        if self.quantized:
+            sqnr, cosine = sqnr_db(expected, actual), cosine_similarity(expected, actual)
+            record.sqnr_db = sqnr if record.sqnr_db is None else min(record.sqnr_db, sqnr)
+            record.cosine = cosine if record.cosine is None else min(record.cosine, cosine)
+            if sqnr < self.tolerance.min_sqnr_db or cosine < self.tolerance.min_cosine:
+                raise ToleranceExceededError(
+                    f"output {path}: SQNR {sqnr:.1f} dB (floor {self.tolerance.min_sqnr_db} dB), cosine "
+                    f"{cosine:.4f} (floor {self.tolerance.min_cosine})", leaf=path, max_abs_error=max_abs,
+                    max_rel_error=max_rel, tolerance=f"sqnr>={self.tolerance.min_sqnr_db}dB,"
+                                                     f"cosine>={self.tolerance.min_cosine}")
+            return
+        atol, rtol = self.tolerance.for_dtype(leaf_dtype)
+        excess = difference - (atol + rtol * expected.abs())
+        if bool((excess > 0).any()):
+            count = int((excess > 0).sum())
+            raise ToleranceExceededError(
+                f"output {path}: {count} of {expected.numel()} values off by more than atol={atol:g} + "
+                f"rtol={rtol:g}*|eager| (max abs error {max_abs:.3g}, max rel error {max_rel:.3g})",
+                leaf=path, max_abs_error=max_abs, max_rel_error=max_rel, tolerance=f"atol={atol:g},rtol={rtol:g}")
+
+
+def _constants_equal(expected: Any, actual: Any) -> bool:
+    try:
+        return bool(expected == actual) or (expected != expected and actual != actual)
+    except Exception:  # noqa: BLE001 - uncomparable constants
+        return repr(expected) == repr(actual)
+
+
+def _structure(spec) -> tuple:
+    return (spec.kind, spec.node_type, spec.context, tuple(_structure(child) for child in spec.children))
+
+
+def _describe(spec) -> str:
+    if spec.kind == "leaf":
+        return "leaf"
+    name = spec.node_type.__name__ if spec.node_type is not None else spec.kind
+    inner = ", ".join(
+        f"{key}: {_describe(child)}" if spec.context else _describe(child)
+        for key, child in zip(spec.context or range(len(spec.children)), spec.children))
+    return f"{name}({inner})"
