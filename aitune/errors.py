@@ -54,6 +54,31 @@ class BackendBuildError(AITuneError):
         return text
 
 
+class IsolatedStepError(BackendBuildError):
+    """A build step run in a child process (``aitune.torch.isolation.run_isolated``) failed.
+
+    The message is one line: ``killed by signal SIGSEGV``, ``aborted (SIGABRT)``, ``timed out after 30.0 s``,
+    ``exited with code 3``, or the child's exception type and message.
+
+    Attributes:
+        target: the step that ran (``package.module:function``).
+        returncode: the child's exit status (negative: killed by that signal), None after a timeout.
+        signal_name: e.g. ``"SIGSEGV"`` when a signal ended the child, else None.
+        timed_out: True when the child ran past its timeout and was killed.
+        error_type: class name of the exception the step raised, else None.
+    """
+
+    def __init__(self, message: str, *, target: str = "", returncode: int | None = None,
+                 signal_name: str | None = None, timed_out: bool = False, error_type: str | None = None,
+                 **kwargs):
+        super().__init__(message, **kwargs)
+        self.target = target
+        self.returncode = returncode
+        self.signal_name = signal_name
+        self.timed_out = timed_out
+        self.error_type = error_type
+
+
 class BackendRuntimeError(AITuneError, RuntimeError):
     """A built backend failed while running inference."""
 

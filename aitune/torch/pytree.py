@@ -46,23 +46,39 @@ def _is_model_output(value: Any) -> bool:
 
 def _children(value: Any) -> tuple[str, Any, tuple, list] | None:
     """Return (kind, node_type, context, children) for a container, None for a leaf."""
+    value_type = type(value)
+    # Fast paths first: this runs on every call of a tuned module.
+    if value_type is tuple:
+        return "tuple", None, (), list(value)
+    if value_type is dict:
+        keys = tuple(value)
+        return "dict", None, keys, [value[k] for k in keys]
+    if value_type is list:
+        return "list", None, (), list(value)
+    if value_type in _LEAF_TYPES:
+        return None
     if _is_model_output(value):
         keys = tuple(value.keys())
-        return "model_output", type(value), keys, [value[k] for k in keys]
+        return "model_output", value_type, keys, [value[k] for k in keys]
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return "namedtuple", type(value), tuple(value._fields), list(value)
-    if type(value) is tuple:
-        return "tuple", None, (), list(value)
-    if type(value) is list:
-        return "list", None, (), list(value)
+        return "namedtuple", value_type, tuple(value._fields), list(value)
     if isinstance(value, dict):
-        node_type = None if type(value) in (dict, OrderedDict) else type(value)
+        node_type = None if value_type is OrderedDict else value_type
         keys = tuple(value.keys())
         return "dict", node_type, keys, [value[k] for k in keys]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = tuple(field.name for field in dataclasses.fields(value) if field.init)
-        return "dataclass", type(value), names, [getattr(value, n) for n in names]
+        return "dataclass", value_type, names, [getattr(value, n) for n in names]
     return None
+
+
+def _leaf_types() -> set:
+    import torch
+
+    return {torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None), bytes, complex}
+
+
+_LEAF_TYPES = _leaf_types()
 
 
 def tree_flatten(value: Any) -> tuple[list[Any], TreeSpec]:

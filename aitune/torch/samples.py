@@ -91,15 +91,30 @@ class CallSignature:
         except (TypeError, ValueError):  # builtins without a signature: take the call as given
             self.signature = None
         self._var_keyword = None
+        self._fast = self.signature is not None
+        self._positional: list[tuple[str, Any]] = []
+        self._keyword_only: list[tuple[str, Any]] = []
         if self.signature is not None:
             for parameter in self.signature.parameters.values():
-                if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                kind = parameter.kind
+                if kind is inspect.Parameter.VAR_KEYWORD:
                     self._var_keyword = parameter.name
+                elif kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+                    self._positional.append((parameter.name, parameter.default))
+                elif kind is inspect.Parameter.KEYWORD_ONLY:
+                    self._keyword_only.append((parameter.name, parameter.default))
+                else:  # positional-only or *args: use inspect's binder
+                    self._fast = False
+        self._known = {name for name, _ in self._positional + self._keyword_only}
 
     def normalize(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Return the canonical (args, kwargs). Raises ``TypeError`` like Python for a bad call."""
         if self.signature is None:
             return tuple(args), dict(sorted(kwargs.items()))
+        if self._fast and len(args) <= len(self._positional):
+            result = self._normalize_fast(args, kwargs)
+            if result is not None:
+                return result
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         if self._var_keyword is not None:
@@ -107,6 +122,38 @@ class CallSignature:
             if extra:
                 bound.arguments[self._var_keyword] = dict(sorted(extra.items()))
         return bound.args, bound.kwargs
+
+    def _normalize_fast(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        # Same result as bind() + apply_defaults() for signatures without positional-only params or
+        # *args; returns None (=> use inspect) for anything unusual, so errors match Python's.
+        empty = inspect.Parameter.empty
+        count = len(args)
+        positional = list(args)
+        for name, default in self._positional[count:]:
+            if name in kwargs:
+                positional.append(kwargs[name])
+            elif default is not empty:
+                positional.append(default)
+            else:
+                return None
+        for name, _ in self._positional[:count]:
+            if name in kwargs:
+                return None
+        keyword: dict = {}
+        for name, default in self._keyword_only:
+            if name in kwargs:
+                keyword[name] = kwargs[name]
+            elif default is not empty:
+                keyword[name] = default
+            else:
+                return None
+        extra = [key for key in kwargs if key not in self._known]
+        if extra:
+            if self._var_keyword is None:
+                return None
+            for key in sorted(extra):
+                keyword[key] = kwargs[key]
+        return tuple(positional), keyword
 
 
 # --------------------------------------------------------------------------------------------- samples

@@ -337,10 +337,6 @@ class Backend:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         package_logger = logging.getLogger("aitune")
         package_logger.addHandler(handler)
-        previous_level = package_logger.level
-        if package_logger.getEffectiveLevel() > logging.DEBUG:
-            handler.setLevel(logging.DEBUG)
-            package_logger.setLevel(logging.DEBUG)
         started = time.perf_counter()
         try:
             logger.debug("building %s for %s on %s", self.describe(), getattr(graph, "name", "?"), self.device)
@@ -356,11 +352,17 @@ class Backend:
                                     config_key=self.config.key(), log_path=log_path) from exc
         finally:
             package_logger.removeHandler(handler)
-            package_logger.setLevel(previous_level)
             handler.close()
         self.build_info["build_s"] = time.perf_counter() - started
         self.state = BackendState.ACTIVE
         return self
+
+    def accepts(self, leaves: list) -> bool:
+        """Can this built backend take a call with these flattened input leaves? (Default: yes.)
+
+        AOT artifacts return False for shapes outside their range; the Module then runs eager.
+        """
+        return True
 
     def __call__(self, *args, **kwargs):
         return self.infer(*args, **kwargs)

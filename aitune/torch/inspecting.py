@@ -1,0 +1,196 @@
+"""``ait.inspect`` (which modules of a model or pipeline are worth tuning) and ``ait.wrap``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from aitune.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ModuleInfo:
+    """One executed module: where it sits and how much time its forward took.
+
+    Attributes:
+        module: the nn.Module. name: dotted path from the inspected object (``""`` for the root).
+        parent: the object holding it (None for the root). attribute: its attribute name or key in ``parent``.
+        execution_count: calls in the timed iterations. total_execution_time: seconds spent in its forward.
+        depth: nesting depth (root = 0).
+    """
+
+    module: torch.nn.Module
+    name: str
+    parent: Any
+    attribute: Any
+    depth: int
+    execution_count: int = 0
+    total_execution_time: float = 0.0
+
+    @property
+    def average_execution_time(self) -> float:
+        return self.total_execution_time / self.execution_count if self.execution_count else 0.0
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+    @property
+    def precisions(self) -> list[str]:
+        return sorted({str(p.dtype).removeprefix("torch.") for p in self.module.parameters()})
+
+
+class InspectedModulesInfo:
+    """The top-most executed modules of an inspected object, with their share of the total time."""
+
+    def __init__(self, modules: list[ModuleInfo], total_time: float, iterations: int):
+        self.modules = modules
+        self.total_time = total_time
+        self.iterations = iterations
+
+    def get_modules(self, min_execution_ratio: float | None = None, limit: int | None = None) -> list[ModuleInfo]:
+        """Modules sorted by total time (desc), those below ``min_execution_ratio`` (0..1) of it dropped."""
+        if min_execution_ratio is not None and not 0 <= min_execution_ratio <= 1:
+            raise ConfigError(f"min_execution_ratio must lie in [0, 1], got {min_execution_ratio!r}")
+        ordered = sorted(self.modules, key=lambda info: info.total_execution_time, reverse=True)
+        if min_execution_ratio is not None and self.total_time > 0:
+            ordered = [i for i in ordered if i.total_execution_time / self.total_time >= min_execution_ratio]
+        return ordered[:limit] if limit is not None else ordered
+
+    def table(self) -> str:
+        from tabulate import tabulate
+
+        rows = [[info.name or "<root>", type(info.module).__name__, info.execution_count,
+                 f"{info.total_execution_time * 1e3:.2f}", f"{info.average_execution_time * 1e3:.3f}",
+                 f"{100 * info.total_execution_time / self.total_time:.1f}" if self.total_time else "",
+                 f"{info.num_parameters:,}", ",".join(info.precisions)] for info in self.get_modules()]
+        return tabulate(rows, headers=["module", "class", "calls", "total ms", "avg ms", "% of total", "params",
+                                       "precisions"], tablefmt="github")
+
+    def describe(self) -> str:
+        """The table plus totals; also logged at INFO."""
+        text = f"{self.table()}\n\ntotal {self.total_time * 1e3:.2f} ms over {self.iterations} iteration(s)"
+        logger.info("%s", text)
+        return text
+
+
+def _children(obj: Any) -> list[tuple[Any, Any]]:
+    if isinstance(obj, torch.nn.Module):
+        return list(obj._modules.items())
+    if isinstance(obj, dict):
+        return list(obj.items())
+    if isinstance(obj, (list, tuple)):
+        return list(enumerate(obj))
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return [(k, v) for k, v in vars(obj).items() if not k.startswith("__")]
+    return []
+
+
+def _discover(obj: Any, max_depth: int) -> list[ModuleInfo]:
+    found: list[ModuleInfo] = []
+    seen: set[int] = set()
+
+    def visit(value, name, parent, attribute, depth):
+        if id(value) in seen or depth > max_depth:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.nn.Module):
+            found.append(ModuleInfo(value, name, parent, attribute, depth))
+        if isinstance(value, (torch.nn.Module, dict, list, tuple)) or (
+                hasattr(value, "__dict__") and type(value).__module__.split(".")[0] not in ("builtins", "torch")):
+            for key, child in _children(value):
+                visit(child, f"{name}.{key}" if name else str(key), value, key, depth + 1)
+
+    visit(obj, "", None, None, 0)
+    return found
+
+
+def inspect(obj: Any, dataset, inference_function: Callable | None = None, number_of_iterations: int = 10,
+            warmup_iterations: int = 2, min_depth: int = 0, max_depth: int = 5) -> InspectedModulesInfo:
+    """Time every module of ``obj`` (a module or a pipeline object) over ``dataset`` and keep the top-most
+    executed ones.
+
+    Args:
+        obj: an nn.Module or any object holding modules (attributes, dicts, lists).
+        dataset: items; each call is ``(inference_function or obj)(item)``.
+        number_of_iterations / warmup_iterations: timed / untimed calls (items are cycled).
+        min_depth / max_depth: nesting depths considered.
+
+    Returns:
+        :class:`InspectedModulesInfo`; ``.describe()`` prints the table.
+    """
+    items = list(dataset) if not isinstance(dataset, torch.Tensor) else [dataset]
+    if not items:
+        raise ConfigError("inspect needs a non-empty dataset")
+    function = inference_function or obj
+    if not callable(function):
+        raise ConfigError("obj is not callable: pass inference_function=lambda item: ...")
+    infos = [info for info in _discover(obj, max_depth)]
+    handles = []
+    starts: dict[int, list[float]] = {}
+    cuda = torch.cuda.is_available()
+
+    for info in infos:
+        def pre(module, args, kwargs, info=info):
+            if cuda:
+                torch.cuda.synchronize()
+            starts.setdefault(id(info), []).append(time.perf_counter())
+
+        def post(module, args, kwargs, output, info=info):
+            if cuda:
+                torch.cuda.synchronize()
+            info.total_execution_time += time.perf_counter() - starts[id(info)].pop()
+            info.execution_count += 1
+
+        handles.append(info.module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(info.module.register_forward_hook(post, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            for i in range(warmup_iterations):
+                function(items[i % len(items)])
+            for info in infos:
+                info.execution_count, info.total_execution_time = 0, 0.0
+            began = time.perf_counter()
+            for i in range(number_of_iterations):
+                function(items[i % len(items)])
+            total = time.perf_counter() - began
+    finally:
+        for handle in handles:
+            handle.remove()
+    executed = [i for i in infos if i.execution_count and i.depth >= min_depth]
+    executed_ids = {id(i.module) for i in executed}
+    top = [i for i in executed if not _has_executed_ancestor(i, infos, executed_ids)]
+    return InspectedModulesInfo(top, total, number_of_iterations)
+
+
+def _has_executed_ancestor(info: ModuleInfo, infos: list[ModuleInfo], executed_ids: set[int]) -> bool:
+    for other in infos:
+        if other is not info and id(other.module) in executed_ids and other.depth < info.depth and any(
+                sub is info.module for sub in other.module.modules()):
+            return True
+    return False
+
+
+def wrap(obj: Any, modules: list[ModuleInfo], strategy=None) -> Any:
+    """Replace each selected module in its parent by an :class:`~aitune.torch.Module`; returns ``obj``
+    (or the wrapper when the root itself is selected)."""
+    from aitune.torch.module import Module
+
+    result = obj
+    for info in modules:
+        if not isinstance(info, ModuleInfo):
+            raise ConfigError("wrap takes ModuleInfo entries from ait.inspect(...).get_modules()")
+        wrapped = Module(info.module, name=info.name or None, strategy=strategy)
+        if info.parent is None:
+            result = wrapped
+        elif isinstance(info.parent, (dict, list)):
+            info.parent[info.attribute] = wrapped
+        else:
+            setattr(info.parent, info.attribute, wrapped)
+    return result

@@ -1,0 +1,272 @@
+"""``ait.Module``: a transparent wrapper that records calls, and after tuning dispatches them to backends.
+
+States: INIT → (first call) RECORDING → (:func:`aitune.torch.tune`) TUNED; PASSTHROUGH runs the original.
+The wrapper is a ``wrapt.ObjectProxy``: attribute access, ``isinstance`` checks, ``state_dict`` and
+assignment into a parent module all behave as for the wrapped module.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import weakref
+from typing import Any
+
+import torch
+import wrapt
+
+from aitune.errors import ConfigError
+from aitune.torch.pytree import tree_flatten
+from aitune.torch.samples import DynamicDim, Recorder, make_graph_key
+
+logger = logging.getLogger(__name__)
+
+
+class ModuleState(str, enum.Enum):
+    INIT = "init"
+    RECORDING = "recording"
+    TUNED = "tuned"
+    PASSTHROUGH = "passthrough"
+
+
+# Every live wrapper, in creation order (weak: a wrapper the user dropped is not tuned).
+_REGISTRY: "weakref.WeakValueDictionary[int, Module]" = weakref.WeakValueDictionary()
+_counter = 0
+_recording_context: dict[str, Any] = {"batch_size": None}
+
+
+def registered_modules() -> list["Module"]:
+    """Live :class:`Module` wrappers in creation order."""
+    return [module for _, module in sorted(_REGISTRY.items())]
+
+
+class Module(wrapt.ObjectProxy):
+    """Wrap ``module`` so :func:`aitune.torch.tune` can tune it.
+
+    Args:
+        module: the ``torch.nn.Module`` to tune (not copied, never modified).
+        name: report/checkpoint name (default: the class's qualified name); ``/`` becomes ``_``.
+        strategy: a :class:`~aitune.torch.tune_strategy.TuneStrategy` (default: ``MaxThroughputStrategy()``
+            over the backends available here).
+        dynamic_shapes: explicit axes per input path, e.g. ``{"x": (BatchDim("batch", 1, 32), 3, 224, 224)}``.
+        max_samples: distinct input shapes kept per graph for building/checking (range extremes always kept).
+
+    Raises:
+        ConfigError: for a non-Module, a bad strategy or a malformed ``dynamic_shapes``.
+    """
+
+    def __init__(self, module: torch.nn.Module, name: str | None = None, strategy=None,
+                 dynamic_shapes: dict | None = None, max_samples: int = 8):
+        if isinstance(module, Module):
+            raise ConfigError("this module is already wrapped by aitune.torch.Module; wrap it once")
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError(f"aitune.torch.Module wraps a torch.nn.Module, got {type(module).__name__}; "
+                              "wrap the model (or the submodule) that does the work")
+        from aitune.torch.tune_strategy import TuneStrategy
+
+        if strategy is not None and not isinstance(strategy, TuneStrategy):
+            raise ConfigError(f"strategy must be a TuneStrategy such as MaxThroughputStrategy(), got {strategy!r}")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigError(f"name must be a non-empty string, got {name!r}")
+        _validate_dynamic_shapes(dynamic_shapes)
+        if not isinstance(max_samples, int) or max_samples < 1:
+            raise ConfigError(f"max_samples must be an int >= 1, got {max_samples!r}")
+        super().__init__(module)
+        global _counter
+        _counter += 1
+        self._self_id = _counter
+        self._self_name = (name or f"{type(module).__module__}.{type(module).__qualname__}").replace("/", "_")
+        self._self_strategy = strategy
+        self._self_dynamic_shapes = dynamic_shapes or {}
+        self._self_recorder = Recorder(module, max_samples=max_samples, dynamic_shapes=dynamic_shapes)
+        self._self_state = ModuleState.INIT
+        self._self_dispatch: dict = {}
+        self._self_fast_dispatch: dict = {}
+        self._self_warned: set = set()
+        self._self_error: str | None = None
+        _REGISTRY[self._self_id] = self
+
+    # ---- properties (on the proxy, not forwarded)
+    @property
+    def name(self) -> str:
+        return self._self_name
+
+    @property
+    def state(self) -> ModuleState:
+        return self._self_state
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped (original) module."""
+        return self.__wrapped__
+
+    @property
+    def strategy(self):
+        return self._self_strategy
+
+    @property
+    def graphs(self) -> list:
+        """Recorded graphs (:class:`~aitune.torch.samples.GraphSpec`) in order."""
+        return list(self._self_recorder.graphs.values())
+
+    @property
+    def backends(self) -> dict[str, Any]:
+        """Chosen backend per graph name (after tuning)."""
+        return {graph.name: backend for graph, backend in self._self_dispatch.values()}
+
+    @property
+    def tuning_error(self) -> str | None:
+        return self._self_error
+
+    def enable_passthrough(self) -> None:
+        """Call the original module from now on (recorded samples are kept)."""
+        self._self_state = ModuleState.PASSTHROUGH
+
+    def enable_recording(self, force: bool = False) -> None:
+        """Record calls again. Leaving TUNED needs ``force=True`` (drops the tuned backends)."""
+        if self._self_state is ModuleState.TUNED and not force:
+            raise ConfigError("module is tuned; enable_recording(force=True) drops the tuned backends")
+        self._self_dispatch = {}
+        self._self_fast_dispatch = {}
+        self._self_state = ModuleState.RECORDING
+
+    def activate(self) -> None:
+        for _, backend in self._self_dispatch.values():
+            backend.activate()
+
+    def deactivate(self) -> None:
+        for _, backend in self._self_dispatch.values():
+            backend.deactivate()
+
+    def _set_tuned(self, dispatch: dict) -> None:
+        self._self_dispatch = dispatch
+        self._self_fast_dispatch = {}
+        for graph, backend in dispatch.values():
+            if graph.samples:
+                key = _flat_call_key(graph.samples[0].args, graph.samples[0].kwargs)
+                if key is not None:
+                    self._self_fast_dispatch[key] = (graph, backend)
+        self._self_state = ModuleState.TUNED
+        self._self_error = None
+
+    def _set_failed(self, reason: str) -> None:
+        self._self_error = reason
+        self._self_dispatch = {}
+        self._self_fast_dispatch = {}
+        self._self_state = ModuleState.PASSTHROUGH
+
+    def __repr__(self) -> str:
+        return f"aitune.Module(name={self._self_name!r}, state={self._self_state.value}, module={self.__wrapped__!r})"
+
+    # ---- calls
+    def __call__(self, *args, **kwargs):
+        state = self._self_state
+        if state is ModuleState.TUNED:
+            return self._dispatch(args, kwargs)
+        if state is ModuleState.PASSTHROUGH:
+            return self.__wrapped__(*args, **kwargs)
+        self._self_state = ModuleState.RECORDING
+        return self._self_recorder.record(self.__wrapped__, args, kwargs, _recording_context["batch_size"])
+
+    def _dispatch(self, args, kwargs):
+        module = self.__wrapped__
+        args, kwargs = self._self_recorder.signature.normalize(args, kwargs)
+        # NOTE [dispatch fast path]: calls whose arguments are all tensors or plain constants (no nesting)
+        # are keyed without building a TreeSpec; it keeps the wrapper's overhead to a few microseconds.
+        fast_key = _flat_call_key(args, kwargs)
+        entry = self._self_fast_dispatch.get(fast_key) if fast_key is not None else None
+        if entry is not None:
+            leaves = [*args, *kwargs.values()]
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
+            entry = self._self_dispatch.get(make_graph_key(leaves, spec))
+        if entry is None:
+            return self._eager(args, kwargs, "graph", "a call whose input structure, constants or dtypes were "
+                                                      "never recorded runs eager")
+        graph, backend = entry
+        if backend.name == "eager":
+            return backend._infer(args, kwargs)
+        if module.training != graph.training:
+            return self._eager(args, kwargs, "training", f"module.training is {module.training} but it was "
+                                                         f"tuned with {graph.training}: eager runs")
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
+                # NOTE [zero-size inputs]: compiled kernels and exported graphs mishandle empty batches and
+                # empty spatial dims (case C15); eager gives the right empty result or the right error.
+                return self._eager(args, kwargs, "empty", "zero-size inputs run eager")
+        if not backend.accepts(leaves):
+            return self._eager(args, kwargs, ("range", graph.name),
+                               f"{graph.name}: input shapes outside the range {backend.name} was built for run eager")
+        if not all(leaf.is_contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)):
+            # NOTE [non-contiguous inputs]: some artifacts assume contiguous strides (case C16).
+            if graph.mutated_inputs:
+                return self._eager(args, kwargs, "strides", "non-contiguous inputs to a module that mutates "
+                                                            "its inputs run eager")
+            args, kwargs = _contiguous((args, kwargs))
+        try:
+            return backend._infer(args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - a crashing backend never takes the caller down
+            self._warn_once(("error", graph.name), "%s: backend %s raised %s; running eager instead",
+                            self._self_name, backend.name, exc)
+            return self._call_eager(args, kwargs)
+
+    def _eager(self, args, kwargs, key, message: str):
+        self._warn_once(key, "%s: %s", self._self_name, message)
+        return self._call_eager(args, kwargs)
+
+    def _call_eager(self, args, kwargs):
+        with torch.no_grad():
+            return self.__wrapped__(*args, **kwargs)
+
+    def _warn_once(self, key, message: str, *values) -> None:
+        if key not in self._self_warned:
+            self._self_warned.add(key)
+            logger.warning(message, *values)
+
+
+_CONSTANT_TYPES = (int, float, bool, str, type(None))
+
+
+def _flat_call_key(args: tuple, kwargs: dict):
+    """Graph key of a call with only tensor / plain-constant arguments; None when anything is nested."""
+    parts = []
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            parts.append((value.dtype, value.dim(), value.device.type))
+        elif type(value) in _CONSTANT_TYPES:
+            parts.append((type(value), value))
+        else:
+            return None
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            parts.append((name, value.dtype, value.dim(), value.device.type))
+        elif type(value) in _CONSTANT_TYPES:
+            parts.append((name, type(value), value))
+        else:
+            return None
+    return len(args), tuple(parts)
+
+
+def _contiguous(value):
+    leaves, spec = tree_flatten(value)
+    from aitune.torch.pytree import tree_unflatten
+
+    return tree_unflatten(spec, [leaf.contiguous() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+
+
+def _validate_dynamic_shapes(dynamic_shapes) -> None:
+    if dynamic_shapes is None:
+        return
+    if not isinstance(dynamic_shapes, dict):
+        raise ConfigError("dynamic_shapes must be a dict {input path: (int | DynamicDim | BatchDim, ...)}")
+    by_name: dict[str, DynamicDim] = {}
+    for path, dims in dynamic_shapes.items():
+        if not isinstance(dims, (tuple, list)):
+            raise ConfigError(f"dynamic_shapes[{path!r}] must be a tuple with one entry per axis")
+        for dim in dims:
+            if isinstance(dim, DynamicDim):
+                previous = by_name.setdefault(dim.name, dim)
+                if previous != dim:
+                    raise ConfigError(f"dims named {dim.name!r} differ ({previous} vs {dim}); same name, same bounds")
+            elif not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+                raise ConfigError(f"dynamic_shapes[{path!r}]: {dim!r} is neither a size >= 0 nor a DynamicDim")

@@ -1,0 +1,184 @@
+"""Tuning reports: one row per candidate per graph, as JSON and as a readable table (DESIGN.md §9)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aitune import __version__
+
+# Candidate statuses.
+SELECTED = "selected"
+PASSED = "passed"
+FAILED = "failed"
+REJECTED_CORRECTNESS = "rejected (correctness)"
+REJECTED_PERFORMANCE = "rejected (performance)"
+UNAVAILABLE = "unavailable"
+UNSUPPORTED = "unsupported"
+SKIPPED = "skipped"
+
+
+@dataclasses.dataclass
+class CandidateResult:
+    """What happened to one backend on one graph.
+
+    Attributes:
+        module / graph: where. backend: registered name. description: ``Class(changed config fields)``.
+        status: one of the statuses above. reason: one line naming the real cause (for non-passing rows).
+        build_s: build time, s. cached: the build was reused from the tuning cache.
+        measurement: latency/throughput figures (see :class:`aitune.torch.profiling.Measurement`).
+        speedup: throughput / eager throughput measured in the same run.
+        comparison: errors vs eager and the thresholds used.
+        log_path: full build log. details: backend-specific facts (graph breaks, exporter, profiles...).
+    """
+
+    module: str
+    graph: str
+    backend: str
+    description: str
+    status: str = PASSED
+    reason: str = ""
+    build_s: float | None = None
+    cached: bool = False
+    measurement: dict | None = None
+    speedup: float | None = None
+    comparison: dict | None = None
+    log_path: str | None = None
+    details: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def throughput(self) -> float | None:
+        return None if self.measurement is None else self.measurement["throughput"]
+
+    def to_dict(self) -> dict:
+        return _jsonable(dataclasses.asdict(self))
+
+
+@dataclasses.dataclass
+class GraphReport:
+    """Per graph: the spec, the rows, the selected backend and why."""
+
+    module: str
+    graph: str
+    spec: dict
+    strategy: str
+    selected: str | None = None
+    selection_reason: str = ""
+    candidates: list[CandidateResult] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["candidates"] = [row.to_dict() for row in self.candidates]
+        return _jsonable(data)
+
+
+@dataclasses.dataclass
+class TuneReport:
+    """Everything one :func:`aitune.torch.tune` call did."""
+
+    graphs: list[GraphReport] = dataclasses.field(default_factory=list)
+    module_errors: dict[str, str] = dataclasses.field(default_factory=dict)
+    environment: dict = dataclasses.field(default_factory=dict)
+    started_at: str = dataclasses.field(default_factory=lambda: datetime.datetime.now().isoformat(timespec="seconds"))
+    duration_s: float = 0.0
+    path: str | None = None
+
+    @property
+    def rows(self) -> list[CandidateResult]:
+        return [row for graph in self.graphs for row in graph.candidates]
+
+    def selected(self, module: str, graph: str = "graph0") -> str | None:
+        for entry in self.graphs:
+            if entry.module == module and entry.graph == graph:
+                return entry.selected
+        return None
+
+    def to_dict(self) -> dict:
+        return {"schema_version": 1, "aitune_version": __version__, "started_at": self.started_at,
+                "duration_s": self.duration_s, "environment": self.environment,
+                "module_errors": self.module_errors, "graphs": [graph.to_dict() for graph in self.graphs]}
+
+    def write_json(self, path: Path | str) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+        self.path = str(path)
+        return path
+
+    def table(self) -> str:
+        """Markdown table: module, graph, backend, status, reason, build s, p50/p90 ms, samples/s, speed-up, error."""
+        return render_table(self.rows)
+
+    def describe(self) -> str:
+        lines = [self.table(), ""]
+        for graph in self.graphs:
+            lines.append(f"{graph.module}/{graph.graph}: {graph.selected or 'eager (fallback)'} — "
+                         f"{graph.selection_reason}")
+        for module, error in self.module_errors.items():
+            lines.append(f"{module}: tuning failed, runs eager — {error}")
+        if self.path:
+            lines.append(f"report: {self.path}")
+        return "\n".join(lines)
+
+
+def render_table(rows: list[CandidateResult]) -> str:
+    from tabulate import tabulate
+
+    headers = ["module", "graph", "backend", "status", "reason", "build s", "p50 ms", "p90 ms", "samples/s",
+               "speed-up", "max abs err"]
+    body = []
+    for row in rows:
+        measurement = row.measurement or {}
+        comparison = row.comparison or {}
+        error = comparison.get("max_abs_error")
+        if comparison.get("metric") == "sqnr+cosine" and comparison.get("min_sqnr_db") is not None:
+            error_text = f"{_fmt(error, '.2g')} (SQNR {comparison['min_sqnr_db']:.1f} dB)"
+        else:
+            error_text = _fmt(error, ".2g")
+        body.append([
+            row.module, row.graph, row.description if len(row.description) < 40 else row.backend,
+            row.status + (" (cached)" if row.cached else ""), _shorten(row.reason, 70),
+            _fmt(row.build_s, ".1f"), _fmt(measurement.get("p50_ms"), ".3f"), _fmt(measurement.get("p90_ms"), ".3f"),
+            _fmt(measurement.get("throughput"), ".1f"),
+            "" if row.speedup is None else f"{row.speedup:.2f}x", error_text])
+    return tabulate(body, headers=headers, tablefmt="github")
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return format(value, spec)
+
+
+def _shorten(text: str, limit: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value) if not isinstance(value, (torch.dtype, torch.device)) else str(value)
+
+
+def environment() -> dict:
+    """Versions and device facts recorded in reports and checkpoints."""
+    info = {"aitune": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    return info

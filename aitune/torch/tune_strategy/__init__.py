@@ -1,0 +1,17 @@
+"""Tune strategies: how candidates are chosen for each graph."""
+
+from aitune.torch.tune_strategy.base import TuneStrategy
+from aitune.torch.tune_strategy.first_wins import FirstWinsStrategy
+from aitune.torch.tune_strategy.latency_budget import LatencyBudgetStrategy
+from aitune.torch.tune_strategy.max_throughput import MaxThroughputStrategy
+from aitune.torch.tune_strategy.min_latency import MinLatencyStrategy
+from aitune.torch.tune_strategy.one_backend import OneBackendStrategy
+
+__all__ = [
+    "FirstWinsStrategy",
+    "LatencyBudgetStrategy",
+    "MaxThroughputStrategy",
+    "MinLatencyStrategy",
+    "OneBackendStrategy",
+    "TuneStrategy",
+]

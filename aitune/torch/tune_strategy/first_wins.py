@@ -1,0 +1,41 @@
+"""FirstWinsStrategy: the first backend that builds, passes the check and beats eager."""
+
+from __future__ import annotations
+
+from aitune.torch.report import REJECTED_PERFORMANCE, SKIPPED, CandidateResult
+from aitune.torch.tune_strategy.base import TuneStrategy
+from aitune.torch.tune_strategy.one_backend import _fast_enough
+
+
+class FirstWinsStrategy(TuneStrategy):
+    """Try backends in order; take the first that builds, matches eager and (with performance validation,
+    the default) beats eager by more than the noise. Later backends are skipped. None wins: eager."""
+
+    def tune(self, context):
+        eager = self.eager_candidate(context) if self.performance_validation else None
+        rows: list[CandidateResult] = []
+        blueprints = self.candidates(context.device)
+        for position, blueprint in enumerate(blueprints):
+            candidate = self.evaluate(blueprint, context, measure_it=self.performance_validation)
+            rows.append(candidate.row)
+            if not candidate.passed:
+                continue
+            if eager is not None and not _fast_enough(candidate.measurement, eager.measurement,
+                                                      self.min_speedup_ratio):
+                candidate.row.status = REJECTED_PERFORMANCE
+                candidate.row.reason = f"not faster than eager ({candidate.row.speedup:.2f}x)"
+                candidate.backend.deactivate()
+                continue
+            for skipped in blueprints[position + 1:]:
+                rows.append(CandidateResult(module=context.module_name, graph=context.graph.name,
+                                            backend=skipped.name, description=skipped.describe(), status=SKIPPED,
+                                            reason="an earlier backend won"))
+            self.finish(candidate, [candidate] + ([eager] if eager else []))
+            if eager is not None:
+                rows.append(eager.row)
+            return candidate.backend, rows, "first backend that passed" + (" and beat eager" if eager else "")
+        if eager is None:
+            eager = self.eager_candidate(context)
+        rows.append(eager.row)
+        self.finish(eager, [eager])
+        return eager.backend, rows, "no backend passed and beat eager: eager is used"

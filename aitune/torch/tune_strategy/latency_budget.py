@@ -1,0 +1,62 @@
+"""LatencyBudgetStrategy: best throughput among candidates whose latency fits a budget."""
+
+from __future__ import annotations
+
+import math
+
+from aitune.errors import ConfigError, TuningError
+from aitune.torch.report import REJECTED_PERFORMANCE
+from aitune.torch.tune_strategy.base import TuneStrategy
+
+
+class LatencyBudgetStrategy(TuneStrategy):
+    """For each correct candidate, take the recorded samples whose median latency is within
+    ``latency_budget_ms``; its score is the best throughput (batch / latency) among them. Highest score wins.
+
+    Args:
+        latency_budget_ms: per-call latency budget, ms (> 0).
+        backends: as for :class:`TuneStrategy`.
+
+    Raises:
+        ConfigError: for a non-positive budget.
+        TuningError: (from ``tune``) when no candidate, eager included, meets the budget.
+    """
+
+    def __init__(self, latency_budget_ms: float, backends=None, **kwargs):
+        if not isinstance(latency_budget_ms, (int, float)) or not math.isfinite(latency_budget_ms) \
+                or latency_budget_ms <= 0:
+            raise ConfigError(f"latency_budget_ms must be a number > 0 (milliseconds), got {latency_budget_ms!r}")
+        super().__init__(backends, **kwargs)
+        self.latency_budget_ms = float(latency_budget_ms)
+
+    def describe(self) -> str:
+        return super().describe()[:-1] + f", latency_budget_ms={self.latency_budget_ms})"
+
+    def _score(self, candidate) -> float | None:
+        fits = [t.batch_size / t.p50_ms for t in candidate.measurement.samples if t.p50_ms <= self.latency_budget_ms]
+        return max(fits) if fits else None
+
+    def tune(self, context):
+        eager = self.eager_candidate(context)
+        candidates = [self.evaluate(blueprint, context) for blueprint in self.candidates(context.device)]
+        pool = candidates + [eager]
+        scored = []
+        for candidate in pool:
+            if not candidate.passed:
+                continue
+            score = self._score(candidate)
+            if score is None:
+                candidate.row.status = REJECTED_PERFORMANCE
+                candidate.row.reason = (f"latency {candidate.measurement.min_batch_latency_ms:.3f} ms at the "
+                                        f"smallest batch exceeds the budget of {self.latency_budget_ms} ms")
+            else:
+                scored.append((score, candidate))
+        if not scored:
+            raise TuningError(f"no backend meets the latency budget of {self.latency_budget_ms} ms for "
+                              f"{context.module_name}/{context.graph.name}; raise the budget or use smaller batches")
+        best_score = max(score for score, _ in scored)
+        noise = max(c.measurement.noise for _, c in scored)
+        tied = [c for score, c in scored if score * (1 + noise) >= best_score]
+        chosen = self.pick(tied) if len(tied) > 1 else tied[0]
+        self.finish(chosen, pool)
+        return chosen.backend, [c.row for c in pool], f"best throughput within {self.latency_budget_ms} ms"

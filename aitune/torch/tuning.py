@@ -1,0 +1,266 @@
+"""``ait.tune``: the recording pass, then each wrapped module's strategy per graph, then activation."""
+
+from __future__ import annotations
+
+import collections.abc
+import datetime
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from aitune.errors import AITuneError, ConfigError
+from aitune.torch.module import Module, ModuleState, _recording_context, registered_modules
+from aitune.torch.report import GraphReport, TuneReport, environment
+from aitune.torch.samples import clone_tree
+from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
+from aitune.torch.tune_strategy.base import GraphContext
+
+logger = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """Root of builds and reports: ``$AITUNE_CACHE_DIR``, else ``$XDG_CACHE_HOME/aitune``, else ``~/.cache/aitune``."""
+    if os.environ.get("AITUNE_CACHE_DIR"):
+        return Path(os.environ["AITUNE_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "aitune"
+
+
+def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None = None,
+         device: str | torch.device | None = None, *, modules: Iterable[Module] | None = None,
+         cache_dir_path: str | Path | None = None, report_path: str | Path | None = None,
+         ignore_failing_modules: bool = True, use_cache: bool = True) -> TuneReport:
+    """Record, build, check, measure and choose a backend for every wrapped module ``func`` calls.
+
+    Args:
+        func: called once per dataset item as ``func(item)``. When ``func`` is itself a module (an
+            :class:`~aitune.torch.Module` or ``nn.Module``), a tuple/list item is passed as positional
+            arguments and a dict item as keyword arguments.
+        dataset: a tensor (one item), a sequence of items (tensors, tuples, dicts), a
+            ``torch.utils.data.DataLoader`` or any iterable of items.
+        batch_sizes: when given, items are single examples: they are stacked into one batch of each size
+            (items repeat if there are fewer). When None, each item is already a batch.
+        device: where to build and measure; default: the device of the wrapped modules' parameters.
+        modules: wrapped modules to tune; default: every wrapper that recorded calls during this pass.
+        cache_dir_path: builds go to ``<cache>/<module>/<graph>/<backend key>/`` (default :func:`cache_dir`).
+        report_path: JSON report path (default ``<cache>/reports/tune-<time>.json``).
+        ignore_failing_modules: a module whose tuning raises runs eager (True) or the error propagates.
+        use_cache: reuse earlier AOT builds from the tuning cache when nothing that matters changed.
+
+    Returns:
+        The :class:`~aitune.torch.report.TuneReport` (also written as JSON and logged as a table).
+
+    Raises:
+        ConfigError: bad ``func``/``dataset``/``batch_sizes``/``device``, a dataset item ``func`` cannot take,
+            or no wrapped module was called.
+    """
+    started = time.perf_counter()
+    if not callable(func):
+        raise ConfigError(f"func must be callable (e.g. lambda batch: model(**batch)), got {type(func).__name__}")
+    if batch_sizes is not None:
+        if not isinstance(batch_sizes, (list, tuple)) or not batch_sizes or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in batch_sizes):
+            raise ConfigError(f"batch_sizes must be a non-empty list of ints >= 1, got {batch_sizes!r}")
+    items = _items(dataset)
+    batches = _collate(items, batch_sizes) if batch_sizes else [(None, item) for item in items]
+    before = {id(m): m for m in registered_modules()}
+    snapshots = {id(m): _Snapshot(m.__wrapped__) for m in before.values()}
+    counts_before = {key: sum(g.num_calls for g in m.graphs) for key, m in before.items()}
+
+    # 1. Recording pass.
+    logger.info("aitune: recording %d call(s)", len(batches))
+    try:
+        with torch.no_grad():
+            for index, (batch_size, item) in enumerate(batches):
+                _recording_context["batch_size"] = batch_size
+                try:
+                    _call(func, clone_tree(item))  # the caller's sample tensors are never touched (U3)
+                except AITuneError:
+                    raise
+                except Exception as exc:
+                    raise ConfigError(
+                        f"calling func on dataset item #{index} ({_describe_item(item)}) raised "
+                        f"{type(exc).__name__}: {exc}. func is called as func(item); adapt func or the "
+                        "dataset so each item can be passed to it") from exc
+    finally:
+        _recording_context["batch_size"] = None
+        for snapshot in snapshots.values():
+            snapshot.restore()
+
+    if modules is None:
+        targets = [m for m in registered_modules() if sum(g.num_calls for g in m.graphs) > counts_before.get(
+            id(m), 0) and m.state in (ModuleState.RECORDING, ModuleState.INIT)]
+    else:
+        targets = list(modules)
+        for module in targets:
+            if not isinstance(module, Module):
+                raise ConfigError(f"modules must hold aitune.torch.Module wrappers, got {type(module).__name__}")
+    if not targets:
+        raise ConfigError("no aitune.torch.Module was called while running func over the dataset: wrap the "
+                          "module(s) to tune with ait.Module(...) (or ait.wrap) and make func call them")
+
+    root = Path(cache_dir_path).expanduser() if cache_dir_path else cache_dir()
+    report = TuneReport(environment=environment())
+    cache = None
+    if use_cache:
+        try:
+            from aitune.torch.cache import BuildCache
+
+            cache = BuildCache(root / "builds")
+        except ImportError:
+            cache = None
+
+    # 2. Tune each module, graph by graph.
+    for module in targets:
+        snapshot = snapshots.get(id(module)) or _Snapshot(module.__wrapped__)
+        target_device = _resolve_device(module, device)
+        logger.info("aitune: tuning %s (%d graph(s)) on %s", module.name, len(module.graphs), target_device)
+        strategy_template: TuneStrategy = module.strategy or MaxThroughputStrategy()
+        dispatch = {}
+        try:
+            for graph in module.graphs:
+                if not graph.samples:
+                    continue
+                strategy = strategy_template.clone()
+                context = _graph_context(module, graph, target_device, root, cache)
+                entry = GraphReport(module=module.name, graph=graph.name, spec=graph.describe(),
+                                    strategy=strategy.describe())
+                report.graphs.append(entry)
+                logger.info(" %s/%s: %d sample(s), strategy %s", module.name, graph.name, len(graph.samples),
+                            strategy.describe())
+                backend, rows, why = strategy.tune(context)
+                entry.candidates.extend(rows)
+                entry.selected, entry.selection_reason = backend.describe(), why
+                dispatch[graph.key] = (graph, backend)
+                snapshot.restore()
+            module._set_tuned(dispatch)
+        except Exception as exc:
+            snapshot.restore()
+            reason = f"{type(exc).__name__}: {exc}"
+            report.module_errors[module.name] = reason
+            module._set_failed(reason)
+            logger.warning("aitune: tuning %s failed, it runs eager: %s", module.name, reason)
+            if not ignore_failing_modules:
+                raise
+        finally:
+            snapshot.restore()
+
+    for snapshot in snapshots.values():
+        snapshot.restore()
+    report.duration_s = time.perf_counter() - started
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    report.write_json(report_path or root / "reports" / f"tune-{stamp}.json")
+    logger.info("aitune: tuning report\n%s", report.describe())
+    return report
+
+
+def _graph_context(module: Module, graph, device: torch.device, root: Path, cache) -> GraphContext:
+    """Eager reference outputs per sample, computed once on cloned inputs under no_grad."""
+    original = module.__wrapped__
+    outputs, inputs_after = [], []
+    with torch.no_grad():
+        for sample in graph.samples:
+            inputs = sample.clone()
+            outputs.append(clone_tree(original(*inputs.args, **inputs.kwargs)))
+            inputs_after.append(inputs.leaves())
+    workdir = root / _safe(module.name) / graph.name
+    return GraphContext(module=original, module_name=module.name, graph=graph, device=device, workdir=workdir,
+                        reference_outputs=outputs, reference_inputs_after=inputs_after, cache=cache)
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name)
+
+
+def _resolve_device(module: Module, device) -> torch.device:
+    original = module.__wrapped__
+    parameter = next(iter(original.parameters()), None)
+    if parameter is None:
+        parameter = next(iter(original.buffers()), None)
+    module_device = parameter.device if parameter is not None else torch.device("cpu")
+    if device is None:
+        return module_device
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {device!r} is not a torch device (use 'cpu' or 'cuda:0')") from exc
+    if device.type != module_device.type:
+        raise ConfigError(f"device {device} differs from the device of {module.name}'s parameters "
+                          f"({module_device}); move the module there first (aitune never moves your module)")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class _Snapshot:
+    """Parameters, buffers and ``training`` flags of a module tree, restored bit for bit (case U3)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.tensors = {name: value.detach().clone() for name, value in
+                        list(module.named_parameters(remove_duplicate=False)) +
+                        list(module.named_buffers(remove_duplicate=False))}
+        self.training = {name: sub.training for name, sub in module.named_modules(remove_duplicate=False)}
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for name, value in list(self.module.named_parameters(remove_duplicate=False)) + list(
+                    self.module.named_buffers(remove_duplicate=False)):
+                saved = self.tensors.get(name)
+                if saved is not None and (saved.shape != value.shape or not torch.equal(saved, value)):
+                    logger.debug("restoring %s changed during tuning", name)
+                    value.copy_(saved)
+        for name, sub in self.module.named_modules(remove_duplicate=False):
+            if name in self.training:
+                sub.training = self.training[name]
+
+
+def _items(dataset: Any) -> list:
+    if dataset is None:
+        raise ConfigError("dataset is None: pass a tensor, a list of samples or a DataLoader")
+    if isinstance(dataset, torch.Tensor):
+        return [dataset]
+    if isinstance(dataset, (str, bytes)) or not isinstance(dataset, collections.abc.Iterable):
+        raise ConfigError(f"dataset must be a tensor, a sequence of samples or a DataLoader, got "
+                          f"{type(dataset).__name__}")
+    items = list(dataset)
+    if not items:
+        raise ConfigError("dataset is empty: give at least one sample (more, with different batch sizes and "
+                          "lengths, lets aitune find dynamic axes)")
+    return items
+
+
+def _collate(items: list, batch_sizes: list[int]) -> list[tuple[int, Any]]:
+    from torch.utils.data import default_collate
+
+    batches = []
+    for batch_size in batch_sizes:
+        chosen = [items[i % len(items)] for i in range(batch_size)]
+        try:
+            batches.append((batch_size, default_collate(chosen)))
+        except Exception as exc:
+            raise ConfigError(f"cannot stack dataset items into a batch of {batch_size}: {exc}. With batch_sizes "
+                              "set, every item must be one example of the same shape; otherwise leave "
+                              "batch_sizes=None and give ready batches") from exc
+    return batches
+
+
+def _call(func, item):
+    if isinstance(func, (Module, torch.nn.Module)):
+        if isinstance(item, (tuple, list)):
+            return func(*item)
+        if isinstance(item, dict):
+            return func(**item)
+    return func(item)
+
+
+def _describe_item(item: Any) -> str:
+    if isinstance(item, torch.Tensor):
+        return f"tensor {tuple(item.shape)}"
+    if isinstance(item, dict):
+        return "dict with keys " + ", ".join(map(str, item))
+    return type(item).__name__
