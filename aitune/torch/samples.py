@@ -80,9 +80,11 @@ class BatchDim(DynamicDim):
 class CallSignature:
     """Normalises calls against a ``forward`` signature.
 
-    ``normalize(args, kwargs)`` returns the canonical ``(args, kwargs)``: every argument bound to its
-    parameter, defaults applied, extra ``**kwargs`` sorted by name. Calling the module with the canonical
-    form is equivalent to the original call.
+    ``normalize(args, kwargs)`` returns the canonical ``(args, kwargs)``: every argument that can be
+    passed by keyword is, in signature order (extra ``**kwargs`` sorted by name); only positional-only
+    parameters and ``*args`` stay positional. Defaults are not filled in: some decorated ``forward``s
+    (e.g. transformers') inject keyword arguments themselves and reject them when given twice.
+    Calling the module with the canonical form is equivalent to the original call.
     """
 
     def __init__(self, function: Callable):
@@ -92,20 +94,24 @@ class CallSignature:
             self.signature = None
         self._var_keyword = None
         self._fast = self.signature is not None
-        self._positional: list[tuple[str, Any]] = []
-        self._keyword_only: list[tuple[str, Any]] = []
+        self._names: list[str] = []
+        self._positional: list[str] = []
+        self._required: list[str] = []
         if self.signature is not None:
             for parameter in self.signature.parameters.values():
                 kind = parameter.kind
                 if kind is inspect.Parameter.VAR_KEYWORD:
                     self._var_keyword = parameter.name
-                elif kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
-                    self._positional.append((parameter.name, parameter.default))
-                elif kind is inspect.Parameter.KEYWORD_ONLY:
-                    self._keyword_only.append((parameter.name, parameter.default))
-                else:  # positional-only or *args: use inspect's binder
+                    continue
+                if kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL):
                     self._fast = False
-        self._known = {name for name, _ in self._positional + self._keyword_only}
+                    continue
+                self._names.append(parameter.name)
+                if kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+                    self._positional.append(parameter.name)
+                if parameter.default is inspect.Parameter.empty:
+                    self._required.append(parameter.name)
+        self._known = set(self._names)
 
     def normalize(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Return the canonical (args, kwargs). Raises ``TypeError`` like Python for a bad call."""
@@ -116,36 +122,34 @@ class CallSignature:
             if result is not None:
                 return result
         bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        if self._var_keyword is not None:
-            extra = bound.arguments.get(self._var_keyword)
-            if extra:
-                bound.arguments[self._var_keyword] = dict(sorted(extra.items()))
-        return bound.args, bound.kwargs
+        positional: list = []
+        keyword: dict = {}
+        for name, value in bound.arguments.items():
+            kind = self.signature.parameters[name].kind
+            if kind is inspect.Parameter.POSITIONAL_ONLY:
+                positional.append(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                positional.extend(value)
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                keyword.update(sorted(value.items()))
+            else:
+                keyword[name] = value
+        return tuple(positional), keyword
 
     def _normalize_fast(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        # Same result as bind() + apply_defaults() for signatures without positional-only params or
-        # *args; returns None (=> use inspect) for anything unusual, so errors match Python's.
-        empty = inspect.Parameter.empty
-        count = len(args)
-        positional = list(args)
-        for name, default in self._positional[count:]:
-            if name in kwargs:
-                positional.append(kwargs[name])
-            elif default is not empty:
-                positional.append(default)
-            else:
-                return None
-        for name, _ in self._positional[:count]:
-            if name in kwargs:
+        # Same result as the bind() path for signatures without positional-only params or *args;
+        # returns None (=> inspect's binder) for anything unusual, so errors match Python's.
+        given = dict(zip(self._positional, args))
+        for name in kwargs:
+            if name in given:
                 return None
         keyword: dict = {}
-        for name, default in self._keyword_only:
-            if name in kwargs:
+        for name in self._names:
+            if name in given:
+                keyword[name] = given[name]
+            elif name in kwargs:
                 keyword[name] = kwargs[name]
-            elif default is not empty:
-                keyword[name] = default
-            else:
+            elif name in self._required:
                 return None
         extra = [key for key in kwargs if key not in self._known]
         if extra:
@@ -153,7 +157,7 @@ class CallSignature:
                 return None
             for key in sorted(extra):
                 keyword[key] = kwargs[key]
-        return tuple(positional), keyword
+        return (), keyword
 
 
 # --------------------------------------------------------------------------------------------- samples
@@ -295,6 +299,7 @@ class GraphSpec:
         self.output_spec: TreeSpec | None = None
         self.mutated_inputs: list[str] = []
         self.training: bool | None = None
+        self.signature: CallSignature | None = None  # set by the Recorder: normalises direct backend calls
         self._apply_dynamic_shapes(dynamic_shapes or {})
 
     # ---- user-declared dims
@@ -466,6 +471,7 @@ class Recorder:
         if graph is None:
             graph = GraphSpec(len(self.graphs), key, spec, leaves, self.max_samples, self.dynamic_shapes,
                               self.positional_names)
+            graph.signature = self.signature
             self.graphs[key] = graph
         cloned_args, cloned_kwargs = clone_tree((args, kwargs))
         if batch_size is None:

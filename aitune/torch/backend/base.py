@@ -251,7 +251,7 @@ class Backend:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if cls.name:
+        if cls.__dict__.get("name"):  # only classes that declare their own name register
             _REGISTRY[cls.name] = cls
 
     def __init__(self, config: BackendConfig | None = None):
@@ -374,6 +374,9 @@ class Backend:
                 self.activate()
             else:
                 raise BackendStateError(f"{self.describe()}: infer() needs a built backend (state: {self.state.value})")
+        signature = getattr(self.graph, "signature", None)
+        if signature is not None:
+            args, kwargs = signature.normalize(args, kwargs)
         return self._infer(args, kwargs)
 
     def activate(self) -> None:

@@ -1,0 +1,123 @@
+import json
+import logging
+
+import pytest
+import torch
+
+import aitune.torch as ait
+from aitune.errors import ConfigError
+from aitune.torch.backend import TorchEagerBackend, TorchInductorJitBackend
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.scale = 2.0
+
+    def forward(self, x, *, bias=None):
+        y = self.fc(x) * self.scale
+        return y if bias is None else y + bias
+
+
+class Pipeline(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def eager_only(fast_profiling):
+    return ait.OneBackendStrategy(TorchEagerBackend(), profiling_config=fast_profiling)
+
+
+def test_wrapper_is_transparent():
+    pipe = Pipeline().eval()
+    keys = set(pipe.state_dict())
+    pipe.block = ait.Module(pipe.block, "block")
+    assert isinstance(pipe.block, Block) and pipe.block.scale == 2.0 and pipe.block.fc is pipe.block.module.fc
+    assert set(pipe.state_dict()) == keys  # no extra prefix
+    assert pipe.block.state is ait.ModuleState.INIT and "block" in repr(pipe.block)
+
+
+def test_states_record_tune_passthrough(fast_profiling):
+    pipe = Pipeline().eval()
+    pipe.block = ait.Module(pipe.block, "block", strategy=eager_only(fast_profiling))
+    x = torch.randn(4, 8)
+    expected = pipe(x)
+    assert pipe.block.state is ait.ModuleState.RECORDING
+    ait.tune(pipe, [torch.randn(2, 8), torch.randn(5, 8)])
+    assert pipe.block.state is ait.ModuleState.TUNED
+    torch.testing.assert_close(pipe(x), expected)
+    with pytest.raises(ConfigError):
+        pipe.block.enable_recording()
+    pipe.block.enable_passthrough()
+    torch.testing.assert_close(pipe(x), expected)
+
+
+def test_untuned_graph_runs_eager_with_one_warning(fast_profiling, caplog):
+    block = Block().eval()
+    wrapped = ait.Module(block, "block", strategy=eager_only(fast_profiling))
+    ait.tune(wrapped, [torch.randn(2, 8)])
+    bias = torch.randn(8)
+    with caplog.at_level(logging.WARNING):
+        out1 = wrapped(torch.randn(2, 8), bias=bias)
+        wrapped(torch.randn(2, 8), bias=bias)
+    assert sum("never recorded" in record.message for record in caplog.records) == 1
+    assert out1.shape == (2, 8)
+
+
+def test_tune_bad_inputs_are_clear(fast_profiling):
+    with pytest.raises(ConfigError, match="torch.nn.Module"):
+        ait.Module(lambda x: x)
+    with pytest.raises(ConfigError, match="already wrapped"):
+        ait.Module(ait.Module(Block()))
+    with pytest.raises(ConfigError, match="TuneStrategy"):
+        ait.Module(Block(), strategy="fast")
+    wrapped = ait.Module(Block(), "b", strategy=eager_only(fast_profiling))
+    with pytest.raises(ConfigError, match="empty"):
+        ait.tune(wrapped, [])
+    with pytest.raises(ConfigError, match="callable"):
+        ait.tune(None, [torch.randn(1, 8)])
+    with pytest.raises(ConfigError, match="item #0"):
+        ait.tune(lambda item: wrapped(item["missing"]), [{"x": torch.randn(1, 8)}])
+    with pytest.raises(ConfigError, match="batch_sizes"):
+        ait.tune(wrapped, [torch.randn(8)], batch_sizes=[0])
+    with pytest.raises(ConfigError, match="no aitune.torch.Module was called"):
+        ait.tune(lambda x: x, [torch.randn(1)])
+    assert wrapped.state is not ait.ModuleState.TUNED
+
+
+def test_dataset_forms_and_batch_sizes(fast_profiling):
+    block = Block().eval()
+    wrapped = ait.Module(block, "b", strategy=eager_only(fast_profiling))
+    examples = [torch.randn(8) for _ in range(3)]
+    report = ait.tune(wrapped, examples, batch_sizes=[1, 4])
+    graph = wrapped.graphs[0]
+    assert sorted(s.batch_size for s in graph.samples) == [1, 4]
+    assert graph.tensor_specs[0].axes[0] == "batch"
+    data = json.loads(open(report.path).read())
+    assert data["graphs"][0]["selected"].startswith("TorchEagerBackend")
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(6, 8)), batch_size=3)
+    wrapped2 = ait.Module(Block().eval(), "b2", strategy=eager_only(fast_profiling))
+    ait.tune(lambda batch: wrapped2(batch[0]), loader)
+    assert wrapped2.state is ait.ModuleState.TUNED
+
+
+def test_tuning_leaves_user_objects_untouched(fast_profiling):
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    net.train()
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    samples = [torch.randn(3, 4), torch.randn(5, 4)]
+    copies = [s.clone() for s in samples]
+    wrapped = ait.Module(net, "bn", strategy=ait.MaxThroughputStrategy([TorchInductorJitBackend()],
+                                                                      profiling_config=fast_profiling))
+    ait.tune(wrapped, samples)
+    assert net.training and all(m.training for m in net.modules())
+    for key, value in net.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    for sample, copy in zip(samples, copies):
+        assert torch.equal(sample, copy)

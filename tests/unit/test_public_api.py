@@ -1,0 +1,53 @@
+import subprocess
+import sys
+
+import aitune.torch as ait
+import aitune.torch.backend as backend
+import aitune.torch.tune_strategy as tune_strategy
+
+BRIEF_BACKEND_NAMES = {
+    "TensorRTBackend", "TensorRTBackendConfig", "ONNXAutoCastConfig", "TorchTensorRTJitBackend",
+    "TorchTensorRTJitBackendConfig", "TorchTensorRTConfig", "TorchTensorRTAotBackend", "TorchTensorRTAotBackendConfig",
+    "TorchAOBackend", "TorchInductorJitBackend", "TorchInductorAotBackend", "ONNXRuntimeBackend",
+    "ONNXRuntimeBackendConfig", "ONNXExecutionProvider", "KernelSelectorBackend", "KernelSelectorBackendConfig",
+}
+
+
+def test_public_surface_is_exactly_all():
+    assert set(ait.__all__) == {
+        "BatchDim", "DynamicDim", "FirstWinsStrategy", "InspectedModulesInfo", "LatencyBudgetStrategy",
+        "MaxThroughputStrategy", "MinLatencyStrategy", "Module", "ModuleInfo", "ModuleState", "OneBackendStrategy",
+        "ProfilingConfig", "Tolerance", "TuneReport", "TuneStrategy", "aitune_cache_dir", "inspect", "load", "save",
+        "tune", "wrap"}
+    assert set(tune_strategy.__all__) == {"FirstWinsStrategy", "LatencyBudgetStrategy", "MaxThroughputStrategy",
+                                          "MinLatencyStrategy", "OneBackendStrategy", "TuneStrategy"}
+    assert BRIEF_BACKEND_NAMES <= set(backend.__all__)
+    for module in (ait, backend, tune_strategy):
+        for name in module.__all__:
+            assert getattr(module, name) is not None
+
+
+def test_import_does_not_pull_optional_packages():
+    code = ("import sys, aitune.torch, aitune.torch.backend, aitune.torch.kernel_forge.kernel_provider; "
+            "heavy = {'onnxruntime', 'onnx', 'torchao', 'tensorrt', 'torch_tensorrt', 'modelopt', 'sageattention', "
+            "'polygraphy', 'transformers'}; print(sorted(heavy & set(sys.modules)))")
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert output.strip() == "[]"
+
+
+def test_unknown_backend_lists_registered_names():
+    import pytest
+
+    from aitune.errors import UnknownBackendError
+
+    with pytest.raises(UnknownBackendError) as info:
+        backend.get_backend_class("nope")
+    assert "eager" in str(info.value) and "inductor_jit" in str(info.value)
+
+
+def test_cli_env_lists_every_backend():
+    output = subprocess.run([sys.executable, "-m", "aitune.cli", "env"], capture_output=True, text=True,
+                            check=True).stdout
+    for name in ("eager", "inductor_jit", "tensorrt", "torch_tensorrt_jit"):
+        assert name in output
+    assert "pip install 'aitune[tensorrt]'" in output

@@ -1,0 +1,98 @@
+import math
+
+import pytest
+import torch
+
+from aitune.errors import ConfigError
+from aitune.torch.samples import BATCH, DYNAMIC, STATIC, BatchDim, CallSignature, DynamicDim, clone_tree, \
+    record_graphs
+
+
+class Toggle(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x, residual: bool = True, *, keep=None, **extra):
+        return self.fc(x) + (x if residual else 0)
+
+
+def test_positional_and_keyword_calls_are_one_graph():
+    module = Toggle()
+    x = torch.randn(2, 4)
+    graphs = record_graphs(module, [((x,), {}), ((), {"x": x}), ((x, True), {})])
+    # x positional == x keyword; an explicit default is a different (but equivalent) call form.
+    assert [g.num_calls for g in graphs] == [2, 1]
+
+
+def test_constants_none_rank_and_dtype_split_graphs():
+    class Identity(torch.nn.Module):
+        def forward(self, x, flag: bool = True, keep=None):
+            return x
+
+    x = torch.randn(2, 4)
+    calls = [((x,), {}), ((x, False), {}), ((x,), {"keep": x > 0}), ((x.double(),), {}), ((x[None],), {}),
+             ((torch.randn(3, 4),), {})]
+    graphs = record_graphs(Identity(), calls)
+    assert [g.num_calls for g in graphs] == [2, 1, 1, 1, 1]
+    assert graphs[1].constants == {"flag": False}
+    assert len(graphs[2].tensor_specs) == 2
+
+
+def test_dynamic_and_batch_axes():
+    module = torch.nn.Linear(8, 2)
+    calls = [((torch.randn(b, t, 8),), {}) for b, t in ((1, 5), (4, 5), (2, 9))]
+    graph = record_graphs(module, calls)[0]
+    spec = graph.tensor_specs[0]
+    assert spec.axes == [BATCH, DYNAMIC, STATIC]
+    assert spec.min_shape == [1, 5, 8] and spec.max_shape == [4, 9, 8]
+    assert graph.covers([torch.randn(3, 7, 8)]) and not graph.covers([torch.randn(5, 7, 8)])
+
+
+def test_declared_dims_validate_and_set_range():
+    with pytest.raises(ConfigError):
+        DynamicDim("t", 4, 2)
+    with pytest.raises(ConfigError):
+        BatchDim("b", 1, 8, opt=9)
+    module = torch.nn.Linear(8, 2)
+    graph = record_graphs(module, [((torch.randn(2, 8),), {})],
+                          dynamic_shapes={"input": (BatchDim("batch", 1, 32), 8)})[0]
+    assert graph.tensor_specs[0].axes[0] == BATCH
+    assert graph.shape_range(graph.tensor_specs[0]) == ([1, 8], [32, 8], [32, 8])
+    with pytest.raises(ConfigError, match="outside the declared"):
+        record_graphs(module, [((torch.randn(40, 8),), {})], dynamic_shapes={"input": (BatchDim("batch", 1, 32), 8)})
+
+
+def test_sample_cap_keeps_range_extremes():
+    module = torch.nn.Linear(3, 3)
+    sizes = [5, 6, 7, 1, 8, 20]
+    graph = record_graphs(module, [((torch.randn(b, 3),), {}) for b in sizes], max_samples=3)[0]
+    kept = sorted(s.batch_size for s in graph.samples)
+    assert 1 in kept and 20 in kept and len(kept) == 3
+
+
+def test_recording_clones_and_detects_input_mutation():
+    class Center(torch.nn.Module):
+        def forward(self, x):
+            x.sub_(x.mean(-1, keepdim=True))
+            return x
+
+    x = torch.randn(2, 5) + 3
+    graph = record_graphs(Center(), [((x,), {})])[0]
+    assert graph.mutated_inputs == ["x"]
+    assert not torch.allclose(graph.samples[0].args[0] if graph.samples[0].args else graph.samples[0].kwargs["x"], x)
+
+
+def test_clone_tree_leaves_inference_mode():
+    with torch.inference_mode():
+        x = torch.randn(2)
+    copy = clone_tree({"x": x})
+    assert not copy["x"].is_inference() and torch.equal(copy["x"], x)
+
+
+def test_call_signature_matches_python_errors():
+    signature = CallSignature(Toggle().forward)
+    with pytest.raises(TypeError):
+        signature.normalize((), {})
+    assert signature.normalize((1,), {"z": 2, "a": 1}) == ((), {"x": 1, "a": 1, "z": 2})
+    assert math.isnan(float("nan"))

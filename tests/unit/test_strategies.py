@@ -1,0 +1,136 @@
+"""Strategies on real backends plus three deliberately faulty test backends (real code, not mocks)."""
+
+import time
+
+import pytest
+import torch
+
+import aitune.torch as ait
+from aitune.errors import BackendBuildError, ConfigError, ToleranceExceededError, TuningError
+from aitune.torch.backend import TorchEagerBackend, TorchInductorJitBackend
+
+
+class OffByOneBackend(TorchEagerBackend):
+    """Runs eager and adds 1: fast, but wrong."""
+
+    name = "test_off_by_one"
+
+    def _infer(self, args, kwargs):
+        return super()._infer(args, kwargs) + 1
+
+
+class CrashingBackend(TorchEagerBackend):
+    """Fails to build with the kind of message a compiler gives."""
+
+    name = "test_crashing"
+
+    def _build(self, module, graph, device, workdir):
+        raise RuntimeError("unsupported operator aten::weird_op in graph")
+
+
+class SlowBackend(TorchEagerBackend):
+    """Correct, but 20 ms slower than eager per call."""
+
+    name = "test_slow"
+
+    def _infer(self, args, kwargs):
+        time.sleep(0.02)
+        return super()._infer(args, kwargs)
+
+
+def _model():
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
+
+
+def _tune(strategy, model=None, data=None, **options):
+    model = model or _model()
+    wrapped = ait.Module(model, "net", strategy=strategy)
+    data = data or [torch.randn(b, 16) for b in (1, 4)]
+    report = ait.tune(wrapped, data, **options)
+    return wrapped, model, report
+
+
+def test_max_throughput_skips_wrong_crashing_and_slow(fast_profiling):
+    strategy = ait.MaxThroughputStrategy([OffByOneBackend(), CrashingBackend(), SlowBackend()],
+                                         profiling_config=fast_profiling)
+    wrapped, model, report = _tune(strategy)
+    rows = {row.description.split("(")[0]: row for row in report.rows}
+    assert rows["OffByOneBackend"].status == "rejected (correctness)"
+    assert "atol" in rows["OffByOneBackend"].reason
+    assert rows["CrashingBackend"].status == "failed" and "aten::weird_op" in rows["CrashingBackend"].reason
+    assert rows["CrashingBackend"].log_path.endswith("build.log")
+    assert rows["SlowBackend"].status == "passed" and rows["SlowBackend"].speedup < 1.0
+    assert rows["TorchEagerBackend"].status == "selected"
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(wrapped(x), model(x))
+
+
+def test_one_backend_strategy_raises_the_original_error(fast_profiling):
+    with pytest.raises(BackendBuildError) as info:
+        _tune(ait.OneBackendStrategy(CrashingBackend(), profiling_config=fast_profiling), ignore_failing_modules=False)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_one_backend_strategy_raises_correctness_error(fast_profiling):
+    wrapped = ait.Module(_model(), "net", strategy=ait.OneBackendStrategy(OffByOneBackend(),
+                                                                          profiling_config=fast_profiling))
+    report = ait.tune(wrapped, [torch.randn(2, 16)])  # the module falls back to eager
+    assert "ToleranceExceededError" in report.module_errors["net"]
+    assert wrapped.state is ait.ModuleState.PASSTHROUGH
+    with pytest.raises(ToleranceExceededError):
+        ait.tune(ait.Module(_model(), "net2", strategy=ait.OneBackendStrategy(OffByOneBackend())),
+                 [torch.randn(2, 16)], ignore_failing_modules=False)
+
+
+def test_first_wins_takes_first_passing_and_beating_eager(fast_profiling):
+    strategy = ait.FirstWinsStrategy([CrashingBackend(), SlowBackend(), OffByOneBackend()],
+                                     profiling_config=fast_profiling)
+    _, _, report = _tune(strategy)
+    statuses = [row.status for row in report.rows]
+    assert statuses[:3] == ["failed", "rejected (performance)", "rejected (correctness)"]
+    assert report.graphs[0].selected.startswith("TorchEagerBackend")
+
+
+def test_first_wins_without_performance_validation_takes_slow(fast_profiling):
+    strategy = ait.FirstWinsStrategy([SlowBackend(), TorchInductorJitBackend()], profiling_config=fast_profiling)
+    strategy.enable_performance_validation(False)
+    _, _, report = _tune(strategy)
+    assert report.graphs[0].selected.startswith("SlowBackend")
+    assert [row.status for row in report.rows] == ["selected", "skipped"]
+
+
+def test_latency_budget(fast_profiling):
+    with pytest.raises(ConfigError):
+        ait.LatencyBudgetStrategy(0)
+    impossible = ait.LatencyBudgetStrategy(1e-6, [SlowBackend()], profiling_config=fast_profiling)
+    with pytest.raises(TuningError, match="latency budget"):
+        ait.tune(ait.Module(_model(), "lb", strategy=impossible), [torch.randn(2, 16)],
+                 ignore_failing_modules=False)
+    _, _, report = _tune(ait.LatencyBudgetStrategy(10.0, [SlowBackend()], profiling_config=fast_profiling))
+    slow = [row for row in report.rows if row.description.startswith("SlowBackend")][0]
+    assert slow.status == "rejected (performance)" and "budget" in slow.reason
+
+
+def test_min_latency_prefers_eager_over_slow(fast_profiling):
+    _, _, report = _tune(ait.MinLatencyStrategy([SlowBackend()], profiling_config=fast_profiling))
+    assert report.graphs[0].selected.startswith("TorchEagerBackend")
+
+
+def test_strategy_bad_input():
+    with pytest.raises(ConfigError, match="empty"):
+        ait.MaxThroughputStrategy([])
+    with pytest.raises(ConfigError, match="not an aitune backend"):
+        ait.MaxThroughputStrategy(["inductor"])
+    with pytest.raises(ConfigError):
+        ait.OneBackendStrategy(None)
+    with pytest.raises(ConfigError):
+        ait.MaxThroughputStrategy().enable_performance_validation(True, min_speedup_ratio=0)
+
+
+def test_unavailable_backend_is_a_row_not_a_crash(fast_profiling):
+    from aitune.torch.backend import TensorRTBackend
+
+    _, _, report = _tune(ait.MaxThroughputStrategy([TensorRTBackend()], profiling_config=fast_profiling))
+    row = report.rows[0]
+    assert row.status in ("unavailable", "unsupported") and row.reason
+    assert report.graphs[0].selected.startswith("TorchEagerBackend")
