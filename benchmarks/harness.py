@@ -61,6 +61,15 @@ def resnet50(device, dtype, batch, seq):
 MODELS = {"minilm": minilm, "bert-base": bert_base, "resnet50": resnet50}
 
 
+def make_backend(spec: str):
+    """``name`` or ``inductor_jit:reduce-overhead`` (Inductor with a compile mode) -> a backend instance."""
+    name, _, mode = spec.partition(":")
+    backend_class = get_backend_class(name)
+    if mode:
+        return backend_class(backend_class.config_class(mode=mode))
+    return backend_class()
+
+
 def time_calls(function, device, seconds: float = 2.0, warmup: int = 10) -> list[float]:
     """Per-call latencies (ms) of ``function()`` for about ``seconds`` after ``warmup`` calls."""
     timer = Timer(device)
@@ -80,7 +89,7 @@ def run(model_name: str, device: str, dtype: str, batch_sizes: list[int], seq: i
     results = []
     for batch in batch_sizes:
         model, inputs = MODELS[model_name](device, torch_dtype, batch, seq)
-        candidates = [get_backend_class(name)() for name in backends] if backends else None
+        candidates = [make_backend(name) for name in backends] if backends else None
         strategy = ait.MaxThroughputStrategy(candidates, profiling_config=ProfilingConfig(time_budget_s=budget_s))
         tolerance = ait.Tolerance(atol=1e-3, rtol=1e-2) if torch_dtype == torch.float32 else None
         if tolerance is not None and model_name != "minilm":
