@@ -83,7 +83,7 @@ def time_calls(function, device, seconds: float = 2.0, warmup: int = 10) -> list
 
 
 def run(model_name: str, device: str, dtype: str, batch_sizes: list[int], seq: int, backends: list[str] | None,
-        budget_s: float) -> list[dict]:
+        budget_s: float, tolerance: "ait.Tolerance | None" = None) -> list[dict]:
     device = torch.device(device)
     torch_dtype = getattr(torch, dtype)
     results = []
@@ -91,8 +91,7 @@ def run(model_name: str, device: str, dtype: str, batch_sizes: list[int], seq: i
         model, inputs = MODELS[model_name](device, torch_dtype, batch, seq)
         candidates = [make_backend(name) for name in backends] if backends else None
         strategy = ait.MaxThroughputStrategy(candidates, profiling_config=ProfilingConfig(time_budget_s=budget_s))
-        tolerance = ait.Tolerance(atol=1e-3, rtol=1e-2) if torch_dtype == torch.float32 else None
-        if tolerance is not None and model_name != "minilm":
+        if tolerance is not None:
             strategy.enable_correctness_check(True, tolerance)
         wrapped = ait.Module(model, f"{model_name}-b{batch}", strategy=strategy)
         report = ait.tune(lambda item: wrapped(**item), [inputs])
@@ -139,11 +138,18 @@ def main(argv=None) -> int:
     parser.add_argument("--backends", nargs="+", help="backend names (default: all available)")
     parser.add_argument("--budget-s", type=float, default=2.0, help="seconds of timing per candidate")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--atol", type=float, help="override the comparison's atol (all float dtypes)")
+    parser.add_argument("--rtol", type=float, help="override the comparison's rtol (all float dtypes)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("torch", "onnxscript", "onnx_ir", "torchao", "transformers"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    results = run(args.model, args.device, args.dtype, args.batch, args.seq, args.backends, args.budget_s)
+    tolerance = None
+    if args.atol is not None or args.rtol is not None:
+        atol, rtol = args.atol if args.atol is not None else 1e-2, args.rtol if args.rtol is not None else 1e-2
+        tolerance = ait.Tolerance(atol=atol, rtol=rtol, low_precision_atol=atol, low_precision_rtol=rtol)
+    results = run(args.model, args.device, args.dtype, args.batch, args.seq, args.backends, args.budget_s,
+                  tolerance)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     return 0

@@ -143,7 +143,7 @@ def render_table(rows: list[CandidateResult]) -> str:
         else:
             error_text = _fmt(error, ".2g")
         body.append([
-            row.module, row.graph, row.description if len(row.description) < 40 else row.backend,
+            row.module, row.graph, row.description if len(row.description) <= 50 else row.backend,
             row.status + (" (cached)" if row.cached else ""), _shorten(row.reason, 70),
             _fmt(row.build_s, ".1f"), _fmt(measurement.get("p50_ms"), ".3f"), _fmt(measurement.get("p90_ms"), ".3f"),
             _fmt(measurement.get("throughput"), ".1f"),
