@@ -15,7 +15,7 @@ def _isolated_cache(tmp_path, monkeypatch):
 @pytest.fixture
 def fast_profiling() -> ProfilingConfig:
     """Short measurements: tests check values and choices, never speed."""
-    return ProfilingConfig(warmup_rounds=1, min_rounds=3, max_rounds=20, time_budget_s=0.2)
+    return ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=3, max_rounds=20, time_budget_s=0.2)
 
 
 def pytest_collection_modifyitems(config, items):

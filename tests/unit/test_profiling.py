@@ -21,7 +21,7 @@ def test_measure_counts_rounds_and_orders_latencies():
         calls.append(sample)
         time.sleep(0.002 * sample)
 
-    config = ProfilingConfig(warmup_rounds=2, min_rounds=5, max_rounds=5, time_budget_s=10)
+    config = ProfilingConfig(warmup_rounds=2, warmup_s=0.0, min_rounds=5, max_rounds=5, time_budget_s=10)
     measurement = measure(run, [1, 3], [1, 4], torch.device("cpu"), config)
     assert len(calls) == (2 + 5) * 2 and measurement.rounds == 5
     slow, fast = measurement.samples[1], measurement.samples[0]
