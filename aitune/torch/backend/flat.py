@@ -25,14 +25,16 @@ class FlatModule(torch.nn.Module):
         output_spec: eager's output structure (non-tensor output leaves are kept as constants).
     """
 
-    def __init__(self, module: torch.nn.Module, graph, output_spec: TreeSpec, output_constants: list[Any]):
+    def __init__(self, module: torch.nn.Module, graph, output_spec: TreeSpec, output_constants: list[Any],
+                 output_is_tensor: list[bool] | None = None):
         super().__init__()
         self.inner = module
         self._input_spec = graph.input_spec
         self._tensor_indices = [spec.leaf_index for spec in graph.tensor_specs]
         leaves = list(graph.samples[0].leaves())
         self._template = [None if i in set(self._tensor_indices) else leaf for i, leaf in enumerate(leaves)]
-        self._output_is_tensor = [constant is None for constant in output_constants]
+        self._output_is_tensor = (list(output_is_tensor) if output_is_tensor is not None
+                                  else [constant is None for constant in output_constants])
 
     def forward(self, *tensors: torch.Tensor):
         leaves = list(self._template)
@@ -58,13 +60,15 @@ class FlatIO:
         output_leaves, self.output_spec = tree_flatten(eager_output)
         # None marks a tensor slot; anything else is a constant output leaf reproduced as is.
         self.output_constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in output_leaves]
+        # A None output leaf is a constant too: this mask, not output_constants, says which slots are tensors.
+        self.output_is_tensor = [isinstance(leaf, torch.Tensor) for leaf in output_leaves]
         paths = leaf_paths(self.output_spec)
         tensor_paths = [path for path, leaf in zip(paths, output_leaves) if isinstance(leaf, torch.Tensor)]
         self.output_names = [path_to_name(path, "output") for path in tensor_paths]
         self.output_dtypes = [leaf.dtype for leaf in output_leaves if isinstance(leaf, torch.Tensor)]
 
     def flat_module(self, module: torch.nn.Module) -> FlatModule:
-        return FlatModule(module, self.graph, self.output_spec, self.output_constants)
+        return FlatModule(module, self.graph, self.output_spec, self.output_constants, self.output_is_tensor)
 
     def inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """Tensor leaves of a canonical call, in graph order."""
@@ -77,7 +81,8 @@ class FlatIO:
     def outputs(self, tensors) -> Any:
         """Rebuild eager's output structure from the flat output tensors."""
         iterator = iter(tensors)
-        leaves = [next(iterator) if constant is None else constant for constant in self.output_constants]
+        leaves = [next(iterator) if is_tensor else constant
+                  for constant, is_tensor in zip(self.output_constants, self.output_is_tensor)]
         return tree_unflatten(self.output_spec, leaves)
 
     def to_dict(self) -> dict:
