@@ -1,0 +1,168 @@
+"""Attention kernels and TorchAO on CUDA (GPU machine only; skipped without CUDA).
+
+Covers: PyTorch's flash / cuDNN / memory-efficient SDPA providers against the original SDPA; SageAttention
+(case C24: head_dim 160 and masks refused per call, patching scoped to the tuned module, the caller's
+key tensor untouched); KernelSelectorBackend with SageAttention + Inductor JIT; TorchAO fp8 / int4 / int8
+presets on CUDA (SQNR/cosine). Speed is measured in ``benchmarks/attention_kernels.py``, never asserted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aitune.torch.backend import KernelSelectorBackend, KernelSelectorBackendConfig, TorchAOBackend, \
+    TorchAOBackendConfig, TorchInductorJitBackend
+from aitune.torch.correctness import OutputComparator, Tolerance, cosine_similarity
+from aitune.torch.kernel_forge import KernelOptimizer
+from aitune.torch.kernel_forge.kernel_provider import SageAttentionKernelProvider, SDPACall, TorchSDPAKernelProvider
+from aitune.torch.profiling import ProfilingConfig
+from aitune.torch.samples import record_graphs
+
+pytestmark = pytest.mark.gpu
+
+ATTENTION_TOLERANCE = Tolerance(low_precision_atol=2e-2, low_precision_rtol=2e-2)  # case C24
+FAST = ProfilingConfig(warmup_rounds=2, min_rounds=5, max_rounds=50, time_budget_s=0.2)
+
+
+def capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+
+
+SAGE = SageAttentionKernelProvider.availability()
+needs_sage = pytest.mark.skipif(not SAGE.ok, reason=f"SageAttention unavailable: {SAGE.reason}")
+
+
+class MHA(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.h, self.qkv = heads, nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, mask=None):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, C // self.h).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return o.transpose(1, 2).reshape(B, T, C)
+
+
+class TwoTowers(nn.Module):
+    """Case C24 exactly: tower a head_dim 128 (Sage can take it), tower b head_dim 160 with a mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = MHA(1024, 8)
+        self.b = MHA(1280, 8)
+
+    def forward(self, x, y, mask):
+        return self.a(x), self.b(y, mask)
+
+
+def assert_attention_close(expected: torch.Tensor, actual: torch.Tensor) -> None:
+    comparator = OutputComparator(ATTENTION_TOLERANCE)
+    comparator.compare(expected, actual)
+    assert cosine_similarity(expected.float().cpu(), actual.float().cpu()) >= 0.999
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient", "math"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sdpa_providers_match_the_original(backend, head_dim):
+    provider = TorchSDPAKernelProvider(backend)
+    q, k, v = (torch.randn(2, 8, 256, head_dim, device="cuda", dtype=torch.float16) for _ in range(3))
+    call = SDPACall(q, k, v, is_causal=True)
+    check = provider.supports(call)
+    if not check.ok:
+        pytest.skip(f"{provider.name} refuses this call here: {check.reason}")
+    assert_attention_close(call.run_original(), provider(q, k, v, is_causal=True))
+
+
+def test_flash_refuses_fp32_with_torchs_reason():
+    q = torch.randn(1, 2, 64, 64, device="cuda")
+    check = TorchSDPAKernelProvider("flash").supports(SDPACall(q, q, q))
+    assert not check.ok and "flash" in check.reason
+
+
+@needs_sage
+def test_sage_matches_sdpa_and_leaves_the_key_untouched():
+    q, k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    key_before = k.clone()
+    provider = SageAttentionKernelProvider()
+    assert provider.supports(SDPACall(q, k, v)).ok
+    assert_attention_close(F.scaled_dot_product_attention(q, k, v), provider(q, k, v))
+    assert torch.equal(k, key_before)
+
+
+@needs_sage
+def test_c24_two_towers_dispatch_per_call_and_scope():
+    torch.manual_seed(0)
+    model = TwoTowers().cuda().half().eval()
+    elsewhere = MHA(2048, 4).cuda().half().eval()
+    x = torch.randn(2, 256, 1024, device="cuda", dtype=torch.float16)
+    y = torch.randn(2, 256, 1280, device="cuda", dtype=torch.float16)
+    mask = torch.rand(2, 1, 256, 256, device="cuda") > 0.1
+    z = torch.randn(2, 256, 2048, device="cuda", dtype=torch.float16)
+    ones = torch.ones(1, 2, 8, 64, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        expected_a, expected_b = model(x, y, mask)
+        expected_elsewhere = elsewhere(z)
+        expected_direct = F.scaled_dot_product_attention(ones, ones, ones)
+    plan = KernelOptimizer(SageAttentionKernelProvider(), profiling=FAST).make_plan(model, [((x, y, mask), {})])
+    refused = [row for row in plan.candidates if row["status"] == "refused"]
+    assert any("160" in row["reason"] or "attn_mask" in row["reason"] for row in refused)
+    for choice in plan.choices:  # only tower a's family may be swapped
+        assert choice.match["head_dim"] == 128 and choice.match["attn_mask"] == "none"
+    with plan.apply(model), torch.no_grad():
+        got_a, got_b = model(x, y, mask)
+        direct = F.scaled_dot_product_attention(ones, ones, ones)
+        got_elsewhere = elsewhere(z)
+    assert_attention_close(expected_a, got_a)
+    torch.testing.assert_close(got_b, expected_b, rtol=0, atol=0)  # head_dim 160 + mask: original SDPA
+    torch.testing.assert_close(got_elsewhere, expected_elsewhere, rtol=0, atol=0)
+    torch.testing.assert_close(direct, expected_direct, rtol=0, atol=0)
+    print(plan.describe())
+
+
+@needs_sage
+def test_kernel_selector_with_sage_and_inductor(tmp_path):
+    torch.manual_seed(0)
+    model = MHA(1024, 8).cuda().half().eval()
+    calls = [((torch.randn(2, 1024, 1024, device="cuda", dtype=torch.float16),), {})]
+    graph = record_graphs(model, calls)[0]
+    backend = KernelSelectorBackend(
+        config=KernelSelectorBackendConfig(kernel_providers=SageAttentionKernelProvider(), time_budget_s=0.2),
+        delegate_backend=TorchInductorJitBackend(),
+    ).build(model, graph, "cuda", tmp_path)
+    sample = graph.samples[0].clone()
+    with torch.no_grad():
+        expected = model(*sample.args)
+    assert_attention_close(expected, backend(*sample.args))
+    print(backend.plan.describe())
+
+
+@pytest.mark.parametrize("preset", ["int8wo", "int8dq", "fp8wo", "fp8dq", "fp8dq_row", "int4wo"])
+def test_torchao_presets_on_cuda(preset, tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).cuda().bfloat16().eval()
+    graph = record_graphs(model, [((torch.randn(32, 1024, device="cuda", dtype=torch.bfloat16),), {})])[0]
+    backend = TorchAOBackend(TorchAOBackendConfig(quantization=preset))
+    check = backend.supports(model, graph, torch.device("cuda"))
+    if not check.ok:
+        assert preset in ("fp8wo", "fp8dq", "fp8dq_row", "int4wo") and capability() < (8, 9)
+        pytest.skip(check.reason)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    backend.build(model, graph, "cuda", tmp_path)
+    sample = graph.samples[0].clone()
+    with torch.no_grad():
+        expected = model(*sample.args)
+    comparator = OutputComparator(quantized=True)
+    comparator.compare(expected, backend(*sample.args))
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    print(preset, comparator.result().to_dict()["min_sqnr_db"], comparator.result().min_cosine)
+
+
+def test_default_torchao_preset_runs_on_this_gpu():
+    from aitune.torch.backend.ao import default_preset
+
+    preset = default_preset("cuda")
+    assert preset == ("fp8dq_row" if capability() >= (8, 9) else "int8wo")
