@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from aitune.errors import ConfigError
-from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, parse_dtype
+from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
 from aitune.torch.pytree import tree_flatten, tree_unflatten
 
 
@@ -20,14 +20,18 @@ class TorchEagerBackendConfig(BackendConfig):
     Args:
         autocast_enabled: run under ``torch.autocast`` on the module's device type.
         autocast_dtype: autocast dtype (``torch.float16``/``torch.bfloat16``); None = autocast's default.
+        use_cuda_graphs: capture each input shape into a CUDA graph and replay it
+            (:class:`aitune.torch.cuda_graphs.CUDAGraphRunner`, up to 8 graphs, LRU); CUDA only.
     """
 
     autocast_enabled: bool = False
     autocast_dtype: torch.dtype | str | None = None
+    use_cuda_graphs: bool = False
 
     def validate(self) -> None:
-        if not isinstance(self.autocast_enabled, bool):
-            raise ConfigError(f"autocast_enabled must be a bool, got {self.autocast_enabled!r}")
+        for name in ("autocast_enabled", "use_cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.autocast_dtype = parse_dtype(self.autocast_dtype, "autocast_dtype")
 
 
@@ -66,6 +70,8 @@ class TorchEagerBackend(AutocastMixin, Backend):
     """Runs the original module under ``torch.no_grad`` (never ``inference_mode``), optionally with autocast.
 
     Wraps: plain PyTorch. Extra: none. Devices: CPU and CUDA. The module keeps its ``training`` flag.
+    With ``use_cuda_graphs`` (CUDA only) calls are captured and replayed as CUDA graphs; outputs are
+    clones, so later calls never overwrite them (case C20).
     Checkpoints keep the original weights (JIT build mode).
     """
 
@@ -74,14 +80,34 @@ class TorchEagerBackend(AutocastMixin, Backend):
     build_mode = BuildMode.JIT
     rank = 0
 
+    def _supports(self, module, graph, device) -> Check:
+        if self.config.use_cuda_graphs and device.type != "cuda":
+            return Check(False, "use_cuda_graphs needs a CUDA device")
+        return Check(True)
+
     def _build(self, module, graph, device, workdir: Path) -> None:
         self._callable = module
         self._probe_output_dtypes(module, graph)
+        self._graphs = None
+        if self.config.use_cuda_graphs:
+            from aitune.torch.cuda_graphs import CUDAGraphRunner
 
-    def _infer(self, args, kwargs):
+            self._graphs = CUDAGraphRunner(self._run, name=self.name)
+
+    def _run(self, *args, **kwargs):
         with torch.no_grad(), self._autocast():
             output = self._callable(*args, **kwargs)
         return self._restore_output_dtypes(output)
+
+    def _infer(self, args, kwargs):
+        if self._graphs is not None:
+            with torch.no_grad():
+                return self._graphs(*args, **kwargs)
+        return self._run(*args, **kwargs)
+
+    def _deactivate(self) -> None:
+        if getattr(self, "_graphs", None) is not None:
+            self._graphs.reset()
 
     def _load(self, directory, metadata, module, graph, device) -> None:
         if module is None:

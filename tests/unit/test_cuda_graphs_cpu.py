@@ -1,0 +1,88 @@
+"""CPU-side logic of the CUDA-graph runner: call keys, the LRU bound, pass-through and config checks.
+
+Capture and replay themselves need a GPU: tests/gpu/test_cuda_graphs.py.
+"""
+
+import pytest
+import torch
+
+from aitune.errors import ConfigError
+from aitune.torch.backend import TorchEagerBackend, TorchEagerBackendConfig
+from aitune.torch.cuda_graphs import CUDAGraphRunner, LRUCache, clone_tensors, graph_key
+
+
+def test_lru_cache_evicts_least_recently_used_first():
+    evicted = []
+    cache = LRUCache(2, on_evict=lambda key, value: evicted.append((key, value)))
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # "a" is now the most recent
+    assert cache.put("c", 3) == ["b"]
+    assert evicted == [("b", 2)] and cache.keys() == ["a", "c"] and len(cache) == 2
+    assert cache.get("b") is None and "b" not in cache
+    cache.put("a", 10)  # replacing refreshes, evicts nothing
+    assert cache.keys() == ["c", "a"] and cache.get("a") == 10
+    cache.clear()
+    assert len(cache) == 0
+    with pytest.raises(ConfigError, match="max_size must be an int >= 1"):
+        LRUCache(0)
+
+
+def test_graph_key_depends_on_shapes_dtypes_structure_and_constants():
+    def key_of(*shapes, dtype=torch.float32, scale=1.0, nested=False):
+        tensors = [torch.empty(shape, dtype=dtype) for shape in shapes]
+        args = ({"a": tensors[0], "b": tensors[1:]},) if nested else tuple(tensors)
+        return graph_key(args, {"scale": scale}, require_cuda=False)
+
+    assert key_of((2, 3)) == key_of((2, 3))
+    assert key_of((2, 3)) != key_of((4, 3))
+    assert key_of((2, 3)) != key_of((2, 3), dtype=torch.float16)
+    assert key_of((2, 3)) != key_of((2, 3), scale=2.0)
+    assert key_of((2, 3), (1,)) != key_of((2, 3), (1,), nested=True)
+    assert graph_key((torch.empty(2, 3).t(),), {}, require_cuda=False) == graph_key((torch.empty(3, 2),), {},
+                                                                                     require_cuda=False)
+
+
+def test_graph_key_refuses_uncapturable_calls():
+    assert graph_key((torch.empty(2, 3),), {}) is None  # CPU tensor
+    assert graph_key((1.0, "x"), {}, require_cuda=False) is None  # no tensor at all
+    weight = torch.empty(2, requires_grad=True)
+    with torch.enable_grad():
+        assert graph_key((weight,), {}, require_cuda=False) is None
+    with torch.no_grad():
+        assert graph_key((weight,), {}, require_cuda=False) is not None
+
+
+def test_runner_passes_cpu_calls_through():
+    calls = []
+
+    def function(x, scale=1.0):
+        calls.append(x.shape)
+        return x * scale
+
+    runner = CUDAGraphRunner(function, max_graphs=3, name="test")
+    x = torch.randn(4)
+    torch.testing.assert_close(runner(x, scale=2.0), x * 2.0)
+    assert runner.stats == {"captures": 0, "replays": 0, "evictions": 0, "plain_calls": 1}
+    assert runner.num_graphs == 0 and runner.enabled
+    with pytest.raises(ConfigError, match="max_cuda_graphs must be an int >= 1"):
+        CUDAGraphRunner(function, max_graphs=0)
+
+
+def test_clone_tensors_copies_every_tensor_leaf():
+    a = torch.ones(2)
+    value = {"a": a, "rest": (a, "tag", 3)}
+    copied = clone_tensors(value)
+    assert copied["rest"][1:] == ("tag", 3)
+    a.add_(1)
+    assert torch.equal(copied["a"], torch.ones(2)) and torch.equal(copied["rest"][0], torch.ones(2))
+
+
+def test_eager_backend_cuda_graphs_config():
+    assert TorchEagerBackendConfig().use_cuda_graphs is False
+    config = TorchEagerBackendConfig(use_cuda_graphs=True)
+    assert TorchEagerBackendConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ConfigError, match="use_cuda_graphs must be a bool"):
+        TorchEagerBackendConfig(use_cuda_graphs="yes")
+    check = TorchEagerBackend(config).supports(torch.nn.Linear(2, 2), None, torch.device("cpu"))
+    assert not check.ok and check.reason == "use_cuda_graphs needs a CUDA device"
