@@ -133,11 +133,14 @@ class OutputComparator:
 
     Args:
         tolerance: thresholds. quantized: use SQNR/cosine floors for float leaves instead of atol/rtol.
+        low_precision: the candidate computes fp32 outputs in reduced precision (TF32, autocast): fp32 leaves
+            get the fp16/bf16 tolerances (DESIGN.md §5: "tf32 and bf16/fp16 1e-2/1e-2").
     """
 
-    def __init__(self, tolerance: Tolerance | None = None, quantized: bool = False):
+    def __init__(self, tolerance: Tolerance | None = None, quantized: bool = False, low_precision: bool = False):
         self.tolerance = tolerance or Tolerance()
         self.quantized = quantized
+        self.low_precision = low_precision  # computes fp32 in reduced precision (TF32, autocast): fp16 tolerances
         self._errors: dict[str, LeafError] = {}
 
     def compare(self, reference: Any, candidate: Any) -> None:
@@ -205,7 +208,7 @@ class OutputComparator:
                     max_rel_error=max_rel, tolerance=f"sqnr>={self.tolerance.min_sqnr_db}dB,"
                                                      f"cosine>={self.tolerance.min_cosine}")
             return
-        atol, rtol = self.tolerance.for_dtype(leaf_dtype)
+        atol, rtol = self.tolerance.for_dtype(torch.float16 if self.low_precision else leaf_dtype)
         excess = difference - (atol + rtol * expected.abs())
         if bool((excess > 0).any()):
             count = int((excess > 0).sum())

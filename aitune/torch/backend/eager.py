@@ -40,6 +40,11 @@ class AutocastMixin:
 
     _restore_dtypes: list | None = None
 
+    @property
+    def low_precision(self) -> bool:
+        """Autocast computes fp32 outputs in reduced precision: the checker uses fp16/bf16 tolerances."""
+        return bool(getattr(self.config, "autocast_enabled", False))
+
     def _autocast(self):
         config = self.config
         if not getattr(config, "autocast_enabled", False):

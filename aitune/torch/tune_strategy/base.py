@@ -76,7 +76,8 @@ def default_backends(device: torch.device | str) -> list[Backend]:
     """Candidates tried when a strategy is given none: every built-in backend's default configuration.
 
     Unavailable ones still get a report row saying why (case U6). On CUDA, Inductor with CUDA graphs
-    (``mode="reduce-overhead"``) is added: eager at batch 1 is launch-bound there.
+    (``mode="reduce-overhead"``) and eager replayed from CUDA graphs are added: eager at batch 1 is
+    launch-bound there (H200 figures in benchmarks/RESULTS.md).
     """
     from aitune.torch import backend as backends
 
@@ -84,6 +85,7 @@ def default_backends(device: torch.device | str) -> list[Backend]:
     if torch.device(device).type == "cuda":
         candidates.append(backends.TorchInductorJitBackend(backends.TorchInductorJitBackendConfig(
             mode="reduce-overhead")))
+        candidates.append(backends.TorchEagerBackend(backends.TorchEagerBackendConfig(use_cuda_graphs=True)))
     for name in ("TorchInductorAotBackend", "ONNXRuntimeBackend", "TorchAOBackend", "TensorRTBackend",
                  "TorchTensorRTJitBackend", "TorchTensorRTAotBackend"):
         backend_class = getattr(backends, name)
@@ -303,7 +305,8 @@ def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tole
     Raises:
         CorrectnessError (ShapeMismatchError / ToleranceExceededError): on the first violation.
     """
-    comparator = OutputComparator(tolerance, quantized=backend.is_quantizing)
+    comparator = OutputComparator(tolerance, quantized=backend.is_quantizing,
+                                  low_precision=bool(getattr(backend, "low_precision", False)))
     graph = context.graph
     for index, sample in enumerate(graph.samples):
         inputs = sample.clone()
