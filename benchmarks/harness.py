@@ -62,12 +62,18 @@ MODELS = {"minilm": minilm, "bert-base": bert_base, "resnet50": resnet50}
 
 
 def make_backend(spec: str):
-    """``name`` or ``inductor_jit:reduce-overhead`` (Inductor with a compile mode) -> a backend instance."""
-    name, _, mode = spec.partition(":")
+    """``name``, ``name:field=value,...`` or ``inductor_jit:reduce-overhead`` (a compile mode) -> a backend."""
+    name, _, options = spec.partition(":")
     backend_class = get_backend_class(name)
-    if mode:
-        return backend_class(backend_class.config_class(mode=mode))
-    return backend_class()
+    if not options:
+        return backend_class()
+    if "=" not in options:
+        return backend_class(backend_class.config_class(mode=options))
+    fields = {}
+    for item in options.split(","):
+        key, _, value = item.partition("=")
+        fields[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return backend_class(backend_class.config_class(**fields))
 
 
 def time_calls(function, device, seconds: float = 2.0, warmup: int = 10) -> list[float]:

@@ -121,6 +121,7 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
         logger.info("aitune: tuning %s (%d graph(s)) on %s", module.name, len(module.graphs), target_device)
         strategy_template: TuneStrategy = module.strategy or MaxThroughputStrategy()
         dispatch = {}
+        selected_rows = {}
         try:
             for graph in module.graphs:
                 if not graph.samples:
@@ -136,8 +137,10 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
                 entry.candidates.extend(rows)
                 entry.selected, entry.selection_reason = backend.describe(), why
                 dispatch[graph.key] = (graph, backend)
+                selected_rows[graph.name] = next((row.to_dict() for row in rows if row.status == "selected"), None)
                 snapshot.restore()
             module._set_tuned(dispatch)
+            module._self_tune_rows = selected_rows  # the chosen backends' report rows, kept by ait.save
         except Exception as exc:
             snapshot.restore()
             reason = f"{type(exc).__name__}: {exc}"
@@ -181,6 +184,9 @@ def _resolve_device(module: Module, device) -> torch.device:
     parameter = next(iter(original.parameters()), None)
     if parameter is None:
         parameter = next(iter(original.buffers()), None)
+    if parameter is None:  # a module without weights runs where its inputs are
+        parameter = next((leaf for graph in module.graphs for sample in graph.samples[:1]
+                          for leaf in sample.leaves() if isinstance(leaf, torch.Tensor)), None)
     module_device = parameter.device if parameter is not None else torch.device("cpu")
     if device is None:
         return module_device

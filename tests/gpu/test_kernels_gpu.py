@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aitune.errors import ToleranceExceededError
+
 from aitune.torch.backend import KernelSelectorBackend, KernelSelectorBackendConfig, TorchAOBackend, \
     TorchAOBackendConfig, TorchInductorJitBackend
 from aitune.torch.correctness import OutputComparator, Tolerance, cosine_similarity
@@ -135,8 +137,8 @@ def test_kernel_selector_with_sage_and_inductor(tmp_path):
     ).build(model, graph, "cuda", tmp_path)
     sample = graph.samples[0].clone()
     with torch.no_grad():
-        expected = model(*sample.args)
-    assert_attention_close(expected, backend(*sample.args))
+        expected = model(*sample.args, **sample.kwargs)
+    assert_attention_close(expected, backend(*sample.args, **sample.kwargs))
     print(backend.plan.describe())
 
 
@@ -154,11 +156,17 @@ def test_torchao_presets_on_cuda(preset, tmp_path):
     backend.build(model, graph, "cuda", tmp_path)
     sample = graph.samples[0].clone()
     with torch.no_grad():
-        expected = model(*sample.args)
+        expected = model(*sample.args, **sample.kwargs)
     comparator = OutputComparator(quantized=True)
-    comparator.compare(expected, backend(*sample.args))
+    try:
+        comparator.compare(expected, backend(*sample.args, **sample.kwargs))
+    except ToleranceExceededError as exc:
+        # A coarse preset may legitimately miss the floor on random weights (int4wo: SQNR ~11 dB on the
+        # H200); then the checker must say so with the metric and the floor (U5: no preset must pass).
+        assert "SQNR" in str(exc) and "floor" in str(exc)
+    else:
+        assert comparator.result().min_sqnr_db >= 20.0
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
-    print(preset, comparator.result().to_dict()["min_sqnr_db"], comparator.result().min_cosine)
 
 
 def test_default_torchao_preset_runs_on_this_gpu():
@@ -166,3 +174,5 @@ def test_default_torchao_preset_runs_on_this_gpu():
 
     preset = default_preset("cuda")
     assert preset == ("fp8dq_row" if capability() >= (8, 9) else "int8wo")
+    fp16_model = nn.Sequential(nn.Linear(8, 8)).cuda().half()
+    assert default_preset("cuda", fp16_model) == ("fp8dq" if capability() >= (8, 9) else "int8wo")

@@ -44,19 +44,26 @@ CPU_REFUSALS = {
 }
 
 
-def default_preset(device: torch.device | str) -> str:
+def default_preset(device: torch.device | str, module: torch.nn.Module | None = None) -> str:
     """The preset ``TorchAOBackend()`` uses on ``device``.
 
     CPU: ``int8dq`` (int8 dynamic activations + int8 weights: the one preset with int8 GEMMs on CPU; a
     hand-made int8dq + compile MiniLM reached 2.25x eager on this machine's CPU). CUDA with compute
     capability >= 8.9: ``fp8dq_row`` (float8 tensor cores, per-row scales, torchao's recommended float8
-    inference recipe). Older CUDA GPUs: ``int8wo`` (runs on every architecture).
+    inference recipe) for bfloat16 weights, ``fp8dq`` (per-tensor scales) otherwise — torchao's per-row
+    float8 asserts bfloat16 (seen on the H200 with an fp16 BERT-base). Older CUDA GPUs: ``int8wo``.
     """
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
-        return "fp8dq_row" if capability >= FP8_MIN_CAPABILITY else "int8wo"
+        if capability < FP8_MIN_CAPABILITY:
+            return "int8wo"
+        return "fp8dq_row" if module is None or _all_linear_bf16(module) else "fp8dq"
     return "int8dq"
+
+
+def _all_linear_bf16(module: torch.nn.Module) -> bool:
+    return all(sub.weight.dtype == torch.bfloat16 for sub in module.modules() if isinstance(sub, torch.nn.Linear))
 
 
 def preset_config(preset: str):
@@ -228,24 +235,27 @@ class TorchAOBackend(Backend):
     requirements = (Requirement("torchao", ("torchao",), "torchao", "0.12"),)
 
     # ---- eligibility
-    def preset_for(self, device: torch.device | str) -> str | None:
-        """The preset this backend uses on ``device`` (None: a custom ``quantization_config``)."""
+    def preset_for(self, device: torch.device | str, module: torch.nn.Module | None = None) -> str | None:
+        """The preset this backend uses on ``device`` for ``module`` (None: a custom ``quantization_config``)."""
         if self.config.quantization_config is not None:
             return None
-        return self.config.quantization or default_preset(device)
+        return self.config.quantization or default_preset(device, module)
 
     def _supports(self, module, graph, device) -> Check:
         if device.type == "cuda" and not torch.cuda.is_available():
             return Check(False, "CUDA is not available in this process")
         if self.config.compile and uses_cuda_graphs(self.config.mode, None) and device.type != "cuda":
             return Check(False, "mode 'reduce-overhead' captures CUDA graphs and needs a CUDA device")
-        preset = self.preset_for(device)
+        preset = self.preset_for(device, module)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         if preset is not None and device.type == "cpu" and preset in CPU_REFUSALS:
             return Check(False, f"{preset}: {CPU_REFUSALS[preset]}")
         if preset in FP8_PRESETS and device.type == "cuda" and capability < FP8_MIN_CAPABILITY:
             return Check(False, f"{preset}: fp8 presets need compute capability >= 8.9 (float8 tensor cores); "
                                 f"this GPU is sm_{capability[0]}{capability[1]} — use int8wo/int8dq")
+        if preset == "fp8dq_row" and not _all_linear_bf16(module):
+            return Check(False, "fp8dq_row: torchao's per-row float8 needs bfloat16 weights; use fp8dq (per-tensor) "
+                                "or cast the module to bfloat16")
         selected = self._selected_modules(module, preset)
         if not selected:
             what = "module selected by filter_fn" if self.config.filter_fn else "nn.Linear module"
@@ -276,8 +286,8 @@ class TorchAOBackend(Backend):
         return selected
 
     # ---- build
-    def _torchao_config(self, device: torch.device):
-        preset = self.preset_for(device)
+    def _torchao_config(self, device: torch.device, module: torch.nn.Module | None = None):
+        preset = self.preset_for(device, module)
         return (preset_config(preset) if preset is not None else self.config.quantization_config), preset
 
     def _resolved_dynamic(self, graph) -> bool | None:
@@ -288,7 +298,7 @@ class TorchAOBackend(Backend):
     def _build(self, module, graph, device, workdir: Path) -> None:
         from torchao.quantization import quantize_
 
-        torchao_config, preset = self._torchao_config(device)
+        torchao_config, preset = self._torchao_config(device, module)
         self.build_info["preset"] = preset
         self.build_info["quantization_config"] = type(torchao_config).__name__
         saved_inductor = _inductor_snapshot()
