@@ -48,9 +48,14 @@ def _demo(args) -> int:
 
 
 def _report(args) -> int:
+    from aitune.errors import AITuneError
     from aitune.torch.checkpoint import describe_checkpoint
 
-    print(describe_checkpoint(args.checkpoint))
+    try:
+        print(describe_checkpoint(args.checkpoint))
+    except (AITuneError, OSError) as exc:
+        print(f"aitune report: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -232,7 +232,8 @@ class BuildCache:
 
 def graph_fingerprint(graph, include_values: bool = False) -> dict:
     """JSON-able identity of a graph for cache keys: structure, tensor specs, constants, sample shapes."""
-    from aitune.torch.checkpoint import CheckpointError, tree_spec_to_json
+    from aitune.errors import CheckpointError
+    from aitune.torch.serialization import tree_spec_to_json
 
     try:
         structure: Any = tree_spec_to_json(graph.input_spec)

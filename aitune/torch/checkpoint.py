@@ -49,7 +49,6 @@ import os
 import platform
 import shutil
 import stat
-import sys
 import tempfile
 import weakref
 import zipfile
@@ -60,7 +59,13 @@ import torch
 
 from aitune import __version__
 from aitune.errors import AITuneError, CheckpointError, CheckpointIntegrityError, CheckpointVersionError
-from aitune.torch.pytree import LEAF, TreeSpec, tree_unflatten
+from aitune.torch.pytree import tree_unflatten
+from aitune.torch.serialization import (
+    constant_from_json,
+    constant_to_json,
+    tree_spec_from_json,
+    tree_spec_to_json,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -372,136 +377,6 @@ def _resolve_path(root: Any, path: list) -> tuple[Any, Any]:
                 f"{_path_text(path[: depth + 1])} ({type(exc).__name__}: {exc}); load into the same model/pipeline "
                 "structure that was saved") from exc
     return parent, value
-
-
-# ============================================================================================ tree specs
-
-
-def type_name(node_type: type) -> str:
-    """``"module:qualname"`` of a structure type (resolved at load among imported modules only)."""
-    return f"{node_type.__module__}:{node_type.__qualname__}"
-
-
-def resolve_type(name: str, kind: str) -> type:
-    """The class named ``"module:qualname"``, looked up in ``sys.modules`` only (never imported).
-
-    Raises:
-        CheckpointError: the module is not imported, the name is not found, or it is not a class of ``kind``.
-    """
-    module_name, sep, qualname = name.partition(":")
-    if not sep or not module_name or not qualname:
-        raise CheckpointError(f"malformed type name {name!r} in the checkpoint (expected 'module:qualname')")
-    module = sys.modules.get(module_name)
-    if module is None:
-        raise CheckpointError(
-            f"the checkpoint's input/output structure uses the type {qualname!r} from module {module_name!r}, which "
-            f"is not imported in this process; import it first (import {module_name}) and load again — aitune "
-            "never imports modules named by a checkpoint")
-    value: Any = module
-    for part in qualname.split("."):
-        value = getattr(value, part, None)
-        if value is None:
-            raise CheckpointError(f"the checkpoint's structure type {name!r} is not defined in the imported module "
-                                  f"{module_name!r} (no attribute {part!r}); the code differs from when it was saved")
-    if not isinstance(value, type) or not _type_fits(value, kind):
-        raise CheckpointError(f"{name!r} resolves to {value!r}, which is not a {kind.replace('_', ' ')} type; the code "
-                              "differs from when the checkpoint was saved")
-    return value
-
-
-def _type_fits(value: type, kind: str) -> bool:
-    if kind == "namedtuple":
-        return issubclass(value, tuple) and hasattr(value, "_fields")
-    if kind == "dict":
-        return issubclass(value, dict)
-    if kind == "dataclass":
-        return dataclasses.is_dataclass(value)
-    if kind == "model_output":
-        return any(k.__name__ == "ModelOutput" and k.__module__.startswith("transformers") for k in value.__mro__)
-    return False
-
-
-def tree_spec_to_json(spec: TreeSpec, where: str = "structure") -> dict:
-    """JSON form of a :class:`~aitune.torch.pytree.TreeSpec` (types as ``"module:qualname"``).
-
-    Raises:
-        CheckpointError: a container type that could not be found again by name (defined inside a
-            function, or created dynamically), or a dict key that is not a str/int.
-    """
-    if spec.kind == LEAF:
-        return {"kind": LEAF}
-    data: dict[str, Any] = {"kind": spec.kind}
-    if spec.node_type is not None:
-        name = type_name(spec.node_type)
-        if "<locals>" in spec.node_type.__qualname__ or _lookup(name) is not spec.node_type:
-            raise CheckpointError(
-                f"{where} uses the type {spec.node_type.__qualname__!r} (module {spec.node_type.__module__!r}), "
-                "which cannot be found by name at load (defined inside a function or created dynamically); "
-                "define it at module level")
-        data["type"] = name
-    if spec.context:
-        for key in spec.context:
-            if type(key) not in (str, int):
-                raise CheckpointError(f"{where} has a dict key {key!r} of type {type(key).__name__}; checkpoints "
-                                      "store str and int keys only")
-        data["context"] = list(spec.context)
-    data["children"] = [tree_spec_to_json(child, where) for child in spec.children]
-    return data
-
-
-def _lookup(name: str) -> Any:
-    """What ``"module:qualname"`` names in this process right now (None when absent); no import."""
-    module_name, _, qualname = name.partition(":")
-    value: Any = sys.modules.get(module_name)
-    for part in qualname.split("."):
-        value = getattr(value, part, None)
-    return value
-
-
-def tree_spec_from_json(data: dict) -> TreeSpec:
-    """Inverse of :func:`tree_spec_to_json`. Raises CheckpointError for an unknown kind or unresolvable type."""
-    if not isinstance(data, dict):
-        raise CheckpointError(f"malformed structure entry {data!r} in the checkpoint")
-    kind = data.get("kind")
-    if kind == LEAF:
-        return TreeSpec(LEAF, None, (), ())
-    if kind not in ("tuple", "list", "namedtuple", "dict", "dataclass", "model_output"):
-        raise CheckpointError(f"unknown structure kind {kind!r} in the checkpoint")
-    node_type = resolve_type(data["type"], kind) if data.get("type") else None
-    if kind in ("namedtuple", "dataclass", "model_output") and node_type is None:
-        raise CheckpointError(f"structure kind {kind!r} without a type in the checkpoint")
-    context = tuple(data.get("context", ()))
-    children = tuple(tree_spec_from_json(child) for child in data.get("children", []))
-    return TreeSpec(kind, node_type, context, children)
-
-
-# ============================================================================================ constants, specs
-
-
-def constant_to_json(value: Any, where: str) -> Any:
-    """A graph constant as JSON: None, bool, int, str as is; floats (non-finite ones tagged).
-
-    Raises:
-        CheckpointError: for any other type (it could only be stored by pickling).
-    """
-    if value is None or type(value) in (bool, int, str):
-        return value
-    if type(value) is float:
-        return value if math.isfinite(value) else {"float": repr(value)}
-    raise CheckpointError(
-        f"{where} is a constant of type {type(value).__module__}.{type(value).__qualname__} ({value!r:.60}); "
-        "checkpoints store only JSON constants (None, bool, int, float, str, and lists/dicts of them) and never "
-        "pickle; pass it as a tensor or one of those types")
-
-
-def constant_from_json(value: Any) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {"float"} and value["float"] in ("nan", "inf", "-inf"):
-            return float(value["float"])
-        raise CheckpointError(f"malformed constant {value!r} in the checkpoint")
-    if value is None or type(value) in (bool, int, str, float):
-        return value
-    raise CheckpointError(f"malformed constant {value!r} in the checkpoint")
 
 
 def _dtype_from_name(name: str) -> torch.dtype:

@@ -349,6 +349,8 @@ FRESH_PROCESS_SCRIPT = textwrap.dedent("""
     from aitune.torch.backend import BackendConfig, ONNXRuntimeBackend
 
     directory = Path(sys.argv[1])
+    import importlib
+    importlib.import_module(sys.argv[2])  # the user's code defines HeadOut; aitune never imports it by name
     saved = json.loads((directory / "saved.json").read_text())
     config = BackendConfig.from_dict(saved["config"])
     backend = ONNXRuntimeBackend.from_checkpoint(directory, config, saved["metadata"], None, None, "cpu")
@@ -379,7 +381,7 @@ def test_save_then_load_in_fresh_process(detector_build, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO_ROOT), str(Path(__file__).parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                        if p]))
-    completed = subprocess.run([sys.executable, "-c", FRESH_PROCESS_SCRIPT, str(directory)], env=env,
+    completed = subprocess.run([sys.executable, "-c", FRESH_PROCESS_SCRIPT, str(directory), HeadOut.__module__], env=env,
                                capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads((directory / "result.json").read_text())
@@ -419,7 +421,7 @@ def test_load_in_process_with_graph(detector_build, tmp_path):
     module, graph, backend = detector_build
     metadata = json.loads(json.dumps(backend.save(tmp_path)))
     loaded = ONNXRuntimeBackend.from_checkpoint(tmp_path, backend.config, metadata, None, graph, "cpu")
-    assert loaded._io.output_spec is graph.output_spec  # the recorded structure is reused, nothing imported
+    assert loaded._io.output_spec == graph.output_spec  # the recorded structure is reused, nothing imported
     x = torch.randn(5, 32)
     output = loaded(x)
     assert type(output) is HeadOut

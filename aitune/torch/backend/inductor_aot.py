@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import json
 import logging
 import math
@@ -38,8 +37,8 @@ import torch
 from aitune.errors import BackendBuildError, CheckpointError, ConfigError, IsolatedStepError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, torch_version_at_least
 from aitune.torch.backend.flat import FlatIO, eager_output
-from aitune.torch.pytree import LEAF, TreeSpec, tree_unflatten
 from aitune.torch.samples import BATCH, STATIC
+from aitune.torch.serialization import output_template_from_json, outputs_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -314,56 +313,6 @@ def _bound(value, default: int) -> int:
 # --------------------------------------------------------------------------------------------- output structure
 
 
-def spec_to_json(spec: TreeSpec) -> dict:
-    """JSON form of a :class:`TreeSpec`; container types are stored as ``"module:qualname"``."""
-    if spec.kind == LEAF:
-        return {"kind": LEAF}
-    node_type = None
-    if spec.node_type is not None:
-        node_type = f"{spec.node_type.__module__}:{spec.node_type.__qualname__}"
-    return {"kind": spec.kind, "type": node_type, "context": list(spec.context),
-            "children": [spec_to_json(child) for child in spec.children]}
-
-
-def spec_from_json(data: dict) -> TreeSpec:
-    """Inverse of :func:`spec_to_json`; imports the named container types (never unpickles).
-
-    Raises:
-        CheckpointError: if a container type cannot be imported or is not of the stored kind.
-    """
-    if data["kind"] == LEAF:
-        return TreeSpec(LEAF, None, (), ())
-    node_type = _import_type(data["type"], data["kind"]) if data.get("type") else None
-    return TreeSpec(data["kind"], node_type, tuple(data.get("context", ())),
-                    tuple(spec_from_json(child) for child in data["children"]))
-
-
-def _import_type(name: str, kind: str) -> type:
-    module_name, _, qualname = name.partition(":")
-    try:
-        value: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            value = getattr(value, part)
-    except (ImportError, AttributeError) as exc:
-        raise CheckpointError(f"output type {name} cannot be imported to rebuild the outputs ({exc}); "
-                              "define it at module level in an importable module, or pass the recorded graph "
-                              "when loading") from exc
-    valid = isinstance(value, type) and {
-        "dataclass": lambda: dataclasses.is_dataclass(value),
-        "namedtuple": lambda: issubclass(value, tuple),
-        "dict": lambda: issubclass(value, dict),
-        "model_output": lambda: any(k.__name__ == "ModelOutput" for k in value.__mro__),
-    }.get(kind, lambda: False)()
-    if not valid:
-        raise CheckpointError(f"output type {name} is not a {kind}; the checkpoint does not match this code")
-    return value
-
-
-def _dummy_output(spec: TreeSpec, constants: list) -> Any:
-    """An output of structure ``spec`` with empty tensors in the tensor slots (to rebuild a FlatIO)."""
-    return tree_unflatten(spec, [torch.empty(0) if constant is None else constant for constant in constants])
-
-
 @dataclasses.dataclass
 class _StoredTensorSpec:
     leaf_index: int
@@ -569,21 +518,14 @@ class TorchInductorAotBackend(Backend):
         target = directory / PACKAGE_FILE
         if self._package_path.resolve() != target.resolve():
             shutil.copyfile(self._package_path, target)
-        constants = list(self._io.output_constants)
-        for constant in constants:
-            try:
-                json.dumps(constant)
-            except (TypeError, ValueError) as exc:
-                raise CheckpointError(f"{self.name}: the module returns a constant {constant!r} of type "
-                                      f"{type(constant).__name__} that cannot be stored in a checkpoint") from exc
         return {
             "package": PACKAGE_FILE,
             "device": str(self.device),
             "inputs": self._inputs,
             "input_names": list(self._io.input_names),
             "batch_axes": [list(axis) for axis in self._batch_axes],
-            "output_spec": spec_to_json(self._io.output_spec),
-            "output_constants": constants,
+            "outputs": outputs_to_json(self._io.output_spec, self._io.output_constants, self._io.output_is_tensor,
+                                       self._io.output_dtypes),
             "build_info": {key: value for key, value in self.build_info.items()
                            if key in ("specialized_axes", "accepted_ranges", "export_batch_repeated", "batch_range")},
         }
@@ -594,17 +536,11 @@ class TorchInductorAotBackend(Backend):
             raise CheckpointError(f"{self.name}: {package_path} is missing from the checkpoint")
         self._inputs = [dict(entry) for entry in metadata["inputs"]]
         self._batch_axes = [tuple(axis) for axis in metadata.get("batch_axes", [])]
-        stored_spec = metadata["output_spec"]
-        recorded_spec = getattr(graph, "output_spec", None)
-        if recorded_spec is not None and spec_to_json(recorded_spec) == stored_spec:
-            output_spec = recorded_spec  # the recorded graph already holds the very same types
-        else:
-            output_spec = spec_from_json(stored_spec)
-        constants = list(metadata.get("output_constants", []))
+        template = output_template_from_json(metadata["outputs"], getattr(graph, "output_spec", None))
         io_graph = graph if graph is not None and getattr(graph, "tensor_specs", None) else _StoredInputs(
             [_StoredTensorSpec(entry["leaf_index"], name)
              for entry, name in zip(self._inputs, metadata.get("input_names", [""] * len(self._inputs)))])
-        self._io = FlatIO(io_graph, _dummy_output(output_spec, constants))
+        self._io = FlatIO(io_graph, template)
         self._package_path = package_path
         self.build_info.update(metadata.get("build_info", {}))
         self._runner = load_package(package_path, device)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import inspect
 import io
 import logging
@@ -25,10 +24,13 @@ from typing import Any
 
 import torch
 
-from aitune.errors import ConfigError
+from aitune.errors import CheckpointError, ConfigError
 from aitune.torch.backend.flat import FlatIO
 from aitune.torch.pytree import LEAF, TreeSpec, hashable_constant, tree_flatten, tree_unflatten
 from aitune.torch.samples import BATCH, STATIC
+from aitune.torch.serialization import output_template_from_json, outputs_to_json
+from aitune.torch.serialization import tree_spec_from_json as spec_from_json
+from aitune.torch.serialization import tree_spec_to_json as spec_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -433,96 +435,7 @@ def external_data_files(path: Path | str) -> list[str]:
     return sorted(files)
 
 
-# --------------------------------------------------------------------------------------------- JSON structures
 
-
-def spec_to_json(spec: TreeSpec) -> dict:
-    """A :class:`TreeSpec` as JSON-able data; types are named by ``module`` and ``qualname``."""
-    node = {"kind": spec.kind}
-    if spec.node_type is not None:
-        node["type"] = {"module": spec.node_type.__module__, "qualname": spec.node_type.__qualname__}
-    if spec.context:
-        node["context"] = [_json_key(key) for key in spec.context]
-    if spec.kind != LEAF:
-        node["children"] = [spec_to_json(child) for child in spec.children]
-    return node
-
-
-def _json_key(key: Any) -> Any:
-    if isinstance(key, (str, int, float, bool)) or key is None:
-        return key
-    raise ConfigError(f"container key {key!r} ({type(key).__name__}) cannot be stored as JSON; use str/int keys")
-
-
-def spec_from_json(data: dict) -> TreeSpec:
-    """Inverse of :func:`spec_to_json`.
-
-    Container types are resolved by importing their module and checking that the object found is a
-    class of the recorded kind (a dataclass, a namedtuple, a dict subclass or a transformers
-    ``ModelOutput``); nothing is unpickled.
-
-    Raises:
-        ConfigError: a type cannot be imported or is not of the recorded kind.
-    """
-    kind = data["kind"]
-    if kind == LEAF:
-        return TreeSpec(LEAF, None, (), ())
-    node_type = None
-    if "type" in data:
-        node_type = _resolve_type(data["type"]["module"], data["type"]["qualname"], kind)
-    context = tuple(data.get("context", ()))
-    children = tuple(spec_from_json(child) for child in data.get("children", ()))
-    return TreeSpec(kind, node_type, context, children)
-
-
-def _resolve_type(module_name: str, qualname: str, kind: str) -> type:
-    try:
-        target: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            target = getattr(target, part)
-    except Exception as exc:  # noqa: BLE001 - any import problem is one clear error
-        raise ConfigError(f"output type {module_name}.{qualname} cannot be imported ({exc}); import the module "
-                          "that defines it before loading, or load with the recorded graph") from exc
-    ok = isinstance(target, type) and {
-        "dataclass": lambda t: dataclasses.is_dataclass(t),
-        "namedtuple": lambda t: issubclass(t, tuple) and hasattr(t, "_fields"),
-        "dict": lambda t: issubclass(t, dict),
-        "model_output": lambda t: any(k.__name__ == "ModelOutput" for k in t.__mro__),
-    }.get(kind, lambda t: False)(target)
-    if not ok:
-        raise ConfigError(f"{module_name}.{qualname} is not a {kind} type; the checkpoint does not match this code")
-    return target
-
-
-def constant_to_json(value: Any) -> dict:
-    """A non-tensor output/input leaf as JSON (scalars, strings, None, torch dtypes and devices).
-
-    Raises:
-        ConfigError: for any other type.
-    """
-    if value is None or isinstance(value, (bool, int, str)):
-        return {"value": value}
-    if isinstance(value, float):
-        return {"float": repr(value)}
-    if isinstance(value, torch.dtype):
-        return {"dtype": str(value).removeprefix("torch.")}
-    if isinstance(value, torch.device):
-        return {"device": str(value)}
-    raise ConfigError(f"a non-tensor leaf of type {type(value).__name__} ({value!r}) cannot be stored in a "
-                      "checkpoint; return tensors, numbers, strings or None")
-
-
-def constant_from_json(data: dict) -> Any:
-    """Inverse of :func:`constant_to_json`."""
-    if "value" in data:
-        return data["value"]
-    if "float" in data:
-        return float(data["float"])
-    if "dtype" in data:
-        return getattr(torch, data["dtype"])
-    if "device" in data:
-        return torch.device(data["device"])
-    raise ConfigError(f"unknown constant encoding {data!r}")
 
 
 def constant_key(value: Any) -> str:
@@ -706,9 +619,8 @@ class OnnxCallIO:
             "input_positions": self.input_positions,
             "output_names": self.output_names,
             "output_dtypes": [_dtype_name(d) for d in self.output_dtypes],
-            "output_spec": spec_to_json(self.output_spec),
-            "output_constants": [{"tensor": True} if is_tensor else constant_to_json(constant)
-                                 for constant, is_tensor in zip(self.output_constants, self.output_is_tensor)],
+            "outputs": outputs_to_json(self.output_spec, self.output_constants, self.output_is_tensor,
+                                       self.output_dtypes),
             "accepted_shapes": None if self.accepted_shapes is None else sorted(
                 [list(map(list, shapes)) for shapes in self.accepted_shapes]),
             "parameters": self.parameters,
@@ -718,7 +630,9 @@ class OnnxCallIO:
     def from_json(cls, data: dict, graph=None) -> "OnnxCallIO":
         """Inverse of :meth:`to_json`; the graph's structures are used when they match (no imports then)."""
         input_spec = _spec_or_graph(data["input_spec"], getattr(graph, "input_spec", None))
-        output_spec = _spec_or_graph(data["output_spec"], getattr(graph, "output_spec", None))
+        template = output_template_from_json(data["outputs"], getattr(graph, "output_spec", None))
+        output_leaves, output_spec = tree_flatten(template)
+        output_is_tensor = ["tensor" in slot for slot in data["outputs"]["slots"]]
         accepted = data.get("accepted_shapes")
         return cls(
             input_spec=input_spec, num_leaves=int(data["num_leaves"]), tensor_indices=list(data["tensor_indices"]),
@@ -728,8 +642,8 @@ class OnnxCallIO:
             input_names=list(data["input_names"]), input_positions=list(data["input_positions"]),
             output_names=list(data["output_names"]),
             output_dtypes=[getattr(torch, name) for name in data["output_dtypes"]], output_spec=output_spec,
-            output_constants=[None if c.get("tensor") else constant_from_json(c) for c in data["output_constants"]],
-            output_is_tensor=[bool(c.get("tensor")) for c in data["output_constants"]],
+            output_constants=[None if tensor else leaf for leaf, tensor in zip(output_leaves, output_is_tensor)],
+            output_is_tensor=output_is_tensor,
             accepted_shapes=None if accepted is None else {tuple(tuple(s) for s in shapes) for shapes in accepted},
             parameters=data.get("parameters"))
 
@@ -739,7 +653,7 @@ def _spec_or_graph(data: dict, graph_spec: TreeSpec | None) -> TreeSpec:
         try:
             if spec_to_json(graph_spec) == data:
                 return graph_spec
-        except ConfigError:
+        except CheckpointError:
             pass
     return spec_from_json(data)
 

@@ -516,7 +516,7 @@ class TorchTensorRTAotBackend(Backend):
         self._compiled = None
 
     def _save(self, directory: Path) -> dict:
-        from aitune.torch.backend.onnx_export import constant_to_json, spec_to_json
+        from aitune.torch.serialization import outputs_to_json
 
         target = directory / ARTIFACT_FILE
         if self._artifact.resolve() != target.resolve():
@@ -524,16 +524,13 @@ class TorchTensorRTAotBackend(Backend):
         return {
             "artifact": ARTIFACT_FILE,
             "inputs": [dict(entry, leaf_index=index) for entry, index in zip(self._inputs, self._leaf_indices)],
-            "output_dtypes": [str(dtype).removeprefix("torch.") for dtype in self._io.output_dtypes],
-            "output_spec": spec_to_json(self._io.output_spec),
-            "output_constants": [None if constant is None else constant_to_json(constant)
-                                 for constant in self._io.output_constants],
+            "outputs": outputs_to_json(self._io.output_spec, self._io.output_constants, self._io.output_is_tensor,
+                                       self._io.output_dtypes),
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        from aitune.torch.backend.onnx_export import constant_from_json, spec_from_json
+        from aitune.torch.serialization import output_template_from_json
         from aitune.torch.backend.tensorrt.backend import _StoredGraph, _StoredTensorSpec
-        from aitune.torch.pytree import tree_unflatten
 
         artifact = directory / metadata.get("artifact", ARTIFACT_FILE)
         if not artifact.is_file():
@@ -541,11 +538,9 @@ class TorchTensorRTAotBackend(Backend):
         self._inputs = [{key: value for key, value in entry.items() if key != "leaf_index"}
                         for entry in metadata["inputs"]]
         self._leaf_indices = [int(entry["leaf_index"]) for entry in metadata["inputs"]]
-        dtypes = iter(getattr(torch, name) for name in metadata["output_dtypes"])
-        leaves = [torch.empty(0, dtype=next(dtypes)) if constant is None else constant_from_json(constant)
-                  for constant in metadata["output_constants"]]
+        template = output_template_from_json(metadata["outputs"], getattr(graph, "output_spec", None))
         io_graph = _StoredGraph([_StoredTensorSpec(entry["name"], index, entry["name"])
                                  for entry, index in zip(self._inputs, self._leaf_indices)])
-        self._io = FlatIO(io_graph, tree_unflatten(spec_from_json(metadata["output_spec"]), leaves))
+        self._io = FlatIO(io_graph, template)
         self._artifact = artifact
         self._load_artifact()

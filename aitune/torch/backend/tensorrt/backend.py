@@ -300,7 +300,7 @@ class TensorRTBackend(Backend):
 
     # ---- checkpoints
     def _save(self, directory: Path) -> dict:
-        from aitune.torch.backend.onnx_export import constant_to_json, spec_to_json
+        from aitune.torch.serialization import outputs_to_json
 
         target = directory / ENGINE_FILE
         if self._engine_path.resolve() != target.resolve():
@@ -312,17 +312,14 @@ class TensorRTBackend(Backend):
             "inputs": [{"name": name, "leaf_index": index, "path": self._paths.get(name, name)}
                        for name, index in zip(self._names, self._leaf_indices)],
             "output_names": list(self._output_names),
-            "output_dtypes": [str(dtype).removeprefix("torch.") for dtype in self._io.output_dtypes],
-            "output_spec": spec_to_json(self._io.output_spec),
-            "output_constants": [None if constant is None else constant_to_json(constant)
-                                 for constant in self._io.output_constants],
+            "outputs": outputs_to_json(self._io.output_spec, self._io.output_constants, self._io.output_is_tensor,
+                                       self._io.output_dtypes),
             "build_info": {key: value for key, value in self.build_info.items()
                            if key in ("exporter", "tensorrt_version", "quantization", "shape_specialized")},
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        from aitune.torch.backend.onnx_export import constant_from_json, spec_from_json
-        from aitune.torch.pytree import tree_unflatten
+        from aitune.torch.serialization import output_template_from_json
 
         engine_path = directory / metadata.get("engine", ENGINE_FILE)
         if not engine_path.is_file():
@@ -333,14 +330,11 @@ class TensorRTBackend(Backend):
         self._paths = {entry["name"]: entry.get("path", entry["name"]) for entry in inputs}
         self._profiles = profile_rules.profiles_from_json(metadata["profiles"])
         self._output_names = list(metadata["output_names"])
-        output_spec = spec_from_json(metadata["output_spec"])
-        dtypes = iter(getattr(torch, name) for name in metadata["output_dtypes"])
-        leaves = [torch.empty(0, dtype=next(dtypes)) if constant is None else constant_from_json(constant)
-                  for constant in metadata["output_constants"]]
+        template = output_template_from_json(metadata["outputs"], getattr(graph, "output_spec", None))
 
         io_graph = _StoredGraph([_StoredTensorSpec(entry["name"], int(entry["leaf_index"]), entry.get("path", ""))
                                  for entry in inputs])
-        self._io = FlatIO(io_graph, tree_unflatten(output_spec, leaves))
+        self._io = FlatIO(io_graph, template)
         self._engine_path = engine_path
         self.build_info.update(metadata.get("build_info", {}))
         try:
