@@ -33,9 +33,10 @@ from aitune.torch.profiling import ProfilingConfig, Timer
 
 
 def minilm(device, dtype, batch, seq):
-    from aitune.demo import SENTENCES, load_minilm
+    from aitune.demo import SENTENCES, SentenceEncoder, load_minilm
 
-    model, tokenizer = load_minilm()
+    bert, tokenizer = load_minilm()
+    model = SentenceEncoder(bert)
     sentences = [SENTENCES[i % len(SENTENCES)] for i in range(batch)]
     inputs = dict(tokenizer(sentences, padding="max_length", truncation=True, max_length=seq, return_tensors="pt"))
     return model.to(device, dtype).eval(), {k: v.to(device) for k, v in inputs.items()}
@@ -146,14 +147,20 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--atol", type=float, help="override the comparison's atol (all float dtypes)")
     parser.add_argument("--rtol", type=float, help="override the comparison's rtol (all float dtypes)")
+    parser.add_argument("--min-sqnr-db", type=float, help="override the SQNR floor of quantized candidates (dB)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("torch", "onnxscript", "onnx_ir", "torchao", "transformers"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     tolerance = None
-    if args.atol is not None or args.rtol is not None:
-        atol, rtol = args.atol if args.atol is not None else 1e-2, args.rtol if args.rtol is not None else 1e-2
-        tolerance = ait.Tolerance(atol=atol, rtol=rtol, low_precision_atol=atol, low_precision_rtol=rtol)
+    if args.atol is not None or args.rtol is not None or args.min_sqnr_db is not None:
+        fields = {}
+        if args.atol is not None or args.rtol is not None:
+            atol, rtol = args.atol if args.atol is not None else 1e-2, args.rtol if args.rtol is not None else 1e-2
+            fields.update(atol=atol, rtol=rtol, low_precision_atol=atol, low_precision_rtol=rtol)
+        if args.min_sqnr_db is not None:
+            fields.update(min_sqnr_db=args.min_sqnr_db)
+        tolerance = ait.Tolerance(**fields)
     results = run(args.model, args.device, args.dtype, args.batch, args.seq, args.backends, args.budget_s,
                   tolerance)
     if args.json:

@@ -222,9 +222,7 @@ class TuneStrategy:
             eager = self.eager_baseline(context)
             if eager is not None and eager.throughput > 0:
                 row.speedup = result.measurement.throughput / eager.throughput
-        breaks = row.details.get("graph_breaks")
-        if breaks:
-            row.reason = f"{breaks} graph break(s)"
+        row.reason = build_notes(row.details)
         logger.info("  %-28s passed%s", blueprint.describe()[:28],
                     f" ({row.speedup:.2f}x eager)" if row.speedup is not None else "")
         return result
@@ -278,6 +276,22 @@ class TuneStrategy:
         for candidate in candidates:
             if candidate is not chosen and candidate.backend is not None:
                 candidate.backend.deactivate()
+
+
+def build_notes(details: dict) -> str:
+    """One line of what a passing build did that users should know (preset, graph breaks, EP, specialisation)."""
+    notes = []
+    if details.get("preset"):
+        notes.append(f"preset {details['preset']}")
+    if details.get("graph_breaks"):
+        notes.append(f"{details['graph_breaks']} graph break(s)")
+    if details.get("providers"):
+        notes.append("EP " + ",".join(p.removesuffix("ExecutionProvider") for p in details["providers"]))
+    if details.get("shape_specialized") or details.get("specialized_axes"):
+        notes.append("shape-specialized: calls outside its shapes run eager")
+    if details.get("export_batch_repeated"):
+        notes.append("exported at batch >= 2 (sample repeated)")
+    return "; ".join(notes)
 
 
 def _simplicity(backend: Backend) -> tuple[int, int]:
