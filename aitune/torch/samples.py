@@ -14,7 +14,6 @@ import dataclasses
 import inspect
 import logging
 import math
-from collections import OrderedDict
 from typing import Any, Callable, Hashable, Iterable
 
 import torch

@@ -12,7 +12,15 @@ from typing import Any, Callable
 import torch
 
 from aitune.errors import ConfigError
-from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, Requirement, _to_jsonable
+from aitune.torch.backend.base import (
+    Backend,
+    BackendConfig,
+    BuildMode,
+    Check,
+    Requirement,
+    _to_jsonable,
+    validate_flags,
+)
 from aitune.torch.backend.inductor_jit import COMPILE_MODES, clone_output, graph_break_count, uses_cuda_graphs
 
 logger = logging.getLogger(__name__)
@@ -168,11 +176,7 @@ class TorchAOBackendConfig(BackendConfig):
             raise ConfigError(f"filter_fn must be callable (module, name) -> bool, got {self.filter_fn!r}")
         if self.mode is not None and self.mode not in COMPILE_MODES:
             raise ConfigError(f"mode must be one of {COMPILE_MODES} or None, got {self.mode!r}")
-        for name in ("fullgraph", "compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.dynamic is not None and not isinstance(self.dynamic, bool):
-            raise ConfigError(f"dynamic must be True, False or None, got {self.dynamic!r}")
+        validate_flags(self, ("fullgraph", "compile"))
 
     @staticmethod
     def _config_from_data(data: dict):

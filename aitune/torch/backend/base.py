@@ -107,6 +107,28 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def check_requirements(requirements) -> Check:
+    """All ``requirements`` importable and new enough? The first failing one's reason, else their versions."""
+    versions: dict[str, str] = {}
+    for requirement in requirements:
+        check = probe_requirement(requirement)
+        if not check.ok:
+            return Check(False, check.reason, versions)
+        versions.update(check.versions)
+    return Check(True, "", versions)
+
+
+def validate_flags(config, bool_fields: tuple[str, ...], optional_bool_fields: tuple[str, ...] = ("dynamic",)) -> None:
+    """Raise ConfigError unless each of ``bool_fields`` is a bool and each optional one is a bool or None."""
+    for name in bool_fields:
+        if not isinstance(getattr(config, name), bool):
+            raise ConfigError(f"{name} must be a bool, got {getattr(config, name)!r}")
+    for name in optional_bool_fields:
+        value = getattr(config, name)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True, False or None, got {value!r}")
+
+
 def torch_version_at_least(version: str) -> bool:
     return _version_tuple(torch.__version__) >= _version_tuple(version)
 
@@ -286,13 +308,7 @@ class Backend:
     @classmethod
     def availability(cls) -> Check:
         """Are the optional packages importable, at what version. Cached, silent, no side effects."""
-        versions: dict[str, str] = {}
-        for requirement in cls.requirements:
-            check = probe_requirement(requirement)
-            if not check.ok:
-                return Check(False, check.reason, versions)
-            versions.update(check.versions)
-        return Check(True, "", versions)
+        return check_requirements(cls.requirements)
 
     def supports(self, module: torch.nn.Module, graph, device: torch.device) -> Check:
         """Can this backend build ``module`` for ``graph`` on ``device``? Checked before any build."""

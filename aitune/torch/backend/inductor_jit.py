@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from aitune.errors import ConfigError
-from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
+from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype, validate_flags
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.pytree import tree_flatten, tree_unflatten
 
@@ -63,11 +63,7 @@ class TorchInductorJitBackendConfig(BackendConfig):
             raise ConfigError("torch.compile takes either mode or options, not both: drop one of them")
         if self.options is not None and not isinstance(self.options, dict):
             raise ConfigError(f"options must be a dict of Inductor options, got {type(self.options).__name__}")
-        for name in ("fullgraph", "autocast_enabled"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.dynamic is not None and not isinstance(self.dynamic, bool):
-            raise ConfigError(f"dynamic must be True, False or None, got {self.dynamic!r}")
+        validate_flags(self, ("fullgraph", "autocast_enabled"))
         self.autocast_dtype = parse_dtype(self.autocast_dtype, "autocast_dtype")
 
 

@@ -23,7 +23,15 @@ from typing import Any, ClassVar
 import torch
 
 from aitune.errors import CheckpointError, ConfigError
-from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, Requirement, parse_dtype
+from aitune.torch.backend.base import (
+    Backend,
+    BackendConfig,
+    BuildMode,
+    Check,
+    Requirement,
+    parse_dtype,
+    validate_flags,
+)
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.backend.flat import FlatIO, eager_output
 from aitune.torch.samples import BATCH
@@ -228,11 +236,7 @@ class TorchTensorRTJitBackendConfig(_NestedDescribe, BackendConfig):
 
     def validate(self) -> None:
         self.compile_config = _compile_config(self.compile_config)
-        for name in ("fullgraph", "autocast_enabled"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.dynamic is not None and not isinstance(self.dynamic, bool):
-            raise ConfigError(f"dynamic must be True, False or None, got {self.dynamic!r}")
+        validate_flags(self, ("fullgraph", "autocast_enabled"))
         self.autocast_dtype = parse_dtype(self.autocast_dtype, "autocast_dtype")
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.attention
 
 from aitune.errors import ConfigError
-from aitune.torch.backend.base import Check, Requirement, probe_requirement
+from aitune.torch.backend.base import Check, Requirement, check_requirements
 
 logger = logging.getLogger(__name__)
 
@@ -207,13 +207,7 @@ class KernelProvider:
     @classmethod
     def availability(cls) -> Check:
         """Are the optional packages importable (cheap, silent, cached)?"""
-        versions: dict[str, str] = {}
-        for requirement in cls.requirements:
-            check = probe_requirement(requirement)
-            if not check.ok:
-                return check
-            versions.update(check.versions)
-        return Check(True, "", versions)
+        return check_requirements(cls.requirements)
 
     def check_device(self, device: torch.device | str) -> Check:
         """Can this provider run on ``device`` at all (device type, compute capability)?"""
