@@ -7,7 +7,7 @@ import torch
 
 import aitune.torch as ait
 from aitune.errors import BackendBuildError, ConfigError, ToleranceExceededError, TuningError
-from aitune.torch.backend import TorchEagerBackend, TorchInductorJitBackend
+from aitune.torch.backend import BuildMode, TorchEagerBackend, TorchInductorJitBackend
 
 
 class OffByOneBackend(TorchEagerBackend):
@@ -134,3 +134,38 @@ def test_unavailable_backend_is_a_row_not_a_crash(fast_profiling):
     row = report.rows[0]
     assert row.status in ("unavailable", "unsupported") and row.reason
     assert report.graphs[0].selected.startswith("TorchEagerBackend")
+
+
+class UnloadableAotBackend(TorchEagerBackend):
+    """Declares AOT but its artifact cannot be loaded back (case C23)."""
+
+    name = "test_unloadable_aot"
+    build_mode = BuildMode.AOT
+
+    def _load(self, directory, metadata, module, graph, device):
+        raise RuntimeError("argument type mismatch in the saved artifact")
+
+
+class DriftingAotBackend(TorchEagerBackend):
+    """Declares AOT; the loaded artifact computes something else than the built one (case C23)."""
+
+    name = "test_drifting_aot"
+    build_mode = BuildMode.AOT
+
+    def _load(self, directory, metadata, module, graph, device):
+        self._callable = lambda input: torch.zeros(input.shape[0], 4)  # loads fine, computes something else
+
+
+def test_aot_candidates_must_round_trip_before_selection(fast_profiling):
+    strategy = ait.MaxThroughputStrategy([UnloadableAotBackend(), DriftingAotBackend()],
+                                         profiling_config=fast_profiling)
+    wrapped, model, report = _tune(strategy)
+    rows = {row.backend: row for row in report.rows}
+    assert rows["test_unloadable_aot"].status == "failed"
+    assert rows["test_unloadable_aot"].reason.startswith("not saveable") and "argument type mismatch" in \
+        rows["test_unloadable_aot"].reason
+    assert rows["test_drifting_aot"].status == "failed" and "not saveable" in rows["test_drifting_aot"].reason
+    assert "ToleranceExceededError" in rows["test_drifting_aot"].reason
+    assert rows["eager"].status == "selected"
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(wrapped(x), model(x))

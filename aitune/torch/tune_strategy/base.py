@@ -209,6 +209,16 @@ class TuneStrategy:
                 if raise_errors:
                     raise
                 return Candidate(None, row)
+        if backend.build_mode is BuildMode.AOT and not row.cached:
+            try:
+                verify_round_trip(backend, context)
+            except Exception as exc:  # noqa: BLE001 - case C23: not saveable means not selectable
+                row.status, row.reason = FAILED, "not saveable: " + _reason(exc)
+                logger.info("  %-28s failed: %s", blueprint.describe()[:28], row.reason)
+                backend.deactivate()
+                if raise_errors:
+                    raise
+                return Candidate(None, row)
         result = Candidate(backend, row)
         if measure_it:
             try:
@@ -333,6 +343,29 @@ def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tole
             except CorrectnessError as exc:
                 raise type(exc)(f"input mutation not preserved: {exc}") from exc
     return comparator.result()
+
+
+def verify_round_trip(backend: Backend, context: GraphContext) -> None:
+    """Save an AOT backend's artifact, load it back without the module and compare one output (case C23).
+
+    The loaded copy must reproduce the built backend's output on the first sample within 1e-6 (abs and
+    rel); the copy is then dropped. Raises whatever save/load raise, or ToleranceExceededError.
+    """
+    import tempfile
+
+    sample = context.graph.samples[0]
+    with tempfile.TemporaryDirectory(prefix="aitune-roundtrip-") as directory:
+        metadata = backend.save(Path(directory))
+        restored = type(backend).from_checkpoint(Path(directory), backend.config, metadata, None, context.graph,
+                                                 context.device)
+        with torch.no_grad():
+            inputs = sample.clone()
+            expected = clone_tree(backend.infer(*inputs.args, **inputs.kwargs))
+            inputs = sample.clone()
+            actual = restored.infer(*inputs.args, **inputs.kwargs)
+        restored.deactivate()
+    OutputComparator(Tolerance(atol=1e-6, rtol=1e-6, low_precision_atol=1e-6, low_precision_rtol=1e-6)).compare(
+        expected, actual)
 
 
 def measure_backend(backend: Backend, context: GraphContext, config: ProfilingConfig) -> Measurement:
