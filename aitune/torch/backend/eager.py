@@ -84,6 +84,7 @@ class TorchEagerBackend(AutocastMixin, Backend):
     config_class = TorchEagerBackendConfig
     build_mode = BuildMode.JIT
     rank = 0
+    _graphs = None  # CUDAGraphRunner when use_cuda_graphs
 
     def _supports(self, module, graph, device) -> Check:
         if self.config.use_cuda_graphs and device.type != "cuda":
