@@ -100,8 +100,11 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
             if not isinstance(module, Module):
                 raise ConfigError(f"modules must hold aitune.torch.Module wrappers, got {type(module).__name__}")
     if not targets:
+        tuned = [m.name for m in registered_modules() if m.state is ModuleState.TUNED]
+        hint = (f"; already tuned modules ({', '.join(tuned)}) do not record again — call "
+                "module.enable_recording(force=True) to tune them anew") if tuned else ""
         raise ConfigError("no aitune.torch.Module was called while running func over the dataset: wrap the "
-                          "module(s) to tune with ait.Module(...) (or ait.wrap) and make func call them")
+                          "module(s) to tune with ait.Module(...) (or ait.wrap) and make func call them" + hint)
 
     root = Path(cache_dir_path).expanduser() if cache_dir_path else cache_dir()
     report = TuneReport(environment=environment())
