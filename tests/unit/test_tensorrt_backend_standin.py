@@ -21,7 +21,7 @@ import pytest
 import torch
 
 pytest.importorskip("onnxruntime")
-pytest.importorskip("modelopt.onnx", reason="nvidia-modelopt[onnx] not installed — pip install 'aitune[tensorrt]'")
+pytest.importorskip("modelopt.onnx", reason="nvidia-modelopt's ONNX tools not importable — pip install 'aitune[modelopt]'", exc_type=ImportError)
 
 import fake_tensorrt  # noqa: E402
 from aitune.torch.backend import ONNXAutoCastConfig, TensorRTBackend, TensorRTBackendConfig  # noqa: E402

@@ -8,7 +8,7 @@ eager PyTorch. Skipped (with the reason) where ModelOpt or ONNX Runtime is not i
 import pytest
 import torch
 
-pytest.importorskip("modelopt.onnx", reason="nvidia-modelopt[onnx] not installed — pip install 'aitune[tensorrt]'")
+pytest.importorskip("modelopt.onnx", reason="nvidia-modelopt's ONNX tools not importable — pip install 'aitune[modelopt]'", exc_type=ImportError)
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
