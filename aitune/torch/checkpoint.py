@@ -867,6 +867,7 @@ class _ModulePlan:
     dispatch: dict = dataclasses.field(default_factory=dict)
     wrapper: Any = None
     differences: list = dataclasses.field(default_factory=list)
+    eager_fallback_error: str | None = None
 
 
 class _ExtractedFiles:
@@ -1086,6 +1087,42 @@ def _restore_module(plan: _ModulePlan, files: _ExtractedFiles) -> None:
         backend._checkpoint_files = files  # keeps the extracted artifacts while the backend lives
         backend.build_info.update({"restored_from_checkpoint": True})
         plan.dispatch[graph.key] = (graph, backend)
+    if not entry.get("weights"):
+        plan.eager_fallback_error = _eager_fallback_problem(module, plan)
+
+
+def _eager_fallback_problem(module: torch.nn.Module, plan: "_ModulePlan") -> str | None:
+    """Can calls an AOT artifact does not take (other shapes, untuned structures) still run eagerly?
+
+    The checkpoint holds no weights for an AOT-only module, so eager fallback runs ``module`` with the weights
+    it was given. NOTE [eager fallback after load]: we run it once per graph on a recorded sample and compare
+    with the artifact; if they disagree (random or missing weights) fallback would be silently wrong, so the
+    wrapper refuses such calls with this reason instead.
+    """
+    from aitune.torch.correctness import OutputComparator
+    from aitune.torch.samples import clone_tree
+
+    if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+        return (f"{plan.name} was loaded from an AOT checkpoint into a module without weights (meta tensors), so "
+                "calls its artifacts do not take cannot run eagerly; load into a module with its real weights "
+                "(e.g. from_pretrained) to allow that")
+    for graph, backend in plan.dispatch.values():
+        if not graph.samples:
+            continue
+        try:
+            with torch.no_grad():
+                inputs = graph.samples[0].clone()
+                expected = clone_tree(backend.infer(*inputs.args, **inputs.kwargs))
+                inputs = graph.samples[0].clone()
+                actual = module(*inputs.args, **inputs.kwargs)
+            OutputComparator(quantized=backend.is_quantizing,
+                             low_precision=bool(getattr(backend, "low_precision", False))).compare(expected, actual)
+        except Exception as exc:  # noqa: BLE001
+            return (f"the module passed to ait.load does not reproduce {plan.name}/{graph.name}'s tuned outputs "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}) — its weights differ from the tuned "
+                    "ones — so calls the AOT artifacts do not take cannot fall back to eager; load into the model "
+                    "with its real weights")
+    return None
 
 
 def _restore_graph(entry: dict, root: Path, device: torch.device, module_name: str, module: torch.nn.Module):
@@ -1189,6 +1226,7 @@ def _install(root: Any, plan: _ModulePlan) -> Any:
             _set_step(parent, alias[-1], wrapper)
     wrapper._self_recorder.graphs = {graph.key: graph for graph, _ in plan.dispatch.values()}
     wrapper._set_tuned(dict(plan.dispatch))
+    wrapper._self_eager_fallback_error = plan.eager_fallback_error
     wrapper._self_tune_rows = {g.entry["name"]: g.entry.get("tune_row") for g in plan.graphs if g.entry.get("tune_row")}
     plan.wrapper = wrapper
     return root

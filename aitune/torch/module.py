@@ -84,6 +84,7 @@ class Module(wrapt.ObjectProxy):
         self._self_fast_dispatch: dict = {}
         self._self_warned: set = set()
         self._self_error: str | None = None
+        self._self_eager_fallback_error: str | None = None  # set by ait.load when eager would be wrong
         _REGISTRY[self._self_id] = self
 
     # ---- properties (on the proxy, not forwarded)
@@ -215,6 +216,10 @@ class Module(wrapt.ObjectProxy):
         return self._call_eager(args, kwargs)
 
     def _call_eager(self, args, kwargs):
+        if self._self_eager_fallback_error is not None:
+            from aitune.errors import BackendRuntimeError
+
+            raise BackendRuntimeError(self._self_eager_fallback_error)
         with torch.no_grad():
             return self.__wrapped__(*args, **kwargs)
 

@@ -567,3 +567,34 @@ def test_a_wrapped_submodule_is_wrapped_again_in_its_parent(tmp_path):
     with torch.no_grad():
         fresh.scale.fill_(2.0)  # not part of the checkpoint: only the wrapped module's weights are stored
         torch.testing.assert_close(fresh(features), expected, rtol=0, atol=0)
+
+
+@needs_aot
+def test_aot_load_never_falls_back_to_eager_with_wrong_weights(aot_checkpoint):
+    """A call outside the artifacts' range must not run eager with weights other than the tuned ones
+    (found by trying the README as a new user: batch 16 silently differed by ~1.0)."""
+    from aitune.errors import BackendRuntimeError
+
+    outside = models.make_batch(9, 6, 5)  # batch 9 > recorded max 4: the artifacts do not take it
+    tuned = aot_checkpoint.pipe
+    with torch.no_grad():
+        reference = tuned.mlp.module(outside[1])  # the tuned pipeline's own weights, run eagerly
+
+    other = ait.load(models.Pipeline(seed=77), aot_checkpoint.path)  # different random weights
+    with torch.no_grad():
+        inside = other(models.probe())  # in range: the artifacts run, so values are the tuned ones
+        for key, value in models.flatten_outputs(inside).items():
+            torch.testing.assert_close(value, aot_checkpoint.expected[key], atol=1e-5, rtol=1e-5)
+        with pytest.raises(BackendRuntimeError, match="weights differ"):
+            other.mlp(outside[1])
+
+    same = models.Pipeline(seed=0)  # the weights it was tuned with: fallback is correct and allowed
+    loaded = ait.load(same, aot_checkpoint.path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.mlp(outside[1]), reference)
+
+    with torch.device("meta"):
+        empty = models.Pipeline(seed=1)
+    ait.load(empty, aot_checkpoint.path)
+    with pytest.raises(BackendRuntimeError, match="without weights"):
+        empty.mlp(outside[1])

@@ -47,3 +47,10 @@ def test_profiling_config_validation():
         ProfilingConfig(min_rounds=0)
     with pytest.raises(ConfigError):
         ProfilingConfig(time_budget_s=-1)
+
+
+def test_noisy_figures_are_flagged():
+    from aitune.torch.tune_strategy.base import noise_note
+
+    assert noise_note(_measurement(1.0, noise=0.02)) == ""
+    assert "noisy measurement (±20%)" in noise_note(_measurement(1.0, noise=0.2))

@@ -232,7 +232,7 @@ class TuneStrategy:
             eager = self.eager_baseline(context)
             if eager is not None and eager.throughput > 0:
                 row.speedup = result.measurement.throughput / eager.throughput
-        row.reason = build_notes(row.details)
+        row.reason = "; ".join(filter(None, [build_notes(row.details), noise_note(result.measurement)]))
         logger.info("  %-28s passed%s", blueprint.describe()[:28],
                     f" ({row.speedup:.2f}x eager)" if row.speedup is not None else "")
         return result
@@ -255,7 +255,8 @@ class TuneStrategy:
         measurement = context.eager_measurement
         row = CandidateResult(module=context.module_name, graph=context.graph.name, backend=blueprint.name,
                               description=blueprint.describe(), build_s=backend.build_info.get("build_s"),
-                              measurement=measurement.to_dict(), speedup=1.0, reason="baseline")
+                              measurement=measurement.to_dict(), speedup=1.0,
+                              reason="; ".join(filter(None, ["baseline", noise_note(measurement)])))
         return Candidate(backend, row, measurement)
 
     # ---- selection helpers
@@ -286,6 +287,16 @@ class TuneStrategy:
         for candidate in candidates:
             if candidate is not chosen and candidate.backend is not None:
                 candidate.backend.deactivate()
+
+
+NOISY = 0.10  # relative noise above which a row says its figures are unreliable
+
+
+def noise_note(measurement: Measurement | None) -> str:
+    """A warning for figures too noisy to trust (another process busy on the machine, frequency changes)."""
+    if measurement is None or measurement.noise <= NOISY:
+        return ""
+    return f"noisy measurement (±{measurement.noise:.0%}): other load on the machine? re-run to confirm"
 
 
 def build_notes(details: dict) -> str:
