@@ -2,14 +2,13 @@
 (eager and Inductor JIT). Invariants U1-U4 are checked in each; U5: no test asserts that a backend fails."""
 
 import copy
-from dataclasses import dataclass
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import aitune.torch as ait
+from case_models import Detector, HeadOut, PairScore, Ranker
 from aitune.torch.backend import TorchInductorJitBackend
 
 
@@ -36,24 +35,6 @@ def no_failure_escaped(report):
             assert row.reason  # U1: a one-line reason naming the cause
 
 
-@dataclass
-class HeadOut:
-    boxes: torch.Tensor
-    scores: torch.Tensor
-    extra: dict
-
-
-class Detector(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(32, 12)
-
-    def forward(self, x):
-        y = self.fc(x)
-        return HeadOut(boxes=y[:, :4], scores=y[:, 4].sigmoid(),
-                       extra={"logits": y, "stats": (y.amax(-1), y.mean(-1))})
-
-
 def test_c04_structured_outputs(strategy):
     model = Detector().eval()
     tuned = ait.Module(model, "detector", strategy=strategy)
@@ -66,21 +47,6 @@ def test_c04_structured_outputs(strategy):
     torch.testing.assert_close(out.boxes, expected.boxes)
     torch.testing.assert_close(out.extra["stats"][1], expected.extra["stats"][1])
     assert_untouched(model, before)
-
-
-class Ranker(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(1000, 32)
-        self.out = nn.Linear(32, 1)
-
-    def forward(self, *, input_ids, attention_mask=None, **extra):
-        h = self.emb(input_ids)
-        if attention_mask is not None:
-            h = h * attention_mask.unsqueeze(-1).to(h.dtype)
-        if "bias" in extra:
-            h = h + extra["bias"]
-        return self.out(h.mean(1))
 
 
 def test_c05_keyword_only_and_extra_kwargs(strategy):
@@ -214,15 +180,6 @@ def test_c15_zero_size_inputs(strategy):
             tuned(bad)
     else:
         torch.testing.assert_close(tuned(bad), expected, equal_nan=True)
-
-
-class PairScore(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(3, 4))
-
-    def forward(self, m):
-        return (m * self.w).sum(-1).softmax(-1)
 
 
 def test_c16_non_contiguous_inputs(strategy, fast_profiling):

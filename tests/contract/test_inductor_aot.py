@@ -7,7 +7,6 @@ crashes or hangs for real (no compile).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -18,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from aitune.errors import BackendBuildError, ConfigError
 from aitune.torch.backend import BackendConfig, BackendState, BuildMode, TorchInductorAotBackend
 from aitune.torch.backend.inductor_aot import TorchInductorAotBackendConfig
 from aitune.torch.correctness import OutputComparator
 from aitune.torch.samples import BatchDim, record_graphs
+from case_models import FlattenHead, MaskedPool, PairScore, Pooled
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,47 +32,6 @@ pytestmark = pytest.mark.skipif(not TorchInductorAotBackend.availability().ok,
 
 
 # ---------------------------------------------------------------------------------------------- models
-
-
-class FlattenHead(nn.Module):  # case C02
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.fc = nn.Linear(8 * 16 * 16, 10)
-
-    def forward(self, x):
-        y = self.conv(x)
-        return self.fc(y.reshape(y.shape[0], -1))
-
-
-@dataclasses.dataclass
-class HeadOutput:  # case C04: a dataclass output with a constant leaf
-    logits: torch.Tensor
-    features: torch.Tensor
-    temperature: float
-
-
-class DataclassHead(nn.Module):
-    """tokens [B, T, 8] and mask [B, T] -> HeadOutput(logits [B, 4], features [B, T, 16], temperature)."""
-
-    def __init__(self):
-        super().__init__()
-        self.encode = nn.Linear(8, 16)
-        self.classify = nn.Linear(16, 4)
-
-    def forward(self, tokens, mask):
-        features = torch.relu(self.encode(tokens)) * mask.unsqueeze(-1)
-        pooled = features.sum(1) / mask.sum(1, keepdim=True).clamp_min(1.0)
-        return HeadOutput(logits=self.classify(pooled), features=features, temperature=0.5)
-
-
-class PairScore(nn.Module):  # case C16
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(3, 4))
-
-    def forward(self, m):
-        return (m * self.w).sum(-1).softmax(-1)
 
 
 def head_inputs(batch: int, length: int, seed: int = 0):
@@ -172,7 +130,7 @@ def test_c02_build_leaves_module_and_samples_unchanged(flatten_head_build):
 @pytest.fixture(scope="module")
 def dataclass_head_build(tmp_path_factory):
     torch.manual_seed(0)
-    module = DataclassHead().eval()
+    module = MaskedPool().eval()
     calls = [(head_inputs(2, 5, seed=1), {}), (head_inputs(4, 9, seed=2), {}), (head_inputs(3, 7, seed=3), {})]
     graph = record_graphs(module, calls)[0]
     backend = TorchInductorAotBackend().build(module, graph, "cpu", tmp_path_factory.mktemp("c04"))
@@ -188,7 +146,7 @@ def test_c04_dataclass_output_on_samples_and_unseen_shapes(dataclass_head_build)
         tokens, mask = head_inputs(batch, length, seed=batch * 10 + length)
         assert backend.accepts(leaves_of(tokens, mask))
         out = assert_matches_eager(module, backend, (tokens, mask))
-        assert isinstance(out, HeadOutput) and out.temperature == 0.5
+        assert isinstance(out, Pooled) and out.temperature == 0.5
         assert out.features.shape == (batch, length, 16)
     tokens, mask = head_inputs(5, 6)
     assert not backend.accepts(leaves_of(tokens, mask))            # batch beyond the recorded range
@@ -230,15 +188,15 @@ def test_save_then_load_in_fresh_process(dataclass_head_build, tmp_path):
     (directory / "saved.json").write_text(json.dumps({"config": backend.config.to_dict(), "metadata": metadata}))
     tokens, mask = head_inputs(3, 8, seed=7)
     save_file({"tokens": tokens, "mask": mask}, str(directory / "inputs.safetensors"))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(Path(__file__).parent)]))
-    completed = subprocess.run([sys.executable, "-c", FRESH_PROCESS_SCRIPT, str(directory), HeadOutput.__module__],
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(Path(__file__).resolve().parents[1])]))
+    completed = subprocess.run([sys.executable, "-c", FRESH_PROCESS_SCRIPT, str(directory), Pooled.__module__],
                                env=env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads((directory / "result.json").read_text())
-    assert result["type"] == "HeadOutput" and result["temperature"] == 0.5
+    assert result["type"] == "Pooled" and result["temperature"] == 0.5
     assert result["accepts_out_of_range"] is False
     outputs = load_file(str(directory / "outputs.safetensors"))
-    loaded_output = HeadOutput(logits=outputs["logits"], features=outputs["features"],
+    loaded_output = Pooled(logits=outputs["logits"], features=outputs["features"],
                                temperature=result["temperature"])
     with torch.no_grad():
         expected = module(tokens.clone(), mask.clone())

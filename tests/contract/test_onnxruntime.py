@@ -7,7 +7,6 @@ refused), C28 sub-check A (CUDA EP requested on a CPU-only onnxruntime), save ->
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from aitune.errors import BackendBuildError, BackendRuntimeError, ConfigError
@@ -32,58 +30,16 @@ from aitune.torch.backend import (
 from aitune.torch.correctness import OutputComparator
 from aitune.torch.pytree import tree_flatten
 from aitune.torch.samples import record_graphs
+from case_models import Detector, HeadOut, Ranker, SplitHeads
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(not ONNXRuntimeBackend.availability().ok,
                                 reason=ONNXRuntimeBackend.availability().reason)
 
 
 # ---------------------------------------------------------------------------------------------- models
-
-
-class SplitHeads(nn.Module):  # case C03: Python-int sizes become constants when traced
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(64, 64)
-
-    def forward(self, x):  # x: [B, T, 64]
-        b, t = int(x.shape[0]), int(x.shape[1])
-        h = self.proj(x).view(b, t, 4, 16).transpose(1, 2)
-        return F.scaled_dot_product_attention(h, h, h).reshape(b, 4, t * 16)
-
-
-@dataclasses.dataclass
-class HeadOut:  # case C04
-    boxes: torch.Tensor
-    scores: torch.Tensor
-    extra: dict
-
-
-class Detector(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(32, 12)
-
-    def forward(self, x):
-        y = self.fc(x)
-        return HeadOut(boxes=y[:, :4], scores=y[:, 4].sigmoid(),
-                       extra={"logits": y, "stats": (y.amax(-1), y.mean(-1))})
-
-
-class Ranker(nn.Module):  # case C05
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(1000, 32)
-        self.out = nn.Linear(32, 1)
-
-    def forward(self, *, input_ids, attention_mask=None, **extra):
-        h = self.emb(input_ids)
-        if attention_mask is not None:
-            h = h * attention_mask.unsqueeze(-1).to(h.dtype)
-        if "bias" in extra:
-            h = h + extra["bias"]
-        return self.out(h.mean(1))
 
 
 def canonical_leaves(module, args=(), kwargs=None) -> list:
@@ -379,7 +335,7 @@ def test_save_then_load_in_fresh_process(detector_build, tmp_path):
     x = torch.randn(3, 32)
     save_file({"x": x}, str(directory / "inputs.safetensors"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO_ROOT), str(Path(__file__).parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        [str(REPO_ROOT), str(TESTS)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                        if p]))
     completed = subprocess.run([sys.executable, "-c", FRESH_PROCESS_SCRIPT, str(directory), HeadOut.__module__], env=env,
                                capture_output=True, text=True, timeout=300)

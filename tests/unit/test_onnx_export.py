@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from aitune.torch.serialization import tree_spec_to_json as spec_to_json
 from aitune.torch.correctness import OutputComparator
 from aitune.torch.pytree import tree_flatten
 from aitune.torch.samples import BatchDim, record_graphs
+from case_models import FlattenHead, MaskedPool, Pooled
 
 onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")
@@ -24,38 +24,6 @@ pytest.importorskip("onnxscript")
 
 
 # ---------------------------------------------------------------------------------------------- models
-
-
-@dataclasses.dataclass
-class Pooled:
-    logits: torch.Tensor
-    features: torch.Tensor
-    temperature: float
-
-
-class MaskedPool(nn.Module):
-    """tokens [B, T, 8] and mask [B, T] -> Pooled(logits [B, 4], features [B, T, 16], temperature)."""
-
-    def __init__(self):
-        super().__init__()
-        self.encode = nn.Linear(8, 16)
-        self.classify = nn.Linear(16, 4)
-
-    def forward(self, tokens, mask):
-        features = torch.relu(self.encode(tokens)) * mask.unsqueeze(-1)
-        pooled = features.sum(1) / mask.sum(1, keepdim=True).clamp_min(1.0)
-        return Pooled(logits=self.classify(pooled), features=features, temperature=0.5)
-
-
-class FlattenHead(nn.Module):  # case C02
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.fc = nn.Linear(8 * 16 * 16, 10)
-
-    def forward(self, x):
-        y = self.conv(x)
-        return self.fc(y.reshape(y.shape[0], -1))
 
 
 class NumpySin(torch.autograd.Function):

@@ -1,0 +1,112 @@
+"""Small models from ../shared/cases/CASES.md (our own code), shared by the case, contract and unit tests.
+
+Defined at module level in an importable module so checkpoints can name their output types and a fresh
+process can import them before loading (aitune never imports a type by name itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FlattenHead(nn.Module):
+    """Case C02: a batch-1 sample must not pin the batch axis. x [B, 3, 16, 16] -> [B, 10]."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 16 * 16, 10)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.fc(y.reshape(y.shape[0], -1))
+
+
+class SplitHeads(nn.Module):
+    """Case C03: Python-int sizes become constants when traced. x [B, T, 64] -> [B, 4, T * 16]."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x):
+        b, t = int(x.shape[0]), int(x.shape[1])
+        h = self.proj(x).view(b, t, 4, 16).transpose(1, 2)
+        return F.scaled_dot_product_attention(h, h, h).reshape(b, 4, t * 16)
+
+
+@dataclasses.dataclass
+class HeadOut:
+    """Case C04: a dataclass output holding a dict with a nested tuple."""
+
+    boxes: torch.Tensor
+    scores: torch.Tensor
+    extra: dict
+
+
+class Detector(nn.Module):
+    """Case C04. x [B, 32] -> HeadOut(boxes [B, 4], scores [B], extra={logits [B, 12], stats ([B], [B])})."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 12)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return HeadOut(boxes=y[:, :4], scores=y[:, 4].sigmoid(),
+                       extra={"logits": y, "stats": (y.amax(-1), y.mean(-1))})
+
+
+@dataclasses.dataclass
+class Pooled:
+    """A dataclass output with a float constant leaf (case C04 variant)."""
+
+    logits: torch.Tensor
+    features: torch.Tensor
+    temperature: float
+
+
+class MaskedPool(nn.Module):
+    """tokens [B, T, 8] and mask [B, T] -> Pooled(logits [B, 4], features [B, T, 16], temperature 0.5)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode = nn.Linear(8, 16)
+        self.classify = nn.Linear(16, 4)
+
+    def forward(self, tokens, mask):
+        features = torch.relu(self.encode(tokens)) * mask.unsqueeze(-1)
+        pooled = features.sum(1) / mask.sum(1, keepdim=True).clamp_min(1.0)
+        return Pooled(logits=self.classify(pooled), features=features, temperature=0.5)
+
+
+class Ranker(nn.Module):
+    """Case C05: keyword-only forward and **extra. input_ids [B, T] int64 -> [B, 1]."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 32)
+        self.out = nn.Linear(32, 1)
+
+    def forward(self, *, input_ids, attention_mask=None, **extra):
+        h = self.emb(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1).to(h.dtype)
+        if "bias" in extra:
+            h = h + extra["bias"]
+        return self.out(h.mean(1))
+
+
+class PairScore(nn.Module):
+    """Case C16: strides matter. m [N, 3, 4] -> [N, 3]."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, m):
+        return (m * self.w).sum(-1).softmax(-1)
