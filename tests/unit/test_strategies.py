@@ -169,3 +169,10 @@ def test_aot_candidates_must_round_trip_before_selection(fast_profiling):
     assert rows["eager"].status == "selected"
     x = torch.randn(2, 16)
     torch.testing.assert_close(wrapped(x), model(x))
+
+
+def test_failed_build_log_holds_the_traceback(fast_profiling):
+    _, _, report = _tune(ait.MaxThroughputStrategy([CrashingBackend()], profiling_config=fast_profiling))
+    row = [r for r in report.rows if r.backend == "test_crashing"][0]
+    log = open(row.log_path).read()
+    assert "Traceback" in log and "aten::weird_op" in log

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import logging
 import time
+import traceback
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -354,16 +355,18 @@ class Backend:
         package_logger = logging.getLogger("aitune")
         package_logger.addHandler(handler)
         started = time.perf_counter()
+        handler.stream.write(f"aitune: building {self.describe()} for {getattr(graph, 'name', '?')} on "
+                             f"{self.device} (torch {torch.__version__})\n")
         try:
-            logger.debug("building %s for %s on %s", self.describe(), getattr(graph, "name", "?"), self.device)
             with torch.no_grad():
                 self._build(module, graph, self.device, self.workdir)
         except BackendBuildError as exc:
             exc.log_path = exc.log_path or log_path
-            logger.debug("build failed", exc_info=True)
+            handler.stream.write("aitune: build failed\n" + traceback.format_exc())
             raise
         except Exception as exc:  # noqa: BLE001 - translated at the boundary, cause chained
-            logger.debug("build failed", exc_info=True)
+            # The full traceback always lands in build.log, whatever the user's logging levels.
+            handler.stream.write("aitune: build failed\n" + traceback.format_exc())
             raise BackendBuildError(f"{self.name}: {one_line(exc)}", backend=self.name,
                                     config_key=self.config.key(), log_path=log_path) from exc
         finally:
