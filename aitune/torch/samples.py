@@ -193,10 +193,6 @@ class Sample:
     kwargs: dict
     batch_size: int | None = None
 
-    @property
-    def inputs(self) -> tuple[tuple, dict]:
-        return (self.args, self.kwargs)
-
     def leaves(self) -> list[Any]:
         return tree_flatten((self.args, self.kwargs))[0]
 
@@ -294,7 +290,8 @@ class GraphSpec:
                 self.constants[path] = leaf
         self.samples: list[Sample] = []
         self.num_calls = 0
-        self._size_history: list[tuple[int | None, list[list[int]]]] = []
+        # Distinct (batch size, tensor shapes) seen: bounded by the distinct shapes, not by the call count.
+        self._size_history: set[tuple[int | None, tuple[tuple[int, ...], ...]]] = set()
         self.output_spec: TreeSpec | None = None
         self.mutated_inputs: list[str] = []
         self.training: bool | None = None
@@ -321,7 +318,10 @@ class GraphSpec:
         """Merge one call's shapes into the specs and keep the sample if its shapes are new/extreme."""
         self.num_calls += 1
         shapes = [list(leaves[spec.leaf_index].shape) for spec in self.tensor_specs]
-        self._size_history.append((sample.batch_size, shapes))
+        entry = (sample.batch_size, tuple(tuple(shape) for shape in shapes))
+        if entry in self._size_history:
+            return  # these shapes were merged (and a sample of them kept) before
+        self._size_history.add(entry)
         extends_range = False
         for spec, shape in zip(self.tensor_specs, shapes):
             for axis, size in enumerate(shape):
