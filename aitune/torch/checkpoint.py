@@ -1201,8 +1201,9 @@ def _load_weights(module: torch.nn.Module, file: Path, aliases: dict, plan: _Mod
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else ""
+    """The message's first meaningful lines (load_state_dict puts the useful part on the second)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return " ".join(lines[:3])[:400]
 
 
 def _install(root: Any, plan: _ModulePlan) -> Any:
@@ -1211,6 +1212,10 @@ def _install(root: Any, plan: _ModulePlan) -> Any:
 
     entry = plan.entry
     wrapper = plan.target
+    if isinstance(wrapper, Module) and entry.get("name") and wrapper.name != entry["name"]:
+        logger.warning("aitune.load: the checkpoint's module %r is loaded into the wrapper named %r (found at the "
+                       "same place in the model); check that this is the module you meant", entry["name"],
+                       wrapper.name)
     if not isinstance(wrapper, Module):
         wrapper = Module(plan.target, name=entry.get("name"), max_samples=int(entry.get("max_samples", 8)))
         if plan.parent is None:

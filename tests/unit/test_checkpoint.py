@@ -598,3 +598,23 @@ def test_aot_load_never_falls_back_to_eager_with_wrong_weights(aot_checkpoint):
     ait.load(empty, aot_checkpoint.path)
     with pytest.raises(BackendRuntimeError, match="without weights"):
         empty.mlp(outside[1])
+
+
+def test_load_names_mismatches_clearly(eager_checkpoint, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        loaded = ait.load(ait.Module(models.Encoder().eval(), "renamed"), eager_checkpoint.path)
+    assert loaded.state is ait.ModuleState.TUNED
+    assert any("'encoder'" in r.message and "'renamed'" in r.message for r in caplog.records)
+
+    class Wider(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 32)
+
+        def forward(self, tokens, mask, pooling="mean", scale=1.0):
+            return self.proj(tokens)
+
+    with pytest.raises(CheckpointError, match=r"Missing key\(s\) in state_dict: \"proj.weight\""):
+        ait.load(ait.Module(Wider(), "encoder"), eager_checkpoint.path)
