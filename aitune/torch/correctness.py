@@ -179,6 +179,8 @@ class OutputComparator:
             return
         leaf_dtype = expected.dtype
         expected, actual = expected.detach().cpu(), actual.detach().cpu()
+        if expected.is_complex():  # compare real and imaginary parts (.double() would drop the imaginary)
+            expected, actual = torch.view_as_real(expected.resolve_conj()), torch.view_as_real(actual.resolve_conj())
         expected_finite, actual_finite = torch.isfinite(expected), torch.isfinite(actual)
         if not torch.equal(expected_finite, actual_finite):
             bad = int((expected_finite & ~actual_finite).sum())

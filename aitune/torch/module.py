@@ -127,8 +127,7 @@ class Module(wrapt.ObjectProxy):
         """Record calls again. Leaving TUNED needs ``force=True`` (drops the tuned backends)."""
         if self._self_state is ModuleState.TUNED and not force:
             raise ConfigError("module is tuned; enable_recording(force=True) drops the tuned backends")
-        self._self_dispatch = {}
-        self._self_fast_dispatch = {}
+        self._drop_backends()
         self._self_state = ModuleState.RECORDING
 
     def activate(self) -> None:
@@ -139,7 +138,20 @@ class Module(wrapt.ObjectProxy):
         for _, backend in self._self_dispatch.values():
             backend.deactivate()
 
+    def _drop_backends(self) -> None:
+        """Release the current backends (device memory, CUDA graphs) and per-tuning state."""
+        for _, backend in self._self_dispatch.values():
+            try:
+                backend.deactivate()
+            except Exception:  # noqa: BLE001 - releasing must not fail the new state
+                logger.debug("deactivating %s failed", backend, exc_info=True)
+        self._self_dispatch = {}
+        self._self_fast_dispatch = {}
+        self._self_warned = set()
+        self._self_eager_fallback_error = None
+
     def _set_tuned(self, dispatch: dict) -> None:
+        self._drop_backends()
         self._self_dispatch = dispatch
         self._self_fast_dispatch = {}
         for graph, backend in dispatch.values():
@@ -151,9 +163,8 @@ class Module(wrapt.ObjectProxy):
         self._self_error = None
 
     def _set_failed(self, reason: str) -> None:
+        self._drop_backends()
         self._self_error = reason
-        self._self_dispatch = {}
-        self._self_fast_dispatch = {}
         self._self_state = ModuleState.PASSTHROUGH
 
     def __repr__(self) -> str:
@@ -185,7 +196,7 @@ class Module(wrapt.ObjectProxy):
             return self._eager(args, kwargs, "graph", "a call whose input structure, constants or dtypes were "
                                                       "never recorded runs eager")
         graph, backend = entry
-        if backend.name == "eager":
+        if getattr(backend, "passthrough", False):  # plain eager: nothing to route around
             return backend._infer(args, kwargs)
         if module.training != graph.training:
             return self._eager(args, kwargs, "training", f"module.training is {module.training} but it was "

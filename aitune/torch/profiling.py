@@ -139,9 +139,11 @@ class Measurement:
                 "samples": [dataclasses.asdict(timing) for timing in self.samples]}
 
 
-def beats(challenger: Measurement, incumbent: Measurement, *, by_latency: bool = False) -> bool:
-    """True when ``challenger`` is better than ``incumbent`` by more than the measured noise of either."""
-    noise = max(challenger.noise, incumbent.noise)
+def beats(challenger: Measurement, incumbent: Measurement, *, by_latency: bool = False,
+          noise: float | None = None) -> bool:
+    """True when ``challenger`` is better than ``incumbent`` by more than ``noise`` (default: the larger
+    measured noise of the two)."""
+    noise = max(challenger.noise, incumbent.noise) if noise is None else noise
     if by_latency:
         return challenger.min_batch_latency_ms * (1 + noise) < incumbent.min_batch_latency_ms
     return challenger.throughput > incumbent.throughput * (1 + noise)

@@ -344,19 +344,28 @@ class GraphSpec:
         if len(self.samples) < self.max_samples:
             self.samples.append(sample)
         elif extends_range:
-            # Keep the extremes: replace a sample that neither holds a min nor a max.
-            for i, old in enumerate(self.samples):
-                if not self._is_extreme(old):
+            # Keep the extremes: replace a sample none of whose extreme sizes is held by it alone.
+            kept = self.samples + [sample]
+            held = [self._extremes(candidate) for candidate in kept]
+            for i in range(len(self.samples)):
+                others = set().union(*(held[j] for j in range(len(kept)) if j != i))
+                if held[i] <= others:
                     self.samples[i] = sample
                     break
 
-    def _is_extreme(self, sample: Sample) -> bool:
+    def _extremes(self, sample: Sample) -> set[tuple[int, int, str]]:
+        """(tensor, axis, "min"/"max") of every recorded extreme size this sample has, per axis."""
         leaves = sample.leaves()
-        for spec in self.tensor_specs:
-            shape = list(leaves[spec.leaf_index].shape)
-            if shape == spec.min_shape or shape == spec.max_shape:
-                return True
-        return False
+        found = set()
+        for index, spec in enumerate(self.tensor_specs):
+            shape = leaves[spec.leaf_index].shape
+            for axis, size in enumerate(shape):
+                if spec.min_shape[axis] != spec.max_shape[axis]:
+                    if size == spec.min_shape[axis]:
+                        found.add((index, axis, "min"))
+                    if size == spec.max_shape[axis]:
+                        found.add((index, axis, "max"))
+        return found
 
     def _classify_batch_axes(self) -> None:
         for index, spec in enumerate(self.tensor_specs):

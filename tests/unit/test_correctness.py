@@ -65,3 +65,9 @@ def test_quantized_metric():
     assert comparator.result().min_sqnr_db > 30
     with pytest.raises(ToleranceExceededError, match="SQNR"):
         OutputComparator(quantized=True).compare(reference, reference + 0.5 * torch.randn(1000))
+
+
+def test_complex_outputs_compare_imaginary_parts():
+    with pytest.raises(ToleranceExceededError):
+        OutputComparator().compare(torch.tensor([1 + 1j, 2 + 2j]), torch.tensor([1 + 5j, 2 - 7j]))
+    OutputComparator().compare(torch.tensor([1 + 1j]), torch.tensor([1 + 1j]))

@@ -96,3 +96,15 @@ def test_call_signature_matches_python_errors():
         signature.normalize((), {})
     assert signature.normalize((1,), {"z": 2, "a": 1}) == ((), {"x": 1, "a": 1, "z": 2})
     assert math.isnan(float("nan"))
+
+
+def test_extremes_of_every_axis_are_kept():
+    class Identity(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    shapes = [(1, 512), (32, 8), (4, 4), (64, 600)]
+    graph = record_graphs(Identity(), [((torch.randn(*s),), {}) for s in shapes], max_samples=3)[0]
+    kept = sorted(tuple(s.leaves()[0].shape) for s in graph.samples)
+    # smallest batch (1), smallest length (4), largest of both (64, 600): (32, 8) holds no extreme.
+    assert kept == [(1, 512), (4, 4), (64, 600)]

@@ -176,3 +176,29 @@ def test_failed_build_log_holds_the_traceback(fast_profiling):
     row = [r for r in report.rows if r.backend == "test_crashing"][0]
     log = open(row.log_path).read()
     assert "Traceback" in log and "aten::weird_op" in log
+
+
+class BrokenEligibilityBackend(TorchEagerBackend):
+    """Its supports() itself raises: that must be a row, not a failed module."""
+
+    name = "test_broken_supports"
+
+    def _supports(self, module, graph, device):
+        raise KeyError("no such preset")
+
+
+def test_a_raising_supports_is_a_row(fast_profiling):
+    strategy = ait.MaxThroughputStrategy([BrokenEligibilityBackend(), SlowBackend()], profiling_config=fast_profiling)
+    wrapped, model, report = _tune(strategy)
+    rows = {row.backend: row for row in report.rows}
+    assert rows["test_broken_supports"].status == "failed" and "no such preset" in rows["test_broken_supports"].reason
+    assert rows["test_slow"].status == "passed" and not report.module_errors
+
+
+def test_eager_with_cuda_graphs_is_not_the_plain_passthrough():
+    from aitune.torch.backend import TorchEagerBackendConfig
+    from aitune.torch.tune_strategy.base import _simplicity
+
+    assert TorchEagerBackend().passthrough and _simplicity(TorchEagerBackend()) == (0, 0)
+    graphs = TorchEagerBackend(TorchEagerBackendConfig(use_cuda_graphs=True))
+    assert not graphs.passthrough and _simplicity(graphs) > (0, 0)

@@ -86,6 +86,12 @@ class TorchEagerBackend(AutocastMixin, Backend):
     rank = 0
     _graphs = None  # CUDAGraphRunner when use_cuda_graphs
 
+    @property
+    def passthrough(self) -> bool:
+        """True when this backend is exactly the original module (no autocast, no CUDA graphs): the wrapper
+        may call it without its routing checks, and it is the simplest candidate of all."""
+        return not (self.config.use_cuda_graphs or self.config.autocast_enabled)
+
     def _supports(self, module, graph, device) -> Check:
         if self.config.use_cuda_graphs and device.type != "cuda":
             return Check(False, "use_cuda_graphs needs a CUDA device")

@@ -169,7 +169,14 @@ class TuneStrategy:
         graph = context.graph
         row = CandidateResult(module=context.module_name, graph=graph.name, backend=blueprint.name,
                               description=blueprint.describe())
-        support = blueprint.supports(context.module, graph, context.device)
+        try:
+            support = blueprint.supports(context.module, graph, context.device)
+        except Exception as exc:  # noqa: BLE001 - a crashing eligibility check is a row too
+            row.status, row.reason = FAILED, "supports(): " + _reason(exc)
+            logger.info("  %-28s failed: %s", blueprint.describe()[:28], row.reason)
+            if raise_errors:
+                raise
+            return Candidate(None, row)
         if not support.ok:
             row.status = UNAVAILABLE if not blueprint.availability().ok else UNSUPPORTED
             row.reason = support.reason
@@ -278,7 +285,9 @@ class TuneStrategy:
             return -m.min_batch_latency_ms if by_latency else m.throughput
 
         top = max(passing, key=score)
-        tied = [c for c in passing if not beats(top.measurement, c.measurement, by_latency=by_latency)]
+        # Within the *top* candidate's noise: a noisy slower candidate cannot widen the tie by its own noise.
+        tied = [c for c in passing
+                if not beats(top.measurement, c.measurement, by_latency=by_latency, noise=top.measurement.noise)]
         return min(tied, key=lambda c: (_simplicity(c.backend), c.row.build_s or 0.0))
 
     @staticmethod
@@ -316,8 +325,9 @@ def build_notes(details: dict) -> str:
 
 
 def _simplicity(backend: Backend) -> tuple[int, int]:
-    # Eager first; then AOT over JIT (deployable without the original module); then the class's rank.
-    if backend.name == "eager":
+    # Plain eager first; then AOT over JIT (deployable without the original module); then the class's rank.
+    # Eager with CUDA graphs or autocast is a JIT candidate like any other.
+    if getattr(backend, "passthrough", False):
         return (0, 0)
     return (1 if backend.build_mode is BuildMode.AOT else 2, backend.rank)
 
@@ -382,4 +392,13 @@ def verify_round_trip(backend: Backend, context: GraphContext) -> None:
 def measure_backend(backend: Backend, context: GraphContext, config: ProfilingConfig) -> Measurement:
     samples = [sample.clone() for sample in context.graph.samples]
     batch_sizes = [sample.batch_size or 1 for sample in samples]
-    return measure(lambda s: backend.infer(*s.args, **s.kwargs), samples, batch_sizes, context.device, config)
+    if context.graph.mutated_inputs:
+        # The module changes its inputs in place: each call gets a fresh copy (for every candidate alike),
+        # or thousands of warm-up calls would drift the inputs towards inf/denormals.
+        def run(sample):
+            fresh = sample.clone()
+            return backend.infer(*fresh.args, **fresh.kwargs)
+    else:
+        def run(sample):
+            return backend.infer(*sample.args, **sample.kwargs)
+    return measure(run, samples, batch_sizes, context.device, config)
