@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Iterator
 
@@ -174,9 +175,16 @@ class CUDAGraphRunner:
         self.disabled_reason = ""
         self.stats = {"captures": 0, "replays": 0, "evictions": 0, "plain_calls": 0}
         self._graphs = LRUCache(max_graphs, on_evict=self._evicted)
+        self._lock = threading.Lock()
 
     # ---- public
     def __call__(self, *args, **kwargs) -> Any:
+        # NOTE [cuda graphs and threads]: captured graphs share static input/output buffers; a lock keeps two
+        # threads from copying inputs over each other between copy-in and the cloned output.
+        with self._lock:
+            return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs) -> Any:
         key = graph_key(args, kwargs) if self.enabled else None
         if key is None:
             self.stats["plain_calls"] += 1
