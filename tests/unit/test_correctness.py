@@ -71,3 +71,32 @@ def test_complex_outputs_compare_imaginary_parts():
     with pytest.raises(ToleranceExceededError):
         OutputComparator().compare(torch.tensor([1 + 1j, 2 + 2j]), torch.tensor([1 + 5j, 2 - 7j]))
     OutputComparator().compare(torch.tensor([1 + 1j]), torch.tensor([1 + 1j]))
+
+
+def test_fp16_leaf_passes_when_as_accurate_as_eager_against_fp32():
+    torch.manual_seed(0)
+    exact = torch.randn(4096) * 20  # large values: fp16 rounding alone exceeds atol=rtol=1e-2 somewhere
+    eager = (exact + 0.05 * torch.randn(4096)).half()
+    candidate = (exact + 0.05 * torch.randn(4096)).half()  # different rounding, same accuracy
+    with pytest.raises(ToleranceExceededError):
+        OutputComparator().compare(eager, candidate)  # the plain rule alone rejects it
+    comparator = OutputComparator()
+    comparator.compare(eager, candidate, reference_fp32=exact)
+    result = comparator.result()
+    assert result.metric == "allclose+fp32-parity"
+    parity = result.leaves[0].fp32_parity
+    assert parity["candidate_rmse"] <= 2 * parity["eager_rmse"] + 1e-3
+
+    worse = (exact + 0.5 * torch.randn(4096)).half()  # ten times less accurate than eager
+    with pytest.raises(ToleranceExceededError, match="RMSE"):
+        OutputComparator().compare(eager, worse, reference_fp32=exact)
+    with pytest.raises(ToleranceExceededError):  # turned off: the plain rule only
+        OutputComparator(Tolerance(fp32_parity=False)).compare(eager, candidate, reference_fp32=exact)
+
+
+def test_fp32_parity_never_rescues_nan_or_fp32_leaves():
+    exact = torch.tensor([1.0, 2.0])
+    with pytest.raises(ToleranceExceededError, match="non-finite"):
+        OutputComparator().compare(exact.half(), torch.tensor([1.0, float("nan")]).half(), reference_fp32=exact)
+    with pytest.raises(ToleranceExceededError):
+        OutputComparator().compare(exact, exact + 0.5, reference_fp32=exact)

@@ -202,3 +202,60 @@ def test_eager_with_cuda_graphs_is_not_the_plain_passthrough():
     assert TorchEagerBackend().passthrough and _simplicity(TorchEagerBackend()) == (0, 0)
     graphs = TorchEagerBackend(TorchEagerBackendConfig(use_cuda_graphs=True))
     assert not graphs.passthrough and _simplicity(graphs) > (0, 0)
+
+
+class Cancel(torch.nn.Module):
+    """fp16: two large, nearly equal projections subtracted — eager fp16 loses digits to cancellation."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 16)
+        self.b = torch.nn.Linear(64, 16)
+        with torch.no_grad():
+            self.a.weight.mul_(40)
+            self.b.weight.copy_(self.a.weight + 0.01 * torch.randn_like(self.a.weight))
+            self.b.bias.copy_(self.a.bias)
+
+    def forward(self, x):
+        return self.a(x) - self.b(x)
+
+
+class Fp32ComputeBackend(TorchEagerBackend):
+    """Runs a float32 copy and returns fp16: more accurate than eager fp16, yet far from it in places."""
+
+    name = "test_fp32_compute"
+
+    def _build(self, module, graph, device, workdir):
+        import copy
+
+        super()._build(module, graph, device, workdir)
+        self._module32 = copy.deepcopy(module).float()
+
+    def _infer(self, args, kwargs):
+        with torch.no_grad():
+            return self._module32(*[a.float() for a in args], **{k: v.float() for k, v in kwargs.items()}).half()
+
+
+class SloppyFp16Backend(TorchEagerBackend):
+    """fp16 with large extra error: must stay rejected."""
+
+    name = "test_sloppy_fp16"
+
+    def _infer(self, args, kwargs):
+        out = super()._infer(args, kwargs)
+        return out + (torch.randn_like(out.float()) * 5.0).half()
+
+
+def test_fp16_candidates_judged_against_an_fp32_run(fast_profiling):
+    torch.manual_seed(0)
+    model = Cancel().half().eval()
+    data = [torch.randn(b, 64).half() * 10 for b in (2, 4)]
+    strategy = ait.MaxThroughputStrategy([Fp32ComputeBackend(), SloppyFp16Backend()], profiling_config=fast_profiling)
+    wrapped = ait.Module(model, "half", strategy=strategy)
+    report = ait.tune(wrapped, data)
+    rows = {row.backend: row for row in report.rows}
+    assert rows["test_fp32_compute"].status in ("passed", "selected"), rows["test_fp32_compute"].reason
+    assert rows["test_fp32_compute"].comparison["metric"] == "allclose+fp32-parity"
+    assert rows["test_fp32_compute"].comparison["max_abs_error"] > 1e-2  # the plain rule alone would reject it
+    assert rows["test_sloppy_fp16"].status == "rejected (correctness)" and "RMSE" in rows["test_sloppy_fp16"].reason
+    assert model.a.weight.dtype == torch.float16  # the fp32 copy never touched the user's module
