@@ -110,3 +110,29 @@ class PairScore(nn.Module):
 
     def forward(self, m):
         return (m * self.w).sum(-1).softmax(-1)
+
+
+class MHA(nn.Module):
+    """Case C24's attention block: x [B, T, C] -> [B, T, C], ``heads`` heads of C // heads."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.h, self.qkv = heads, nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, mask=None):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, C // self.h).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return o.transpose(1, 2).reshape(B, T, C)
+
+
+class TwoTowers(nn.Module):
+    """Case C24: tower ``a`` (no mask) and tower ``b`` (with a mask), e.g. head dims 128 and 160 on CUDA."""
+
+    def __init__(self, dim_a: int = 1024, dim_b: int = 1280, heads: int = 8):
+        super().__init__()
+        self.a = MHA(dim_a, heads)
+        self.b = MHA(dim_b, heads)
+
+    def forward(self, x, y, mask):
+        return self.a(x), self.b(y, mask)

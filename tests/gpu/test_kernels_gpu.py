@@ -22,6 +22,7 @@ from aitune.torch.kernel_forge import KernelOptimizer
 from aitune.torch.kernel_forge.kernel_provider import SageAttentionKernelProvider, SDPACall, TorchSDPAKernelProvider
 from aitune.torch.profiling import ProfilingConfig
 from aitune.torch.samples import record_graphs
+from case_models import MHA, TwoTowers
 
 pytestmark = pytest.mark.gpu
 
@@ -35,30 +36,6 @@ def capability() -> tuple[int, int]:
 
 SAGE = SageAttentionKernelProvider.availability()
 needs_sage = pytest.mark.skipif(not SAGE.ok, reason=f"SageAttention unavailable: {SAGE.reason}")
-
-
-class MHA(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.h, self.qkv = heads, nn.Linear(dim, 3 * dim)
-
-    def forward(self, x, mask=None):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.h, C // self.h).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return o.transpose(1, 2).reshape(B, T, C)
-
-
-class TwoTowers(nn.Module):
-    """Case C24 exactly: tower a head_dim 128 (Sage can take it), tower b head_dim 160 with a mask."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = MHA(1024, 8)
-        self.b = MHA(1280, 8)
-
-    def forward(self, x, y, mask):
-        return self.a(x), self.b(y, mask)
 
 
 def assert_attention_close(expected: torch.Tensor, actual: torch.Tensor) -> None:

@@ -30,36 +30,11 @@ from aitune.torch.kernel_forge.kernel_provider import (
 )
 from aitune.torch.profiling import ProfilingConfig
 from aitune.torch.samples import record_graphs
+from case_models import MHA, TwoTowers
 
 MATH_OP = "aten::_scaled_dot_product_attention_math"
 CPU_FLASH_OP = "aten::_scaled_dot_product_flash_attention_for_cpu"
 FAST = ProfilingConfig(warmup_rounds=1, min_rounds=3, max_rounds=10, time_budget_s=0.05)
-
-
-class MHA(nn.Module):
-    """Case C24's attention block: x [B, T, C] -> [B, T, C], heads of C // heads."""
-
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.h, self.qkv = heads, nn.Linear(dim, 3 * dim)
-
-    def forward(self, x, mask=None):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.h, C // self.h).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return o.transpose(1, 2).reshape(B, T, C)
-
-
-class TwoTowers(nn.Module):
-    """Case C24, scaled down for CPU: tower a head_dim 16, tower b head_dim 20 with a mask."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = MHA(64, 4)
-        self.b = MHA(80, 4)
-
-    def forward(self, x, y, mask):
-        return self.a(x), self.b(y, mask)
 
 
 def attention_ops(function) -> set[str]:
@@ -288,7 +263,7 @@ class BrokenProvider(KernelProvider):
 
 
 def test_optimizer_finds_call_sites_per_module_and_shape():
-    model = TwoTowers().eval()
+    model = TwoTowers(64, 80, 4).eval()
     calls = [((torch.randn(2, 16, 64), torch.randn(2, 16, 80), torch.rand(2, 1, 16, 16) > 0.2), {}),
              ((torch.randn(2, 16, 64), torch.randn(2, 16, 80), torch.rand(2, 1, 16, 16) > 0.2), {}),
              ((torch.randn(3, 8, 64), torch.randn(3, 8, 80), torch.rand(3, 1, 8, 8) > 0.2), {})]
@@ -311,7 +286,7 @@ def test_identical_layers_share_one_example():
 
 
 def test_optimizer_keeps_only_correct_and_faster_choices():
-    model = TwoTowers().eval()
+    model = TwoTowers(64, 80, 4).eval()
     calls = [((torch.randn(2, 16, 64), torch.randn(2, 16, 80), torch.rand(2, 1, 16, 16) > 0.2), {}),
              ((torch.randn(3, 8, 64), torch.randn(3, 8, 80), torch.rand(3, 1, 8, 8) > 0.2), {})]
     providers = [TorchSDPAKernelProvider("math"), TorchSDPAKernelProvider("flash"),
