@@ -131,10 +131,20 @@ class Module(wrapt.ObjectProxy):
         self._self_state = ModuleState.RECORDING
 
     def activate(self) -> None:
+        """Reacquire what :meth:`deactivate` released (device memory, sessions, CUDA graphs) now.
+
+        Not required before calling: a call to a deactivated module reactivates the backend of the graph it
+        runs. Raises whatever a backend's reactivation raises (e.g. BackendRuntimeError).
+        """
         for _, backend in self._self_dispatch.values():
             backend.activate()
 
     def deactivate(self) -> None:
+        """Release the tuned backends' device memory, sessions and CUDA graphs (e.g. between pipeline stages).
+
+        The module stays TUNED: its next call reactivates the backend it needs (it never silently switches
+        to eager). To run the original module instead, use :meth:`enable_passthrough`.
+        """
         for _, backend in self._self_dispatch.values():
             backend.deactivate()
 
@@ -197,7 +207,7 @@ class Module(wrapt.ObjectProxy):
                                                       "never recorded runs eager")
         graph, backend = entry
         if getattr(backend, "passthrough", False):  # plain eager: nothing to route around
-            return backend._infer(args, kwargs)
+            return backend.run(args, kwargs)
         if module.training != graph.training:
             return self._eager(args, kwargs, "training", f"module.training is {module.training} but it was "
                                                          f"tuned with {graph.training}: eager runs")
@@ -216,7 +226,7 @@ class Module(wrapt.ObjectProxy):
                                                             "its inputs run eager")
             args, kwargs = _contiguous((args, kwargs))
         try:
-            return backend._infer(args, kwargs)
+            return backend.run(args, kwargs)
         except Exception as exc:  # noqa: BLE001 - a crashing backend never takes the caller down
             self._warn_once(("error", graph.name), "%s: backend %s raised %s; running eager instead",
                             self._self_name, backend.name, exc)

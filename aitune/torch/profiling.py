@@ -149,6 +149,17 @@ def beats(challenger: Measurement, incumbent: Measurement, *, by_latency: bool =
     return challenger.throughput > incumbent.throughput * (1 + noise)
 
 
+def reaches_speedup(candidate: Measurement, baseline: Measurement, ratio: float) -> bool:
+    """True when ``candidate``'s throughput is at least ``ratio`` times ``baseline``'s beyond the noise.
+
+    The rule: ``candidate.throughput > ratio * baseline.throughput * (1 + noise)`` with ``noise`` the larger
+    measured relative noise of the two. ``ratio=1`` is :func:`beats`; ``ratio=3`` means "3x the baseline's
+    samples/s"; a ratio below 1 admits candidates slower than the baseline by at most that factor.
+    """
+    noise = max(candidate.noise, baseline.noise)
+    return candidate.throughput > ratio * baseline.throughput * (1 + noise)
+
+
 class Timer:
     """Times one call: CUDA events on a CUDA device, ``perf_counter_ns`` otherwise. Returns ms."""
 

@@ -17,7 +17,7 @@ from aitune.torch.module import Module, ModuleState, _recording_context, registe
 from aitune.torch.report import GraphReport, TuneReport, environment
 from aitune.torch.samples import clone_tree
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
-from aitune.torch.tune_strategy.base import GraphContext
+from aitune.torch.evaluation import GraphContext
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ def test_profiling_config_validation():
 
 
 def test_noisy_figures_are_flagged():
-    from aitune.torch.tune_strategy.base import noise_note
+    from aitune.torch.evaluation import noise_note
 
     assert noise_note(_measurement(1.0, noise=0.02)) == ""
     assert "noisy measurement (±20%)" in noise_note(_measurement(1.0, noise=0.2))

@@ -387,15 +387,33 @@ class Backend:
         return self.infer(*args, **kwargs)
 
     def infer(self, *args, **kwargs):
-        """Run inference with the module's call signature; outputs are structured like eager's."""
-        if self.state is not BackendState.ACTIVE:
-            if self.state in (BackendState.INACTIVE, BackendState.CHECKPOINT_LOADED):
-                self.activate()
-            else:
-                raise BackendStateError(f"{self.describe()}: infer() needs a built backend (state: {self.state.value})")
+        """Run inference with the module's call signature; outputs are structured like eager's.
+
+        An INACTIVE backend is reactivated first (see :meth:`run`).
+
+        Raises:
+            BackendStateError: when the backend was never built (INIT).
+        """
         signature = getattr(self.graph, "signature", None)
         if signature is not None:
             args, kwargs = signature.normalize(args, kwargs)
+        return self.run(args, kwargs)
+
+    def run(self, args: tuple, kwargs: dict):
+        """Run a call already normalised to the graph's canonical ``(args, kwargs)`` (``ait.Module``'s hot path).
+
+        Goes through the state machine: an INACTIVE (or CHECKPOINT_LOADED) backend is reactivated first, so
+        a module deactivated to free device memory comes back on its next call instead of silently running
+        something else.
+
+        Raises:
+            BackendStateError: when the backend was never built (INIT).
+        """
+        if self.state is not BackendState.ACTIVE:
+            if self.state is BackendState.INIT:
+                raise BackendStateError(f"{self.describe()}: inference needs a built backend (state: init); call "
+                                        "build() or load it from a checkpoint first")
+            self.activate()
         return self._infer(args, kwargs)
 
     def activate(self) -> None:

@@ -1,99 +1,26 @@
-"""The strategy base: evaluate candidates (availability → supports → build → check vs eager → measure).
+"""The strategy base: configuration shared by every strategy and the rules for choosing among candidates.
 
-Every strategy shares :meth:`TuneStrategy.evaluate`; strategies differ only in which candidates they
-evaluate and how they choose. A failing candidate never stops tuning (except in
-:class:`OneBackendStrategy`, which by design re-raises the original error): it becomes a report row with a
-one-line reason naming the real cause and the path of its full log.
+Strategies only choose. Evaluating one candidate (availability → supports → build → check against eager →
+round trip → measure) is :func:`aitune.torch.evaluation.evaluate`, the same path for every strategy; a
+failing candidate never stops tuning (except in :class:`OneBackendStrategy`, which by design re-raises the
+original error): it becomes a report row with a one-line reason naming the real cause and its log path.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import logging
-import time
-from pathlib import Path
-from typing import Any, Iterable
+from typing import Callable, Iterable
 
 import torch
 
-from aitune.errors import AITuneError, BackendBuildError, ConfigError, CorrectnessError, ToleranceExceededError
-from aitune.torch.backend.base import Backend, BuildMode, one_line
-from aitune.torch.correctness import OutputComparator, Tolerance
-from aitune.torch.profiling import Measurement, ProfilingConfig, beats, measure
-from aitune.torch.report import (
-    FAILED,
-    PASSED,
-    REJECTED_CORRECTNESS,
-    SELECTED,
-    UNAVAILABLE,
-    UNSUPPORTED,
-    CandidateResult,
-)
-from aitune.torch.samples import clone_tree
+from aitune.errors import AITuneError, ConfigError
+from aitune.torch.backend.base import Backend, BuildMode
+from aitune.torch.correctness import Tolerance
+from aitune.torch.evaluation import Candidate, EvaluationSettings, GraphContext, eager_candidate, evaluate
+from aitune.torch.profiling import ProfilingConfig, reaches_speedup
+from aitune.torch.report import SELECTED, CandidateResult
 
-logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class GraphContext:
-    """What a strategy needs to tune one graph of one module.
-
-    Attributes:
-        module: the user's module (never modified). module_name: report name.
-        graph: the :class:`~aitune.torch.samples.GraphSpec` with recorded samples.
-        device: where to build and run. workdir: ``<cache>/<module>/<graph>``.
-        reference_outputs: eager outputs per sample (computed once on cloned inputs under no_grad).
-        reference_inputs_after: per sample, the input leaves after the eager call (for in-place ops).
-        cache: optional build cache (see :mod:`aitune.torch.cache`).
-    """
-
-    module: torch.nn.Module
-    module_name: str
-    graph: Any
-    device: torch.device
-    workdir: Path
-    reference_outputs: list
-    reference_inputs_after: list | None = None
-    cache: Any = None
-    eager_measurement: Measurement | None = None
-    _fp32_outputs: dict = dataclasses.field(default_factory=dict)
-    _fp32_unavailable: bool = False
-
-    def fp32_reference(self, index: int) -> Any:
-        """Outputs of a float32 copy of the module on sample ``index`` (fp16/bf16 inputs upcast), or None.
-
-        Computed lazily, only when an fp16/bf16 candidate misses the plain tolerance (correctness rule 5);
-        the copy is dropped right after. None when the copy or the call fails (e.g. out of memory).
-        """
-        if self._fp32_unavailable:
-            return None
-        if index not in self._fp32_outputs:
-            try:
-                module32 = copy.deepcopy(self.module).float()
-                with torch.no_grad():
-                    for position, sample in enumerate(self.graph.samples):
-                        args, kwargs = _upcast(sample.clone())
-                        self._fp32_outputs[position] = clone_tree(module32(*args, **kwargs))
-                del module32
-            except Exception:  # noqa: BLE001 - rule 5 is a second chance, never a new failure
-                logger.debug("no fp32 reference for %s/%s", self.module_name, self.graph.name, exc_info=True)
-                self._fp32_unavailable = True
-                return None
-        return self._fp32_outputs.get(index)
-
-
-@dataclasses.dataclass
-class Candidate:
-    """A candidate after evaluation: the built backend (None if it did not pass) and its report row."""
-
-    backend: Backend | None
-    row: CandidateResult
-    measurement: Measurement | None = None
-
-    @property
-    def passed(self) -> bool:
-        return self.backend is not None and self.row.status == PASSED
+__all__ = ["Candidate", "GraphContext", "TuneStrategy", "default_backends"]
 
 
 def default_backends(device: torch.device | str) -> list[Backend]:
@@ -156,7 +83,11 @@ class TuneStrategy:
 
     # ---- configuration (chainable, as in the reference)
     def enable_correctness_check(self, enabled: bool = True, tolerance: Tolerance | None = None) -> "TuneStrategy":
-        """Turn the comparison with eager on/off; optionally set its tolerance. Returns self."""
+        """Turn the comparison with eager on/off; optionally set its tolerance. Returns self.
+
+        Raises:
+            ConfigError: when ``tolerance`` is not an :class:`~aitune.torch.correctness.Tolerance`.
+        """
         self.correctness_check = bool(enabled)
         if tolerance is not None:
             if not isinstance(tolerance, Tolerance):
@@ -165,7 +96,16 @@ class TuneStrategy:
         return self
 
     def enable_performance_validation(self, enabled: bool = True, min_speedup_ratio: float = 1.0) -> "TuneStrategy":
-        """Require a candidate to beat eager (by ``min_speedup_ratio`` and the noise) to be chosen. Returns self."""
+        """Require a candidate to reach ``min_speedup_ratio`` x eager's throughput to be chosen. Returns self.
+
+        Args:
+            enabled: with False, measured candidates are chosen even when slower than eager.
+            min_speedup_ratio: e.g. 3.0 = at least 3x eager's throughput (samples/s), beyond the measured
+                noise: ``throughput > ratio * eager_throughput * (1 + noise)``. 1.0 = simply beat eager.
+
+        Raises:
+            ConfigError: for a ratio that is not a number > 0.
+        """
         if not isinstance(min_speedup_ratio, (int, float)) or min_speedup_ratio <= 0:
             raise ConfigError(f"min_speedup_ratio must be a number > 0, got {min_speedup_ratio!r}")
         self.performance_validation = bool(enabled)
@@ -173,179 +113,109 @@ class TuneStrategy:
         return self
 
     def clone(self) -> "TuneStrategy":
+        """A deep copy (each graph is tuned by its own copy)."""
         return copy.deepcopy(self)
 
     def candidates(self, device: torch.device) -> list[Backend]:
+        """The blueprints to evaluate on ``device``: the given backends, or :func:`default_backends`."""
         return list(self.backends) if self.backends is not None else default_backends(device)
 
     def describe(self) -> str:
+        """``StrategyName(Backend(config), ...)`` for reports."""
         names = [backend.describe() for backend in self.backends] if self.backends is not None else ["<defaults>"]
         return f"{type(self).__name__}({', '.join(names)})"
 
     # ---- the work
     def tune(self, context: GraphContext) -> tuple[Backend, list[CandidateResult], str]:
-        """Tune one graph. Returns (chosen backend, report rows, why it was chosen)."""
+        """Tune one graph.
+
+        Args:
+            context: the graph, the user's module and eager's reference outputs (built by ``ait.tune``).
+
+        Returns:
+            ``(chosen backend (ACTIVE), report rows, why it was chosen)``.
+
+        Raises:
+            TuningError: when the strategy's rule leaves no candidate (LatencyBudgetStrategy).
+            The original build/correctness error in OneBackendStrategy.
+        """
         raise NotImplementedError
+
+    def settings(self, *, measure: bool = True) -> EvaluationSettings:
+        """This strategy's evaluation settings (tolerance, profiling, which checks run)."""
+        return EvaluationSettings(tolerance=self.tolerance, profiling=self.profiling_config,
+                                  correctness_check=self.correctness_check, measure=measure)
 
     def evaluate(self, blueprint: Backend, context: GraphContext, *, measure_it: bool = True,
                  raise_errors: bool = False) -> Candidate:
-        """Availability → supports → build → correctness → measure, as one report row."""
-        graph = context.graph
-        row = CandidateResult(module=context.module_name, graph=graph.name, backend=blueprint.name,
-                              description=blueprint.describe())
-        try:
-            support = blueprint.supports(context.module, graph, context.device)
-        except Exception as exc:  # noqa: BLE001 - a crashing eligibility check is a row too
-            row.status, row.reason = FAILED, "supports(): " + _reason(exc)
-            logger.info("  %-28s failed: %s", blueprint.describe()[:28], row.reason)
-            if raise_errors:
-                raise
-            return Candidate(None, row)
-        if not support.ok:
-            row.status = UNAVAILABLE if not blueprint.availability().ok else UNSUPPORTED
-            row.reason = support.reason
-            logger.info("  %-28s %s: %s", blueprint.describe()[:28], row.status, row.reason)
-            if raise_errors:
-                from aitune.errors import BackendUnavailableError
-
-                raise BackendUnavailableError(f"Backend '{blueprint.name}' cannot run here: {support.reason}")
-            return Candidate(None, row)
-        workdir = context.workdir / blueprint.key()
-        logger.info("  %-28s building…", blueprint.describe()[:28])
-        started = time.perf_counter()
-        try:
-            if context.cache is not None:
-                backend, row.cached = context.cache.build(blueprint, context.module, graph, context.device, workdir)
-            else:
-                backend = blueprint.copy().build(context.module, graph, context.device, workdir)
-        except Exception as exc:  # noqa: BLE001 - any candidate failure is a row, never a crash
-            row.status, row.reason = FAILED, _reason(exc)
-            row.build_s = time.perf_counter() - started
-            row.log_path = str(getattr(exc, "log_path", None) or workdir / "build.log")
-            logger.info("  %-28s failed: %s", blueprint.describe()[:28], row.reason)
-            if raise_errors:
-                raise
-            return Candidate(None, row)
-        row.build_s = backend.build_info.get("build_s", time.perf_counter() - started)
-        row.log_path = str(workdir / "build.log")
-        row.details = {k: v for k, v in backend.build_info.items() if k != "build_s"}
-        if self.correctness_check:
-            try:
-                row.comparison = check_against_eager(backend, context, self.tolerance).to_dict()
-            except Exception as exc:  # noqa: BLE001
-                row.status = REJECTED_CORRECTNESS if isinstance(exc, CorrectnessError) else FAILED
-                row.reason = _reason(exc)
-                logger.info("  %-28s %s: %s", blueprint.describe()[:28], row.status, row.reason)
-                backend.deactivate()
-                if raise_errors:
-                    raise
-                return Candidate(None, row)
-        if backend.build_mode is BuildMode.AOT and not row.cached:
-            try:
-                verify_round_trip(backend, context)
-            except Exception as exc:  # noqa: BLE001 - case C23: not saveable means not selectable
-                row.status, row.reason = FAILED, "not saveable: " + _reason(exc)
-                logger.info("  %-28s failed: %s", blueprint.describe()[:28], row.reason)
-                backend.deactivate()
-                if raise_errors:
-                    raise
-                return Candidate(None, row)
-        result = Candidate(backend, row)
-        if measure_it:
-            try:
-                result.measurement = measure_backend(backend, context, self.profiling_config)
-            except Exception as exc:  # noqa: BLE001
-                row.status, row.reason = FAILED, "measuring: " + _reason(exc)
-                if raise_errors:
-                    raise
-                return Candidate(None, row)
-            row.measurement = result.measurement.to_dict()
-            eager = self.eager_baseline(context)
-            if eager is not None and eager.throughput > 0:
-                row.speedup = result.measurement.throughput / eager.throughput
-        row.reason = "; ".join(filter(None, [build_notes(row.details), noise_note(result.measurement)]))
-        logger.info("  %-28s passed%s", blueprint.describe()[:28],
-                    f" ({row.speedup:.2f}x eager)" if row.speedup is not None else "")
-        return result
-
-    def eager_baseline(self, context: GraphContext) -> Measurement | None:
-        """Eager measured once per graph, in the same run and under the same conditions as candidates."""
-        if context.eager_measurement is None:
-            self.eager_candidate(context)
-        return context.eager_measurement
+        """One candidate through :func:`aitune.torch.evaluation.evaluate` with this strategy's settings."""
+        return evaluate(blueprint, context, self.settings(measure=measure_it), raise_errors=raise_errors)
 
     def eager_candidate(self, context: GraphContext) -> Candidate:
-        """The eager baseline as a passing candidate (always correct by definition), measured once per graph."""
-        from aitune.torch.backend.eager import TorchEagerBackend
+        """The eager baseline (measured once per graph, in the same run as the candidates)."""
+        return eager_candidate(context, self.profiling_config)
 
-        blueprint = TorchEagerBackend()
-        backend = blueprint.copy().build(context.module, context.graph, context.device,
-                                         context.workdir / blueprint.key())
-        if context.eager_measurement is None:
-            context.eager_measurement = measure_backend(backend, context, self.profiling_config)
-        measurement = context.eager_measurement
-        row = CandidateResult(module=context.module_name, graph=context.graph.name, backend=blueprint.name,
-                              description=blueprint.describe(), build_s=backend.build_info.get("build_s"),
-                              measurement=measurement.to_dict(), speedup=1.0,
-                              reason="; ".join(filter(None, ["baseline", noise_note(measurement)])))
-        return Candidate(backend, row, measurement)
+    def fast_enough(self, candidate: Candidate, eager: Candidate | None) -> bool:
+        """Performance validation: does ``candidate`` reach ``min_speedup_ratio`` x eager's throughput
+        beyond the measured noise? (Always True with validation off or without measurements.)"""
+        if not self.performance_validation or eager is None:
+            return True
+        if candidate.measurement is None or eager.measurement is None:
+            return True
+        return reaches_speedup(candidate.measurement, eager.measurement, self.min_speedup_ratio)
+
+    def speedup_reason(self, candidate: Candidate) -> str:
+        """The report reason of a candidate refused by performance validation."""
+        speedup = candidate.row.speedup
+        needed = f"{self.min_speedup_ratio:g}x" if self.min_speedup_ratio != 1.0 else "faster than"
+        return f"not {needed} eager beyond the measured noise ({speedup:.2f}x)" if speedup is not None else \
+            f"not {needed} eager"
 
     # ---- selection helpers
-    def pick_fastest(self, candidates: list[Candidate], *, by_latency: bool = False) -> Candidate:
-        passing = [c for c in candidates if c.passed and c.measurement is not None]
-        if by_latency:
-            return min(passing, key=lambda c: c.measurement.min_batch_latency_ms)
-        return max(passing, key=lambda c: c.measurement.throughput)
+    def pick(self, candidates: list[Candidate], *, by_latency: bool = False,
+             score: Callable[[Candidate], float] | None = None) -> Candidate:
+        """Best passing candidate; within the measured noise of the best, the simplest wins.
 
-    def pick(self, candidates: list[Candidate], *, by_latency: bool = False) -> Candidate:
-        """Best passing candidate; within the measured noise of the best, the simplest wins (eager, then AOT
-        over JIT, then shorter build)."""
+        Args:
+            candidates: evaluated candidates (those not passing or not measured are ignored).
+            by_latency: rank by the smallest batch's median latency instead of throughput.
+            score: rank by this (higher is better, > 0) instead; e.g. throughput within a latency budget.
+
+        The tie rule is the same for every strategy: a candidate ties with the top one unless the top one
+        beats it by more than the *top* candidate's relative noise (a noisy slower candidate cannot widen
+        the tie by its own noise). Among the tied, the simplest wins: plain eager, then AOT over JIT
+        (deployable without the original module), then the backend class's rank, then the shorter build.
+
+        Raises:
+            AITuneError: when no candidate passed.
+        """
         passing = [c for c in candidates if c.passed and c.measurement is not None]
         if not passing:
             raise AITuneError("no candidate passed")
-
-        def score(candidate: Candidate) -> float:
-            m = candidate.measurement
-            return -m.min_batch_latency_ms if by_latency else m.throughput
-
+        score = score or _score(by_latency)
         top = max(passing, key=score)
-        # Within the *top* candidate's noise: a noisy slower candidate cannot widen the tie by its own noise.
-        tied = [c for c in passing
-                if not beats(top.measurement, c.measurement, by_latency=by_latency, noise=top.measurement.noise)]
+        noise = top.measurement.noise
+        tied = [c for c in passing if not score(top) > score(c) * (1 + noise)]
         return min(tied, key=lambda c: (_simplicity(c.backend), c.row.build_s or 0.0))
+
+    def pick_fastest(self, candidates: list[Candidate], *, by_latency: bool = False) -> Candidate:
+        """The passing candidate with the best raw figure (no tie rule)."""
+        passing = [c for c in candidates if c.passed and c.measurement is not None]
+        return max(passing, key=_score(by_latency))
 
     @staticmethod
     def finish(chosen: Candidate, candidates: list[Candidate]) -> None:
+        """Mark ``chosen`` selected and release every other built candidate."""
         chosen.row.status = SELECTED
         for candidate in candidates:
             if candidate is not chosen and candidate.backend is not None:
                 candidate.backend.deactivate()
 
 
-NOISY = 0.10  # relative noise above which a row says its figures are unreliable
-
-
-def noise_note(measurement: Measurement | None) -> str:
-    """A warning for figures too noisy to trust (another process busy on the machine, frequency changes)."""
-    if measurement is None or measurement.noise <= NOISY:
-        return ""
-    return f"noisy measurement (±{measurement.noise:.0%}): other load on the machine? re-run to confirm"
-
-
-def build_notes(details: dict) -> str:
-    """One line of what a passing build did that users should know (preset, graph breaks, EP, specialisation)."""
-    notes = []
-    if details.get("preset"):
-        notes.append(f"preset {details['preset']}")
-    if details.get("graph_breaks"):
-        notes.append(f"{details['graph_breaks']} graph break(s)")
-    if details.get("providers"):
-        notes.append("EP " + ",".join(p.removesuffix("ExecutionProvider") for p in details["providers"]))
-    if details.get("shape_specialized") or details.get("specialized_axes"):
-        notes.append("shape-specialized: calls outside its shapes run eager")
-    if details.get("export_batch_repeated"):
-        notes.append("exported at batch >= 2 (sample repeated)")
-    return "; ".join(notes)
+def _score(by_latency: bool) -> Callable[[Candidate], float]:
+    if by_latency:
+        return lambda c: 1.0 / max(c.measurement.min_batch_latency_ms, 1e-9)
+    return lambda c: c.measurement.throughput
 
 
 def _simplicity(backend: Backend) -> tuple[int, int]:
@@ -354,93 +224,3 @@ def _simplicity(backend: Backend) -> tuple[int, int]:
     if getattr(backend, "passthrough", False):
         return (0, 0)
     return (1 if backend.build_mode is BuildMode.AOT else 2, backend.rank)
-
-
-def _reason(exc: BaseException) -> str:
-    """One line naming the real cause: for wrapped errors, the innermost chained cause."""
-    if isinstance(exc, BackendBuildError) and exc.__cause__ is not None:
-        root = exc.__cause__
-        while root.__cause__ is not None:
-            root = root.__cause__
-        return one_line(root)
-    return one_line(exc)
-
-
-def _upcast(sample) -> tuple[tuple, dict]:
-    from aitune.torch.pytree import tree_flatten, tree_unflatten
-
-    leaves, spec = tree_flatten((sample.args, sample.kwargs))
-    leaves = [leaf.float() if isinstance(leaf, torch.Tensor) and leaf.dtype in (torch.float16, torch.bfloat16)
-              else leaf for leaf in leaves]
-    return tree_unflatten(spec, leaves)
-
-
-def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tolerance):
-    """Run ``backend`` on a fresh clone of every sample and compare with eager (outputs and in-place effects).
-
-    Outputs are cloned right after each call, before the next one (case C20, U4).
-
-    Raises:
-        CorrectnessError (ShapeMismatchError / ToleranceExceededError): on the first violation.
-    """
-    comparator = OutputComparator(tolerance, quantized=backend.is_quantizing,
-                                  low_precision=bool(getattr(backend, "low_precision", False)))
-    graph = context.graph
-    for index, sample in enumerate(graph.samples):
-        inputs = sample.clone()
-        with torch.no_grad():
-            output = clone_tree(backend.infer(*inputs.args, **inputs.kwargs))
-        try:
-            comparator.compare(context.reference_outputs[index], output)
-        except ToleranceExceededError as exc:
-            # Correctness rule 5 (aitune/torch/correctness.py): fp16/bf16 leaves may pass against an fp32 run.
-            if not (tolerance.fp32_parity and exc.tolerance.startswith("atol=") and not backend.is_quantizing):
-                raise
-            reference_fp32 = context.fp32_reference(index)
-            if reference_fp32 is None:
-                raise
-            comparator.compare(context.reference_outputs[index], output, reference_fp32=reference_fp32)
-        if graph.mutated_inputs and context.reference_inputs_after is not None:
-            try:
-                comparator.compare(context.reference_inputs_after[index], inputs.leaves())
-            except CorrectnessError as exc:
-                raise type(exc)(f"input mutation not preserved: {exc}") from exc
-    return comparator.result()
-
-
-def verify_round_trip(backend: Backend, context: GraphContext) -> None:
-    """Save an AOT backend's artifact, load it back without the module and compare one output (case C23).
-
-    The loaded copy must reproduce the built backend's output on the first sample within 1e-6 (abs and
-    rel); the copy is then dropped. Raises whatever save/load raise, or ToleranceExceededError.
-    """
-    import tempfile
-
-    sample = context.graph.samples[0]
-    with tempfile.TemporaryDirectory(prefix="aitune-roundtrip-") as directory:
-        metadata = backend.save(Path(directory))
-        restored = type(backend).from_checkpoint(Path(directory), backend.config, metadata, None, context.graph,
-                                                 context.device)
-        with torch.no_grad():
-            inputs = sample.clone()
-            expected = clone_tree(backend.infer(*inputs.args, **inputs.kwargs))
-            inputs = sample.clone()
-            actual = restored.infer(*inputs.args, **inputs.kwargs)
-        restored.deactivate()
-    OutputComparator(Tolerance(atol=1e-6, rtol=1e-6, low_precision_atol=1e-6, low_precision_rtol=1e-6)).compare(
-        expected, actual)
-
-
-def measure_backend(backend: Backend, context: GraphContext, config: ProfilingConfig) -> Measurement:
-    samples = [sample.clone() for sample in context.graph.samples]
-    batch_sizes = [sample.batch_size or 1 for sample in samples]
-    if context.graph.mutated_inputs:
-        # The module changes its inputs in place: each call gets a fresh copy (for every candidate alike),
-        # or thousands of warm-up calls would drift the inputs towards inf/denormals.
-        def run(sample):
-            fresh = sample.clone()
-            return backend.infer(*fresh.args, **fresh.kwargs)
-    else:
-        def run(sample):
-            return backend.infer(*sample.args, **sample.kwargs)
-    return measure(run, samples, batch_sizes, context.device, config)

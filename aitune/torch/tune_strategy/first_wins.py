@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from aitune.torch.report import REJECTED_PERFORMANCE, SKIPPED, CandidateResult
 from aitune.torch.tune_strategy.base import TuneStrategy
-from aitune.torch.tune_strategy.one_backend import _fast_enough
 
 
 class FirstWinsStrategy(TuneStrategy):
     """Try backends in order; take the first that builds, matches eager and (with performance validation,
-    the default) beats eager by more than the noise. Later backends are skipped. None wins: eager."""
+    the default) reaches ``min_speedup_ratio`` x eager's throughput beyond the noise. Later backends are
+    skipped. None wins: eager."""
 
     def tune(self, context):
+        """Evaluate the backends in order until one wins; see the class docstring."""
         eager = self.eager_candidate(context) if self.performance_validation else None
         rows: list[CandidateResult] = []
         blueprints = self.candidates(context.device)
@@ -20,10 +21,9 @@ class FirstWinsStrategy(TuneStrategy):
             rows.append(candidate.row)
             if not candidate.passed:
                 continue
-            if eager is not None and not _fast_enough(candidate.measurement, eager.measurement,
-                                                      self.min_speedup_ratio):
+            if not self.fast_enough(candidate, eager):
                 candidate.row.status = REJECTED_PERFORMANCE
-                candidate.row.reason = f"not faster than eager ({candidate.row.speedup:.2f}x)"
+                candidate.row.reason = self.speedup_reason(candidate)
                 candidate.backend.deactivate()
                 continue
             for skipped in blueprints[position + 1:]:

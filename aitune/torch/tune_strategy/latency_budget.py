@@ -6,12 +6,14 @@ import math
 
 from aitune.errors import ConfigError, TuningError
 from aitune.torch.report import REJECTED_PERFORMANCE
-from aitune.torch.tune_strategy.base import TuneStrategy
+from aitune.torch.tune_strategy.base import Candidate, TuneStrategy
 
 
 class LatencyBudgetStrategy(TuneStrategy):
     """For each correct candidate, take the recorded samples whose median latency is within
-    ``latency_budget_ms``; its score is the best throughput (batch / latency) among them. Highest score wins.
+    ``latency_budget_ms``; its score is the best throughput (batch / latency) among them. Highest score wins,
+    with the tie rule every strategy uses (:meth:`TuneStrategy.pick`: within the top candidate's noise, the
+    simpler one).
 
     Args:
         latency_budget_ms: per-call latency budget, ms (> 0).
@@ -32,31 +34,37 @@ class LatencyBudgetStrategy(TuneStrategy):
     def describe(self) -> str:
         return super().describe()[:-1] + f", latency_budget_ms={self.latency_budget_ms})"
 
-    def _score(self, candidate) -> float | None:
+    def budget_score(self, candidate: Candidate) -> float | None:
+        """Best items/ms among the samples whose median latency fits the budget; None when none fits."""
         fits = [t.batch_size / t.p50_ms for t in candidate.measurement.samples if t.p50_ms <= self.latency_budget_ms]
         return max(fits) if fits else None
 
-    def tune(self, context):
-        eager = self.eager_candidate(context)
-        candidates = [self.evaluate(blueprint, context) for blueprint in self.candidates(context.device)]
-        pool = candidates + [eager]
+    def choose(self, pool: list[Candidate], where: str = "") -> Candidate:
+        """The chosen candidate among evaluated ones (rows of those over budget are marked).
+
+        Raises:
+            TuningError: when no passing candidate meets the budget.
+        """
         scored = []
         for candidate in pool:
             if not candidate.passed:
                 continue
-            score = self._score(candidate)
-            if score is None:
+            if self.budget_score(candidate) is None:
                 candidate.row.status = REJECTED_PERFORMANCE
                 candidate.row.reason = (f"latency {candidate.measurement.min_batch_latency_ms:.3f} ms at the "
                                         f"smallest batch exceeds the budget of {self.latency_budget_ms} ms")
             else:
-                scored.append((score, candidate))
+                scored.append(candidate)
         if not scored:
             raise TuningError(f"no backend meets the latency budget of {self.latency_budget_ms} ms for "
-                              f"{context.module_name}/{context.graph.name}; raise the budget or use smaller batches")
-        best_score = max(score for score, _ in scored)
-        noise = max(c.measurement.noise for _, c in scored)
-        tied = [c for score, c in scored if score * (1 + noise) >= best_score]
-        chosen = self.pick(tied) if len(tied) > 1 else tied[0]
+                              f"{where or 'this graph'}; raise the budget or use smaller batches")
+        return self.pick(scored, score=self.budget_score)
+
+    def tune(self, context):
+        """Evaluate every candidate, then choose by :meth:`choose`."""
+        eager = self.eager_candidate(context)
+        candidates = [self.evaluate(blueprint, context) for blueprint in self.candidates(context.device)]
+        pool = candidates + [eager]
+        chosen = self.choose(pool, f"{context.module_name}/{context.graph.name}")
         self.finish(chosen, pool)
         return chosen.backend, [c.row for c in pool], f"best throughput within {self.latency_budget_ms} ms"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from aitune.torch.report import REJECTED_PERFORMANCE
 from aitune.torch.tune_strategy.base import TuneStrategy
 
 
@@ -10,27 +11,34 @@ class MaxThroughputStrategy(TuneStrategy):
 
     Eager is measured in the same run and competes (unless performance validation is off). A candidate
     must beat the best by more than the measured noise; within the noise the simpler one wins (eager,
-    then AOT over JIT, then shorter build). This is the default strategy.
+    then AOT over JIT, then shorter build). With ``min_speedup_ratio`` r, only candidates reaching r x
+    eager's throughput compete with eager. This is the default strategy.
     """
 
     by_latency = False
 
     def tune(self, context):
+        """Evaluate every candidate, then choose; see the class docstring."""
         eager = self.eager_candidate(context)
         candidates = [self.evaluate(blueprint, context) for blueprint in self.candidates(context.device)]
         pool = candidates + [eager]
-        contenders = pool if self.performance_validation else (
-            [c for c in candidates if c.passed] or [eager])
-        if self.performance_validation and self.min_speedup_ratio != 1.0:
-            from aitune.torch.tune_strategy.one_backend import _fast_enough
-
-            contenders = [eager] + [c for c in candidates if c.passed and _fast_enough(
-                c.measurement, eager.measurement, self.min_speedup_ratio)]
+        if self.performance_validation:
+            contenders = [eager]
+            for candidate in candidates:
+                if not candidate.passed:
+                    continue
+                if self.min_speedup_ratio != 1.0 and not self.fast_enough(candidate, eager):
+                    candidate.row.status = REJECTED_PERFORMANCE
+                    candidate.row.reason = self.speedup_reason(candidate)
+                    continue
+                contenders.append(candidate)
+        else:
+            contenders = [c for c in candidates if c.passed] or [eager]
         chosen = self.pick(contenders, by_latency=self.by_latency)
         fastest = self.pick_fastest(contenders, by_latency=self.by_latency)
         self.finish(chosen, pool)
         metric = "lowest latency at the smallest batch" if self.by_latency else "highest throughput"
-        why = f"{metric} among {sum(c.backend is not None for c in pool)} correct candidates"
+        why = f"{metric} among {sum(c.passed for c in contenders)} correct candidates"
         if chosen is not fastest:
             why += f" (within the measured noise of {fastest.row.description}, the simpler one is kept)"
         return chosen.backend, [c.row for c in pool], why

@@ -1,0 +1,360 @@
+"""One candidate, one path: availability → supports → build → check against eager → round trip → measure.
+
+Every strategy evaluates candidates through :func:`evaluate`; strategies only decide *which* candidates to
+evaluate and *which* to choose. A step that fails ends the path through the one exit in :func:`evaluate`:
+the candidate becomes a report row with a one-line reason naming the real cause and the path of its full
+log (and its backend, if built, is released). Only :class:`~aitune.torch.tune_strategy.OneBackendStrategy`
+asks for the original error instead (``raise_errors=True``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aitune.errors import BackendBuildError, BackendUnavailableError, CorrectnessError, ToleranceExceededError
+from aitune.torch.backend.base import Backend, BuildMode, one_line
+from aitune.torch.correctness import ComparisonResult, OutputComparator, Tolerance
+from aitune.torch.profiling import Measurement, ProfilingConfig, measure
+from aitune.torch.pytree import tree_flatten, tree_unflatten
+from aitune.torch.report import FAILED, PASSED, REJECTED_CORRECTNESS, UNAVAILABLE, UNSUPPORTED, CandidateResult
+from aitune.torch.samples import clone_tree
+
+logger = logging.getLogger(__name__)
+
+NOISY = 0.10  # relative noise above which a row says its figures are unreliable
+
+
+@dataclasses.dataclass
+class GraphContext:
+    """What evaluating candidates for one graph of one module needs.
+
+    Attributes:
+        module: the user's module (never modified). module_name: report name.
+        graph: the :class:`~aitune.torch.samples.GraphSpec` with recorded samples.
+        device: where to build and run. workdir: ``<cache>/<module>/<graph>``.
+        reference_outputs: eager outputs per sample (computed once on cloned inputs under no_grad).
+        reference_inputs_after: per sample, the input leaves after the eager call (for in-place ops).
+        cache: optional build cache (see :mod:`aitune.torch.cache`).
+        eager_measurement: eager's figures, measured once per graph (set by :func:`eager_candidate`).
+    """
+
+    module: torch.nn.Module
+    module_name: str
+    graph: Any
+    device: torch.device
+    workdir: Path
+    reference_outputs: list
+    reference_inputs_after: list | None = None
+    cache: Any = None
+    eager_measurement: Measurement | None = None
+    _fp32_outputs: dict = dataclasses.field(default_factory=dict)
+    _fp32_unavailable: bool = False
+
+    def fp32_reference(self, index: int) -> Any:
+        """Outputs of a float32 copy of the module on sample ``index`` (fp16/bf16 inputs upcast), or None.
+
+        Computed lazily, only when an fp16/bf16 candidate misses the plain tolerance (correctness rule 5);
+        the copy is dropped right after. None when the copy or the call fails (e.g. out of memory).
+        """
+        if self._fp32_unavailable:
+            return None
+        if index not in self._fp32_outputs:
+            try:
+                module32 = copy.deepcopy(self.module).float()
+                with torch.no_grad():
+                    for position, sample in enumerate(self.graph.samples):
+                        args, kwargs = _upcast(sample.clone())
+                        self._fp32_outputs[position] = clone_tree(module32(*args, **kwargs))
+                del module32
+            except Exception:  # noqa: BLE001 - rule 5 is a second chance, never a new failure
+                logger.debug("no fp32 reference for %s/%s", self.module_name, self.graph.name, exc_info=True)
+                self._fp32_unavailable = True
+                return None
+        return self._fp32_outputs.get(index)
+
+
+@dataclasses.dataclass
+class Candidate:
+    """A candidate after evaluation: the built backend (None if it did not pass) and its report row."""
+
+    backend: Backend | None
+    row: CandidateResult
+    measurement: Measurement | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.backend is not None and self.row.status == PASSED
+
+
+@dataclasses.dataclass(kw_only=True)
+class EvaluationSettings:
+    """How candidates are judged (a strategy's settings).
+
+    Attributes:
+        tolerance: thresholds of the comparison with eager (also used for the round trip of AOT artifacts).
+        profiling: how to measure. correctness_check: compare with eager (default True).
+        measure: measure passing candidates (default True).
+    """
+
+    tolerance: Tolerance = dataclasses.field(default_factory=Tolerance)
+    profiling: ProfilingConfig = dataclasses.field(default_factory=ProfilingConfig)
+    correctness_check: bool = True
+    measure: bool = True
+
+
+class _Stop(Exception):
+    """Ends a candidate's path: its status, the reason's prefix and the error that caused it."""
+
+    def __init__(self, status: str, cause: BaseException | None, reason: str = "", prefix: str = ""):
+        super().__init__(reason)
+        self.status, self.cause, self.reason, self.prefix = status, cause, reason, prefix
+
+
+def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSettings, *,
+             raise_errors: bool = False) -> Candidate:
+    """Take one candidate through availability → supports → build → check → round trip → measure.
+
+    Args:
+        blueprint: the backend to try (copied before building; never built itself).
+        context: the graph, the user's module, eager's reference outputs.
+        settings: tolerance, profiling and which checks run.
+        raise_errors: re-raise the original error of a failing step (OneBackendStrategy) after recording it.
+
+    Returns:
+        A :class:`Candidate`: ``passed`` with an ACTIVE backend and (with ``settings.measure``) its
+        measurement, or a row with status failed / rejected (correctness) / unavailable / unsupported.
+
+    Raises:
+        Only with ``raise_errors``: the original error (BackendBuildError, CorrectnessError, ...), or
+        BackendUnavailableError when the backend cannot run here.
+    """
+    row = CandidateResult(module=context.module_name, graph=context.graph.name, backend=blueprint.name,
+                          description=blueprint.describe())
+    label = blueprint.describe()[:28]
+    backend: Backend | None = None
+    try:
+        _check_support(blueprint, context, row)
+        backend = _build(blueprint, context, row)
+        if settings.correctness_check:
+            try:
+                row.comparison = check_against_eager(backend, context, settings.tolerance).to_dict()
+            except Exception as exc:  # noqa: BLE001 - any failure of the check is a row
+                raise _Stop(REJECTED_CORRECTNESS if isinstance(exc, CorrectnessError) else FAILED, exc) from exc
+        if backend.build_mode is BuildMode.AOT and not row.cached:
+            try:
+                verify_round_trip(backend, context, settings.tolerance)
+            except Exception as exc:  # noqa: BLE001 - case C23: not saveable means not selectable
+                raise _Stop(FAILED, exc, prefix="not saveable: ") from exc
+        measurement = None
+        if settings.measure:
+            try:
+                measurement = measure_backend(backend, context, settings.profiling)
+            except Exception as exc:  # noqa: BLE001
+                raise _Stop(FAILED, exc, prefix="measuring: ") from exc
+            row.measurement = measurement.to_dict()
+            eager = eager_candidate(context, settings.profiling).measurement
+            if eager.throughput > 0:
+                row.speedup = measurement.throughput / eager.throughput
+    except _Stop as stop:  # the one failure exit
+        row.status = stop.status
+        row.reason = stop.reason or stop.prefix + failure_reason(stop.cause)
+        logger.info("  %-28s %s: %s", label, row.status, row.reason)
+        if backend is not None:
+            backend.deactivate()
+        if raise_errors:
+            if stop.cause is not None:
+                raise stop.cause
+            raise BackendUnavailableError(f"Backend '{blueprint.name}' cannot run here: {row.reason}") from None
+        return Candidate(None, row)
+    row.reason = "; ".join(filter(None, [build_notes(row.details), noise_note(measurement)]))
+    logger.info("  %-28s passed%s", label, f" ({row.speedup:.2f}x eager)" if row.speedup is not None else "")
+    return Candidate(backend, row, measurement)
+
+
+def _check_support(blueprint: Backend, context: GraphContext, row: CandidateResult) -> None:
+    try:
+        support = blueprint.supports(context.module, context.graph, context.device)
+    except Exception as exc:  # noqa: BLE001 - a crashing eligibility check is a row too
+        raise _Stop(FAILED, exc, prefix="supports(): ") from exc
+    if not support.ok:
+        status = UNAVAILABLE if not blueprint.availability().ok else UNSUPPORTED
+        raise _Stop(status, None, reason=support.reason)
+
+
+def _build(blueprint: Backend, context: GraphContext, row: CandidateResult) -> Backend:
+    workdir = context.workdir / blueprint.key()
+    logger.info("  %-28s building…", blueprint.describe()[:28])
+    started = time.perf_counter()
+    row.log_path = str(workdir / "build.log")
+    try:
+        if context.cache is not None:
+            backend, row.cached = context.cache.build(blueprint, context.module, context.graph, context.device,
+                                                      workdir)
+        else:
+            backend = blueprint.copy().build(context.module, context.graph, context.device, workdir)
+    except Exception as exc:  # noqa: BLE001 - any candidate failure is a row, never a crash
+        row.build_s = time.perf_counter() - started
+        row.log_path = str(getattr(exc, "log_path", None) or row.log_path)
+        raise _Stop(FAILED, exc) from exc
+    row.build_s = backend.build_info.get("build_s", time.perf_counter() - started)
+    row.details = {k: v for k, v in backend.build_info.items() if k != "build_s"}
+    return backend
+
+
+def eager_candidate(context: GraphContext, profiling: ProfilingConfig) -> Candidate:
+    """The eager baseline as a passing candidate (correct by definition), measured once per graph.
+
+    Eager is measured in the same run and under the same conditions as the candidates; the measurement is
+    kept in ``context.eager_measurement`` and reused by later calls (and by :func:`evaluate` for the
+    speed-up column).
+    """
+    from aitune.torch.backend.eager import TorchEagerBackend
+
+    blueprint = TorchEagerBackend()
+    backend = blueprint.copy().build(context.module, context.graph, context.device, context.workdir / blueprint.key())
+    if context.eager_measurement is None:
+        context.eager_measurement = measure_backend(backend, context, profiling)
+    measurement = context.eager_measurement
+    row = CandidateResult(module=context.module_name, graph=context.graph.name, backend=blueprint.name,
+                          description=blueprint.describe(), build_s=backend.build_info.get("build_s"),
+                          measurement=measurement.to_dict(), speedup=1.0,
+                          reason="; ".join(filter(None, ["baseline", noise_note(measurement)])))
+    return Candidate(backend, row, measurement)
+
+
+def noise_note(measurement: Measurement | None) -> str:
+    """A warning for figures too noisy to trust (another process busy on the machine, frequency changes)."""
+    if measurement is None or measurement.noise <= NOISY:
+        return ""
+    return f"noisy measurement (±{measurement.noise:.0%}): other load on the machine? re-run to confirm"
+
+
+def build_notes(details: dict) -> str:
+    """One line of what a passing build did that users should know (preset, graph breaks, EP, specialisation)."""
+    notes = []
+    if details.get("preset"):
+        notes.append(f"preset {details['preset']}")
+    if details.get("graph_breaks"):
+        notes.append(f"{details['graph_breaks']} graph break(s)")
+    if details.get("providers"):
+        notes.append("EP " + ",".join(p.removesuffix("ExecutionProvider") for p in details["providers"]))
+    if details.get("shape_specialized") or details.get("specialized_axes"):
+        notes.append("shape-specialized: calls outside its shapes run eager")
+    if details.get("export_batch_repeated"):
+        notes.append("exported at batch >= 2 (sample repeated)")
+    return "; ".join(notes)
+
+
+def failure_reason(exc: BaseException | None) -> str:
+    """One line naming the real cause: for wrapped build errors, the innermost chained cause."""
+    if exc is None:
+        return ""
+    if isinstance(exc, BackendBuildError) and exc.__cause__ is not None:
+        root = exc.__cause__
+        while root.__cause__ is not None:
+            root = root.__cause__
+        return one_line(root)
+    return one_line(exc)
+
+
+def _upcast(sample) -> tuple[tuple, dict]:
+    leaves, spec = tree_flatten((sample.args, sample.kwargs))
+    leaves = [leaf.float() if isinstance(leaf, torch.Tensor) and leaf.dtype in (torch.float16, torch.bfloat16)
+              else leaf for leaf in leaves]
+    return tree_unflatten(spec, leaves)
+
+
+def comparator_for(backend: Backend, tolerance: Tolerance) -> OutputComparator:
+    """The comparator a backend is judged with: SQNR/cosine when quantizing, fp16 tolerances for TF32/autocast."""
+    return OutputComparator(tolerance, quantized=backend.is_quantizing,
+                            low_precision=bool(getattr(backend, "low_precision", False)))
+
+
+def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tolerance) -> ComparisonResult:
+    """Run ``backend`` on a fresh clone of every sample and compare with eager (outputs and in-place effects).
+
+    Outputs are cloned right after each call, before the next one (case C20, U4).
+
+    Returns:
+        The worst errors per output leaf and the thresholds used.
+
+    Raises:
+        CorrectnessError (ShapeMismatchError / ToleranceExceededError): on the first violation.
+    """
+    comparator = comparator_for(backend, tolerance)
+    graph = context.graph
+    for index, sample in enumerate(graph.samples):
+        inputs = sample.clone()
+        with torch.no_grad():
+            output = clone_tree(backend.infer(*inputs.args, **inputs.kwargs))
+        try:
+            comparator.compare(context.reference_outputs[index], output)
+        except ToleranceExceededError as exc:
+            # Correctness rule 5 (aitune/torch/correctness.py): fp16/bf16 leaves may pass against an fp32 run.
+            if not (tolerance.fp32_parity and exc.tolerance.startswith("atol=") and not backend.is_quantizing):
+                raise
+            reference_fp32 = context.fp32_reference(index)
+            if reference_fp32 is None:
+                raise
+            comparator.compare(context.reference_outputs[index], output, reference_fp32=reference_fp32)
+        if graph.mutated_inputs and context.reference_inputs_after is not None:
+            try:
+                comparator.compare(context.reference_inputs_after[index], inputs.leaves())
+            except CorrectnessError as exc:
+                raise type(exc)(f"input mutation not preserved: {exc}") from exc
+    return comparator.result()
+
+
+def verify_round_trip(backend: Backend, context: GraphContext, tolerance: Tolerance) -> None:
+    """Save an AOT backend's artifact, load it back without the module and compare one output (case C23).
+
+    The loaded copy must match eager on the first sample by the same rule and ``tolerance`` the built
+    candidate was judged by (a reloaded artifact may pick other kernels; what matters is that it is still
+    correct); the copy is then dropped.
+
+    Raises:
+        Whatever save/load raise, or CorrectnessError.
+    """
+    sample = context.graph.samples[0]
+    with tempfile.TemporaryDirectory(prefix="aitune-roundtrip-") as directory:
+        metadata = backend.save(Path(directory))
+        restored = type(backend).from_checkpoint(Path(directory), backend.config, metadata, None, context.graph,
+                                                 context.device)
+        try:
+            with torch.no_grad():
+                inputs = sample.clone()
+                actual = clone_tree(restored.infer(*inputs.args, **inputs.kwargs))
+        finally:
+            restored.deactivate()
+    reference = context.reference_outputs[0]
+    try:
+        comparator_for(backend, tolerance).compare(reference, actual)
+    except ToleranceExceededError:
+        reference_fp32 = context.fp32_reference(0) if tolerance.fp32_parity else None
+        if reference_fp32 is None:
+            raise
+        comparator_for(backend, tolerance).compare(reference, actual, reference_fp32=reference_fp32)
+
+
+def measure_backend(backend: Backend, context: GraphContext, config: ProfilingConfig) -> Measurement:
+    """Latency and throughput of ``backend`` over the graph's samples (see :func:`aitune.torch.profiling.measure`)."""
+    samples = [sample.clone() for sample in context.graph.samples]
+    batch_sizes = [sample.batch_size or 1 for sample in samples]
+    if context.graph.mutated_inputs:
+        # The module changes its inputs in place: each call gets a fresh copy (for every candidate alike),
+        # or thousands of warm-up calls would drift the inputs towards inf/denormals.
+        def run(sample):
+            fresh = sample.clone()
+            return backend.infer(*fresh.args, **fresh.kwargs)
+    else:
+        def run(sample):
+            return backend.infer(*sample.args, **sample.kwargs)
+    return measure(run, samples, batch_sizes, context.device, config)
