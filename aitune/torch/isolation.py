@@ -14,6 +14,14 @@ a forked child inherits it in a broken state. The child is therefore a new ``sys
 started as well. The parent's ``sys.path`` is passed through ``PYTHONPATH`` so the child imports the same
 ``aitune`` and the same target modules (also ones found only through the parent's path, e.g. tests).
 
+Which builds are isolated (and which are not): the Inductor AOT compile + first load, the ONNX -> TensorRT
+engine build and the Torch-TensorRT AOT compile run here. **Not isolated** — they run in the tuning process,
+where a native crash ends the process and a hang hangs it: Inductor JIT compiles (every mode, max-autotune
+included), ``torch.export`` and the ONNX export, ONNX Runtime session creation (with the TensorRT execution
+provider that is where engines are built), TorchAO quantization and its compile, Torch-TensorRT JIT, and the
+kernel selector's measurements. They hold live Python objects (a compiled module, a session) that cannot be
+handed back from a child.
+
 Steps exchange files, not objects: the target receives JSON-able keyword arguments (typically paths)
 and returns a JSON-able dict. The request is written next to the log as ``<log stem>.request.json``;
 ``python -m aitune.torch.isolation <that file>`` reruns the step by hand.

@@ -216,9 +216,10 @@ class Module(wrapt.ObjectProxy):
                 # NOTE [zero-size inputs]: compiled kernels and exported graphs mishandle empty batches and
                 # empty spatial dims (case C15); eager gives the right empty result or the right error.
                 return self._eager(args, kwargs, "empty", "zero-size inputs run eager")
-        if not backend.accepts(leaves):
+        rejection = backend.rejects(leaves)
+        if rejection is not None:
             return self._eager(args, kwargs, ("range", graph.name),
-                               f"{graph.name}: input shapes outside the range {backend.name} was built for run eager")
+                               f"{graph.name}: {rejection} ({backend.name}'s accepted inputs); such calls run eager")
         if not all(leaf.is_contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)):
             # NOTE [non-contiguous inputs]: some artifacts assume contiguous strides (case C16).
             if graph.mutated_inputs:

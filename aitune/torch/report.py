@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from aitune import __version__
+from aitune.torch.jsonsafe import json_safe
 
 # Candidate statuses.
 SELECTED = "selected"
@@ -58,7 +59,7 @@ class CandidateResult:
         return None if self.measurement is None else self.measurement["throughput"]
 
     def to_dict(self) -> dict:
-        return _jsonable(dataclasses.asdict(self))
+        return json_safe(dataclasses.asdict(self))
 
 
 @dataclasses.dataclass
@@ -76,7 +77,7 @@ class GraphReport:
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
         data["candidates"] = [row.to_dict() for row in self.candidates]
-        return _jsonable(data)
+        return json_safe(data)
 
 
 @dataclasses.dataclass
@@ -160,18 +161,6 @@ def _fmt(value: Any, spec: str) -> str:
 def _shorten(text: str, limit: int) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return repr(value) if not isinstance(value, (torch.dtype, torch.device)) else str(value)
 
 
 def environment() -> dict:

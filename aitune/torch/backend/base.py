@@ -30,6 +30,7 @@ from aitune.errors import (
     ConfigError,
     UnknownBackendError,
 )
+from aitune.torch.dtypes import dtype_from_name, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def _to_jsonable(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
+        return dtype_name(value)
     if isinstance(value, BackendConfig):
         return value.to_dict()
     if isinstance(value, (list, tuple)):
@@ -156,15 +157,12 @@ def _to_jsonable(value: Any) -> Any:
 
 
 def parse_dtype(value: Any, field: str) -> torch.dtype | None:
-    """``torch.float16`` / ``"float16"`` / ``"fp16"`` / None -> torch dtype. Raises ConfigError."""
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    aliases = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}
-    name = aliases.get(str(value), str(value)).removeprefix("torch.")
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"{field}: {value!r} is not a torch dtype (use e.g. torch.float16 or 'bfloat16')")
-    return dtype
+    """``torch.float16`` / ``"float16"`` / ``"fp16"`` / None -> torch dtype (None stays None).
+
+    Raises:
+        ConfigError: naming ``field`` when ``value`` is not a torch dtype.
+    """
+    return None if value is None else dtype_from_name(value, ConfigError, field)
 
 
 _CONFIG_CLASSES: dict[str, type["BackendConfig"]] = {}
@@ -241,7 +239,17 @@ def registered_backends() -> dict[str, type["Backend"]]:
 
 
 def get_backend_class(name: str) -> type["Backend"]:
-    """Backend class registered as ``name``. Raises UnknownBackendError listing every registered name."""
+    """The backend class registered as ``name``.
+
+    Args:
+        name: a registry name such as ``"inductor_jit"``, ``"onnxruntime"`` (``aitune env`` lists them).
+
+    Returns:
+        The :class:`Backend` subclass.
+
+    Raises:
+        UnknownBackendError: for a name nobody registered; the message lists every registered name.
+    """
     backends = registered_backends()
     if name not in backends:
         raise UnknownBackendError(f"unknown backend {name!r}; registered backends: {', '.join(sorted(backends))}")
@@ -377,11 +385,17 @@ class Backend:
         return self
 
     def accepts(self, leaves: list) -> bool:
-        """Can this built backend take a call with these flattened input leaves? (Default: yes.)
+        """Can this built backend take a call with these flattened canonical input leaves? See :meth:`rejects`."""
+        return self.rejects(leaves) is None
 
-        AOT artifacts return False for shapes outside their range; the Module then runs eager.
+    def rejects(self, leaves: list) -> str | None:
+        """Why this built backend cannot take a call with these flattened input leaves, or None (default).
+
+        AOT artifacts name the input outside their accepted range (dtype, device, rank, sizes — see
+        :class:`aitune.torch.backend.accepted.AcceptedInputs`); ``ait.Module`` then runs the call eagerly
+        and its warning carries this reason. Subclasses override this, not :meth:`accepts`.
         """
-        return True
+        return None
 
     def __call__(self, *args, **kwargs):
         return self.infer(*args, **kwargs)
@@ -446,7 +460,26 @@ class Backend:
     @classmethod
     def from_checkpoint(cls, directory: Path, config: BackendConfig, metadata: dict, module: torch.nn.Module | None,
                         graph, device: torch.device | str) -> "Backend":
-        """Rebuild a backend saved by :meth:`save`; returns it ACTIVE."""
+        """Rebuild a backend saved by :meth:`save`, without building it again.
+
+        Args:
+            directory: the folder :meth:`save` wrote (for checkpoints: the graph's extracted ``artifacts/``).
+            config: the backend's config (from ``BackendConfig.from_dict`` of the stored dict).
+            metadata: the JSON-able dict :meth:`save` returned.
+            module: the user's module — needed by JIT backends (they recompile it; its weights are used), and
+                None when an AOT artifact is loaded on its own (the round-trip check of tuning).
+            graph: the :class:`~aitune.torch.samples.GraphSpec` restored with its samples (JIT backends
+                recompile from them; ``graph.signature`` normalises calls).
+            device: where to run (``"cpu"``, ``"cuda:0"``).
+
+        Returns:
+            The backend, ACTIVE.
+
+        Raises:
+            CheckpointError: a stored file is missing or does not fit (the backend names which).
+            BackendUnavailableError / BackendRuntimeError: the runtime cannot load the artifact here.
+            Whatever the backend's runtime raises for an artifact it cannot load (callers translate it).
+        """
         backend = cls(config)
         backend.device = torch.device(device)
         backend.graph = graph

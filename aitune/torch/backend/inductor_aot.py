@@ -36,7 +36,9 @@ import torch
 
 from aitune.errors import BackendBuildError, CheckpointError, ConfigError, IsolatedStepError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, torch_version_at_least
+from aitune.torch.backend.accepted import AcceptedInputs
 from aitune.torch.backend.flat import FlatIO, eager_output
+from aitune.torch.dtypes import dtype_name
 from aitune.torch.samples import BATCH, STATIC
 from aitune.torch.serialization import output_template_from_json, outputs_to_json
 
@@ -159,8 +161,8 @@ def check_outputs(outputs: list, expected_outputs: list[dict]) -> None:
     for index, (output, expected) in enumerate(zip(outputs, expected_outputs)):
         if not isinstance(output, torch.Tensor):
             raise RuntimeError(f"output {index} of the AOTInductor package is {type(output).__name__}, not a tensor")
-        if list(output.shape) != expected["shape"] or _dtype_name(output.dtype) != expected["dtype"]:
-            raise RuntimeError(f"output {index} of the AOTInductor package is {_dtype_name(output.dtype)}"
+        if list(output.shape) != expected["shape"] or dtype_name(output.dtype) != expected["dtype"]:
+            raise RuntimeError(f"output {index} of the AOTInductor package is {dtype_name(output.dtype)}"
                                f"{list(output.shape)}, eager gives {expected['dtype']}{expected['shape']}")
 
 
@@ -170,10 +172,6 @@ def load_package(package_path: str | Path, device: torch.device):
     if device.type == "cuda":
         device_index = device.index if device.index is not None else torch.cuda.current_device()
     return torch._inductor.aoti_load_package(str(package_path), device_index=device_index)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # --------------------------------------------------------------------------------------------- export plan
@@ -361,8 +359,7 @@ class TorchInductorAotBackend(Backend):
         self._runner = None
         self._io: FlatIO | None = None
         self._package_path: Path | None = None
-        self._inputs: list[dict] = []
-        self._batch_axes: list[tuple[int, int, int]] = []
+        self._accepted: AcceptedInputs | None = None
 
     @classmethod
     def availability(cls) -> Check:
@@ -389,9 +386,8 @@ class TorchInductorAotBackend(Backend):
         flat_module = flat_io.flat_module(module)
         exported, plan = self._export(flat_module, graph, flat_io)
         ranges, notes = _accepted_ranges(exported, graph)
-        self._inputs = [{"leaf_index": spec.leaf_index, "dtype": _dtype_name(spec.dtype), "low": r["low"],
-                         "high": r["high"]} for spec, r in zip(graph.tensor_specs, ranges)]
-        self._batch_axes = _batch_axes(graph)
+        self._accepted = AcceptedInputs.from_graph(graph, device, [(r["low"], r["high"]) for r in ranges],
+                                                   _batch_axes(graph))
         self.build_info.update({
             "export_example_shapes": [list(tensor.shape) for tensor in plan.example],
             "batch_range": list(plan.batch_range) if plan.batch_range else None,
@@ -418,7 +414,7 @@ class TorchInductorAotBackend(Backend):
         save_file({f"input_{i}": t.detach().contiguous().cpu() for i, t in enumerate(check_inputs)}, str(sample_path))
         step_kwargs = {
             "exported_path": str(exported_path), "package_path": str(package_path), "sample_path": str(sample_path),
-            "expected_outputs": [{"shape": list(t.shape), "dtype": _dtype_name(t.dtype)} for t in eager_outputs],
+            "expected_outputs": [{"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for t in eager_outputs],
             "inductor_configs": self.config.inductor_configs, "device": str(device),
         }
         self.build_info["isolated"] = self.config.isolate
@@ -463,42 +459,15 @@ class TorchInductorAotBackend(Backend):
         example_shapes = [list(t.shape) for t in plan.example]
         for sample in graph.samples:
             inputs = flat_io.sample_inputs(sample.clone())
-            if [list(t.shape) for t in inputs] != example_shapes and self._shapes_accepted(inputs):
+            if [list(t.shape) for t in inputs] != example_shapes and self._accepted.rejects_tensors(inputs) is None:
                 return inputs
         return plan.example
 
     # ---- inference
-    def accepts(self, leaves: list) -> bool:
-        """True when the call fits the artifact: tensor dtypes, devices and ranks as built, every axis inside
-        the recorded/declared range that export kept (``build_info["accepted_ranges"]``), batch axes agreeing.
-        """
-        try:
-            inputs = [leaves[entry["leaf_index"]] for entry in self._inputs]
-        except IndexError:
-            return False
-        if not all(isinstance(t, torch.Tensor) for t in inputs):
-            return False
-        for tensor, entry in zip(inputs, self._inputs):
-            if _dtype_name(tensor.dtype) != entry["dtype"]:
-                return False
-            if self.device is not None and tensor.device.type != self.device.type:
-                return False
-        return self._shapes_accepted(inputs)
-
-    def _shapes_accepted(self, inputs: list[torch.Tensor]) -> bool:
-        for tensor, entry in zip(inputs, self._inputs):
-            if tensor.dim() != len(entry["low"]):
-                return False
-            for size, low, high in zip(tensor.shape, entry["low"], entry["high"]):
-                if not low <= size <= high:
-                    return False
-        batches = set()
-        for index, axis, multiplier in self._batch_axes:
-            size = inputs[index].shape[axis]
-            if size % multiplier:
-                return False
-            batches.add(size // multiplier)
-        return len(batches) <= 1
+    def rejects(self, leaves: list) -> str | None:
+        """Why the artifact cannot take the call: tensor dtypes, device and ranks as built, every axis inside
+        the recorded/declared range that export kept (``build_info["accepted_ranges"]``), batch axes agreeing."""
+        return self._accepted.rejects(leaves)
 
     def _infer(self, args, kwargs):
         inputs = [tensor.contiguous() for tensor in self._io.inputs(args, kwargs)]
@@ -521,9 +490,10 @@ class TorchInductorAotBackend(Backend):
         return {
             "package": PACKAGE_FILE,
             "device": str(self.device),
-            "inputs": self._inputs,
+            "inputs": [entry.to_json() for entry in self._accepted.inputs],
             "input_names": list(self._io.input_names),
-            "batch_axes": [list(axis) for axis in self._batch_axes],
+            "batch_axes": [list(axis) for axis in self._accepted.batch_axes],
+            "device_type": self._accepted.device_type,
             "outputs": outputs_to_json(self._io.output_spec, self._io.output_constants, self._io.output_is_tensor,
                                        self._io.output_dtypes),
             "build_info": {key: value for key, value in self.build_info.items()
@@ -534,12 +504,14 @@ class TorchInductorAotBackend(Backend):
         package_path = directory / metadata.get("package", PACKAGE_FILE)
         if not package_path.is_file():
             raise CheckpointError(f"{self.name}: {package_path} is missing from the checkpoint")
-        self._inputs = [dict(entry) for entry in metadata["inputs"]]
-        self._batch_axes = [tuple(axis) for axis in metadata.get("batch_axes", [])]
+        self._accepted = AcceptedInputs.from_json({"inputs": metadata["inputs"],
+                                                   "batch_axes": metadata.get("batch_axes", []),
+                                                   "device_type": metadata.get("device_type", device.type)})
         template = output_template_from_json(metadata["outputs"], getattr(graph, "output_spec", None))
         io_graph = graph if graph is not None and getattr(graph, "tensor_specs", None) else _StoredInputs(
-            [_StoredTensorSpec(entry["leaf_index"], name)
-             for entry, name in zip(self._inputs, metadata.get("input_names", [""] * len(self._inputs)))])
+            [_StoredTensorSpec(entry.leaf_index, name)
+             for entry, name in zip(self._accepted.inputs,
+                                    metadata.get("input_names", [""] * len(self._accepted.inputs)))])
         self._io = FlatIO(io_graph, template)
         self._package_path = package_path
         self.build_info.update(metadata.get("build_info", {}))

@@ -174,8 +174,9 @@ class KernelSelectorBackend(Backend):
             reasons.append(f"{provider.name}: {check.reason}")
         return Check(False, f"no kernel provider can run on {device.type}: " + "; ".join(reasons))
 
-    def accepts(self, leaves: list) -> bool:
-        return self.delegate.accepts(leaves)
+    def rejects(self, leaves: list) -> str | None:
+        """The delegate's answer (the delegate runs the call)."""
+        return self.delegate.rejects(leaves)
 
     # ---- build
     def _optimizer(self):

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from aitune.errors import CheckpointError, ConfigError
+from aitune.torch.backend.accepted import AcceptedInput, AcceptedInputs
 from aitune.torch.backend.base import (
     Backend,
     BackendConfig,
@@ -34,6 +35,7 @@ from aitune.torch.backend.base import (
 )
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.backend.flat import FlatIO, eager_output
+from aitune.torch.dtypes import dtype_from_name, dtype_name
 from aitune.torch.samples import BATCH
 
 logger = logging.getLogger(__name__)
@@ -345,7 +347,7 @@ def export_dynamic_shapes(graph) -> tuple[dict | None, list[dict]]:
             axes[axis] = history
         per_input.append(axes)
         inputs.append({"name": spec.name, "min": list(low), "opt": list(opt), "max": list(high),
-                       "dtype": str(spec.dtype).removeprefix("torch.")})
+                       "dtype": dtype_name(spec.dtype)})
     if not any(per_input):
         return None, inputs
     dims = {history: Dim(group["name"], min=group["min"], max=group["max"]) for history, group in groups.items()}
@@ -380,7 +382,7 @@ def export_flat_module(module, graph, device: torch.device) -> tuple[Any, FlatIO
 def _settings_to_json(settings: dict) -> dict:
     encoded = dict(settings)
     if "enabled_precisions" in encoded:
-        encoded["enabled_precisions"] = sorted(str(p).removeprefix("torch.") for p in encoded["enabled_precisions"])
+        encoded["enabled_precisions"] = sorted(dtype_name(p) for p in encoded["enabled_precisions"])
     if "torch_executed_ops" in encoded:
         encoded["torch_executed_ops"] = sorted(encoded["torch_executed_ops"])
     return encoded
@@ -389,7 +391,7 @@ def _settings_to_json(settings: dict) -> dict:
 def _settings_from_json(encoded: dict) -> dict:
     settings = dict(encoded)
     if "enabled_precisions" in settings:
-        settings["enabled_precisions"] = {getattr(torch, name) for name in settings["enabled_precisions"]}
+        settings["enabled_precisions"] = {dtype_from_name(name) for name in settings["enabled_precisions"]}
     if "torch_executed_ops" in settings:
         settings["torch_executed_ops"] = set(settings["torch_executed_ops"])
     return settings
@@ -416,7 +418,7 @@ def compile_exported_program(*, exported_path: str, output_path: str, inputs: li
     device = torch.device("cuda", device_index)
     exported = torch.export.load(exported_path)
     trt_inputs = [torch_tensorrt.Input(min_shape=tuple(entry["min"]), opt_shape=tuple(entry["opt"]),
-                                       max_shape=tuple(entry["max"]), dtype=getattr(torch, entry["dtype"]),
+                                       max_shape=tuple(entry["max"]), dtype=dtype_from_name(entry["dtype"]),
                                        name=entry["name"]) for entry in inputs]
     options = _settings_from_json(settings)
     options["device"] = device
@@ -460,6 +462,7 @@ class TorchTensorRTAotBackend(Backend):
         self._io: FlatIO | None = None
         self._inputs: list[dict] = []
         self._leaf_indices: list[int] = []
+        self._accepted: AcceptedInputs | None = None  # built from _inputs on first use
         self._artifact: Path | None = None
 
     def _supports(self, module, graph, device) -> Check:
@@ -495,15 +498,14 @@ class TorchTensorRTAotBackend(Backend):
 
         self._compiled = torch_tensorrt.load(str(self._artifact)).module()
 
-    def accepts(self, leaves: list) -> bool:
-        """False for shapes outside the range the artifact was compiled for (the Module then runs eager)."""
-        for entry, index in zip(self._inputs, self._leaf_indices):
-            leaf = leaves[index]
-            if not isinstance(leaf, torch.Tensor) or leaf.dim() != len(entry["min"]):
-                return False
-            if any(not (low <= size <= high) for low, size, high in zip(entry["min"], leaf.shape, entry["max"])):
-                return False
-        return True
+    def rejects(self, leaves: list) -> str | None:
+        """Why the compiled artifact cannot take the call (dtype, CUDA device, rank, or a size outside the range
+        it was compiled for); the Module then runs eager with this reason."""
+        if self._accepted is None:
+            self._accepted = AcceptedInputs(
+                [AcceptedInput.from_json(dict(entry, leaf_index=index, path=entry.get("name", "")))
+                 for entry, index in zip(self._inputs, self._leaf_indices)], device_type="cuda")
+        return self._accepted.rejects(leaves)
 
     def _infer(self, args, kwargs):
         tensors = [t.to(self.device).contiguous() for t in self._io.inputs(args, kwargs)]

@@ -19,6 +19,7 @@ from aitune.torch.backend.tensorrt.config import (
     TorchQuantizationConfig,
 )
 from aitune.torch.backend.tensorrt.quantization import MODELOPT_REQUIREMENT
+from aitune.torch.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class TensorRTBackend(Backend):
         self._names: list[str] = []  # engine input name per flat input position
         self._paths: dict[str, str] = {}  # engine input name -> readable input path
         self._leaf_indices: list[int] = []  # input leaf index per flat input position
+        self._dtypes: list[str | None] = []  # dtype name per flat input position (None: not recorded)
 
     # ---- properties the tuner reads
     @property
@@ -241,6 +243,7 @@ class TensorRTBackend(Backend):
         self._leaf_indices = list(flat_io.tensor_indices)
         specs = graph.tensor_specs
         self._paths = {name: spec.path for name, spec in zip(names, specs)}
+        self._dtypes = [dtype_name(spec.dtype) for spec in specs]
 
     def _load_runner(self) -> None:
         from aitune.torch.backend.tensorrt.engine_build import load_engine
@@ -267,9 +270,24 @@ class TensorRTBackend(Backend):
             shapes[name] = tuple(leaf.shape)
         return profile_rules.select_profile(self._profiles, shapes) is not None
 
-    def accepts(self, leaves: list) -> bool:
-        """False for a call outside every optimization profile (the Module then runs eager and logs it once)."""
-        return self._covers(leaves)
+    def rejects(self, leaves: list) -> str | None:
+        """A reason for a call the engine cannot take: another dtype or device than it was built for, or shapes
+        outside every optimization profile (the Module then runs eager and logs the reason)."""
+        dtypes = self._dtypes or [None] * len(self._names)
+        for name, leaf_index, dtype in zip(self._names, self._leaf_indices, dtypes):
+            leaf = leaves[leaf_index] if leaf_index < len(leaves) else None
+            if not isinstance(leaf, torch.Tensor):
+                return f"input {self._paths.get(name, name)!r} is not a tensor"
+            if dtype is not None and dtype_name(leaf.dtype) != dtype:
+                return f"input {self._paths.get(name, name)!r} has dtype {dtype_name(leaf.dtype)}, the engine takes {dtype}"
+            if self.device is not None and leaf.device.type != self.device.type:
+                return (f"input {self._paths.get(name, name)!r} is on {leaf.device.type}, the engine runs on "
+                        f"{self.device.type}")
+        if self._covers(leaves):
+            return None
+        shapes = [list(leaves[i].shape) if isinstance(leaves[i], torch.Tensor) else type(leaves[i]).__name__
+                  for i in self._leaf_indices]
+        return f"input shapes {shapes} fit none of the engine's optimization profiles"
 
     def _run_engine(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         return self._runner.run(list(tensors))
@@ -309,8 +327,8 @@ class TensorRTBackend(Backend):
         return {
             "engine": ENGINE_FILE,
             "profiles": profile_rules.profiles_to_json(self._profiles),
-            "inputs": [{"name": name, "leaf_index": index, "path": self._paths.get(name, name)}
-                       for name, index in zip(self._names, self._leaf_indices)],
+            "inputs": [{"name": name, "leaf_index": index, "path": self._paths.get(name, name), "dtype": dtype}
+                       for name, index, dtype in zip(self._names, self._leaf_indices, self._dtypes)],
             "output_names": list(self._output_names),
             "outputs": outputs_to_json(self._io.output_spec, self._io.output_constants, self._io.output_is_tensor,
                                        self._io.output_dtypes),
@@ -328,6 +346,7 @@ class TensorRTBackend(Backend):
         self._names = [entry["name"] for entry in inputs]
         self._leaf_indices = [int(entry["leaf_index"]) for entry in inputs]
         self._paths = {entry["name"]: entry.get("path", entry["name"]) for entry in inputs}
+        self._dtypes = [entry.get("dtype") for entry in inputs]  # absent in checkpoints of aitune <= 0.1
         self._profiles = profile_rules.profiles_from_json(metadata["profiles"])
         self._output_names = list(metadata["output_names"])
         template = output_template_from_json(metadata["outputs"], getattr(graph, "output_spec", None))

@@ -1,0 +1,141 @@
+"""What a built artifact accepts: the one "is this call inside the range it was built for" check.
+
+Every AOT backend (Inductor AOT, ONNX Runtime, TensorRT, Torch-TensorRT) runs a fixed artifact that takes
+tensors of certain dtypes, on one device type, with each axis inside a range (and, for batch axes, sizes
+that agree). A call outside that is not given to the artifact: ``ait.Module`` runs it eagerly and says
+which input fell outside which range (:meth:`AcceptedInputs.rejects` returns that reason).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from aitune.torch.dtypes import dtype_name
+
+
+@dataclasses.dataclass
+class AcceptedInput:
+    """One tensor input of an artifact.
+
+    Attributes:
+        leaf_index: its position among the call's flattened canonical input leaves.
+        dtype: dtype name (``"float32"``). low / high: inclusive size bounds per axis (rank = ``len(low)``).
+        path: readable input path for messages (``"attention_mask"``), optional.
+    """
+
+    leaf_index: int
+    dtype: str
+    low: list[int]
+    high: list[int]
+    path: str = ""
+
+    def to_json(self) -> dict:
+        data = {"leaf_index": self.leaf_index, "dtype": self.dtype, "low": list(self.low), "high": list(self.high)}
+        if self.path:
+            data["path"] = self.path
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "AcceptedInput":
+        low = data["low"] if "low" in data else data["min"]
+        high = data["high"] if "high" in data else data["max"]
+        return cls(int(data["leaf_index"]), str(data["dtype"]), [int(v) for v in low], [int(v) for v in high],
+                   str(data.get("path", "")))
+
+
+@dataclasses.dataclass
+class AcceptedInputs:
+    """The calls an artifact takes.
+
+    Attributes:
+        inputs: one :class:`AcceptedInput` per tensor input.
+        device_type: ``"cpu"``/``"cuda"`` the artifact runs on (None: any).
+        batch_axes: ``(input position in inputs, axis, multiplier)``: ``size / multiplier`` must be a whole
+            number, equal across all of them (one batch size per call).
+        shapes: for shape-specialized artifacts, the exact input shapes that run (None: any in range).
+    """
+
+    inputs: list[AcceptedInput]
+    device_type: str | None = None
+    batch_axes: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    shapes: set[tuple] | None = None
+
+    @classmethod
+    def from_graph(cls, graph, device: torch.device | str | None, ranges: list[tuple[list[int], list[int]]] | None
+                   = None, batch_axes: list[tuple[int, int, int]] | None = None) -> "AcceptedInputs":
+        """From a graph's tensor specs (recorded/declared ranges, or ``ranges`` per tensor spec when given)."""
+        inputs = []
+        for position, spec in enumerate(graph.tensor_specs):
+            if ranges is not None:
+                low, high = ranges[position]
+            else:
+                low, _, high = graph.shape_range(spec)
+            inputs.append(AcceptedInput(spec.leaf_index, dtype_name(spec.dtype), list(low), list(high), spec.path))
+        device_type = torch.device(device).type if device is not None else None
+        return cls(inputs, device_type, list(batch_axes or []))
+
+    def rejects(self, leaves: list[Any]) -> str | None:
+        """Why the artifact cannot take a call with these flattened input leaves, or None when it can.
+
+        The reason names the input and the range, e.g. ``input 'x' has shape [2, 9], outside [2..8, 9]``.
+        """
+        tensors = []
+        for entry in self.inputs:
+            if entry.leaf_index >= len(leaves) or not isinstance(leaves[entry.leaf_index], torch.Tensor):
+                return f"input {_name(entry)} is not a tensor"
+            tensors.append(leaves[entry.leaf_index])
+        return self.rejects_tensors(tensors)
+
+    def rejects_tensors(self, tensors: list[torch.Tensor]) -> str | None:
+        """As :meth:`rejects`, for the artifact's tensor inputs already picked out, in ``inputs`` order."""
+        for entry, tensor in zip(self.inputs, tensors):
+            if dtype_name(tensor.dtype) != entry.dtype:
+                return f"input {_name(entry)} has dtype {dtype_name(tensor.dtype)}, the artifact takes {entry.dtype}"
+            if self.device_type is not None and tensor.device.type != self.device_type:
+                return f"input {_name(entry)} is on {tensor.device.type}, the artifact runs on {self.device_type}"
+            if tensor.dim() != len(entry.low):
+                return f"input {_name(entry)} has rank {tensor.dim()}, the artifact takes rank {len(entry.low)}"
+        if self.shapes is not None:
+            shapes = tuple(tuple(t.shape) for t in tensors)
+            if shapes not in self.shapes:
+                return (f"the artifact is shape-specialized to {sorted(self.shapes)}; the call has "
+                        f"{[list(s) for s in shapes]}")
+            return None
+        for entry, tensor in zip(self.inputs, tensors):
+            if any(not low <= size <= high for low, size, high in zip(entry.low, tensor.shape, entry.high)):
+                return (f"input {_name(entry)} has shape {list(tensor.shape)}, outside "
+                        f"{_range_text(entry.low, entry.high)}")
+        batches = set()
+        for position, axis, multiplier in self.batch_axes:
+            size = tensors[position].shape[axis]
+            if size % multiplier:
+                return (f"batch axis {axis} of input {_name(self.inputs[position])} has size {size}, not a multiple "
+                        f"of {multiplier}")
+            batches.add(size // multiplier)
+        if len(batches) > 1:
+            return f"the batch axes disagree ({sorted(batches)}): one batch size per call"
+        return None
+
+    def to_json(self) -> dict:
+        return {"inputs": [entry.to_json() for entry in self.inputs], "device_type": self.device_type,
+                "batch_axes": [list(axis) for axis in self.batch_axes],
+                "shapes": sorted([list(map(list, shapes)) for shapes in self.shapes]) if self.shapes is not None
+                else None}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "AcceptedInputs":
+        shapes = data.get("shapes")
+        return cls([AcceptedInput.from_json(entry) for entry in data["inputs"]], data.get("device_type"),
+                   [tuple(int(v) for v in axis) for axis in data.get("batch_axes", [])],
+                   None if shapes is None else {tuple(tuple(s) for s in entry) for entry in shapes})
+
+
+def _name(entry: AcceptedInput) -> str:
+    return f"'{entry.path}'" if entry.path else f"#{entry.leaf_index}"
+
+
+def _range_text(low: list[int], high: list[int]) -> str:
+    return "[" + ", ".join(str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in zip(low, high)) + "]"

@@ -1,0 +1,60 @@
+"""The one accepted-range check of AOT artifacts (aitune/torch/backend/accepted.py), and Torch-TensorRT's use
+of it: before, Torch-TensorRT checked ranks and sizes only, so a float64 or CPU tensor reached the engine."""
+
+import torch
+
+from aitune.torch.backend import TorchTensorRTAotBackend
+from aitune.torch.backend.accepted import AcceptedInput, AcceptedInputs
+from aitune.torch.backend.torch_tensorrt import export_dynamic_shapes
+from aitune.torch.samples import record_graphs
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+
+    def forward(self, ids, mask):
+        return self.embed(ids) * mask.unsqueeze(-1)
+
+
+def _graph():
+    module = Encoder().eval()
+    calls = [((torch.randint(0, 50, (b, s)), torch.ones(b, s)), {}) for b, s in ((1, 5), (4, 12))]
+    return record_graphs(module, calls)[0]
+
+
+def test_reasons_name_the_input_and_the_range():
+    graph = _graph()
+    accepted = AcceptedInputs.from_graph(graph, "cpu", batch_axes=[(0, 0, 1), (1, 0, 1)])
+    ids, mask = torch.zeros(2, 7, dtype=torch.long), torch.ones(2, 7)
+    assert accepted.rejects([ids, mask]) is None
+    assert accepted.rejects([torch.zeros(5, 7, dtype=torch.long), torch.ones(5, 7)]) == \
+        "input 'ids' has shape [5, 7], outside [1..4, 5..12]"
+    assert "dtype float64, the artifact takes float32" in accepted.rejects([ids, mask.double()])
+    assert "rank 3" in accepted.rejects([ids, mask[..., None]])
+    assert "not a tensor" in accepted.rejects([ids, 1.0])
+    assert "disagree" in accepted.rejects([ids, torch.ones(3, 7)])
+    meta = AcceptedInputs.from_graph(graph, "cuda")
+    assert "is on cpu, the artifact runs on cuda" in meta.rejects([ids, mask])
+    restored = AcceptedInputs.from_json(accepted.to_json())
+    assert restored == accepted
+
+
+def test_shape_specialized_artifacts_take_only_their_shapes():
+    accepted = AcceptedInputs([AcceptedInput(0, "float32", [2, 3], [4, 3], "x")], "cpu", shapes={((2, 3),)})
+    assert accepted.rejects([torch.zeros(2, 3)]) is None
+    assert "shape-specialized" in accepted.rejects([torch.zeros(3, 3)])
+
+
+def test_torch_tensorrt_refuses_other_dtypes_and_devices():
+    graph = _graph()
+    _, inputs = export_dynamic_shapes(graph)  # what a build stores for the compile step and for checkpoints
+    backend = TorchTensorRTAotBackend()
+    backend._inputs, backend._leaf_indices = inputs, [spec.leaf_index for spec in graph.tensor_specs]
+    ids, mask = torch.zeros(2, 7, dtype=torch.long), torch.ones(2, 7)
+    assert "the artifact runs on cuda" in backend.rejects([ids, mask])  # CPU tensors never reach the engine
+    if torch.cuda.is_available():
+        ids, mask = ids.cuda(), mask.cuda()
+        assert backend.rejects([ids, mask]) is None
+        assert "dtype float64" in backend.rejects([ids, mask.double()])
