@@ -97,7 +97,7 @@ class ToleranceExceededError(CorrectnessError):
     Attributes:
         leaf: path of the output leaf that failed, e.g. ``"[0]['logits']"``.
         max_abs_error: largest ``|candidate - eager|`` over the leaf.
-        max_rel_error: largest ``|candidate - eager| / |eager|`` over the leaf.
+        max_rel_error: largest ``|candidate - eager|`` over the leaf divided by the leaf's largest ``|eager|``.
         tolerance: a description of the tolerance that was applied.
     """
 

@@ -5,8 +5,10 @@ An independent implementation of the NVIDIA AITune interface; not an NVIDIA prod
 
 from aitune.torch.checkpoint import load, save
 from aitune.torch.correctness import Tolerance
+from aitune.torch.guard import GuardConfig
 from aitune.torch.inspecting import InspectedModulesInfo, ModuleInfo, inspect, wrap
 from aitune.torch.module import Module, ModuleState
+from aitune.torch.probes import ProbeConfig
 from aitune.torch.profiling import ProfilingConfig
 from aitune.torch.report import TuneReport
 from aitune.torch.samples import BatchDim, DynamicDim
@@ -25,6 +27,7 @@ __all__ = [
     "BatchDim",
     "DynamicDim",
     "FirstWinsStrategy",
+    "GuardConfig",
     "InspectedModulesInfo",
     "LatencyBudgetStrategy",
     "MaxThroughputStrategy",
@@ -33,6 +36,7 @@ __all__ = [
     "ModuleInfo",
     "ModuleState",
     "OneBackendStrategy",
+    "ProbeConfig",
     "ProfilingConfig",
     "Tolerance",
     "TuneReport",

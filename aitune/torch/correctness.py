@@ -1,7 +1,10 @@
 """Compare a candidate's outputs with eager PyTorch, leaf by leaf, by value (DESIGN.md §5).
 
 Rules, per output leaf:
-  1. Same structure (container types, keys, number of leaves), shape, dtype and device.
+  1. Same structure (container types, keys, number of leaves), shape, dtype, device and memory format
+     (a channels-last output where eager returns a contiguous one, or the reverse, is a mismatch).
+     Library objects registered with PyTorch's pytree (transformers' key/value caches) are opened and their
+     tensors compared leaf by leaf (case C34).
   2. Finite where eager is finite; NaN/Inf only where eager has the same NaN/Inf (case C09).
   3. Float leaves: ``|candidate - eager| <= atol + rtol * |eager|`` (the rule of ``torch.isclose``) with
      per-dtype defaults: fp32/fp64 ``atol=1e-4, rtol=1e-3``; fp16/bf16 ``atol=rtol=1e-2``.
@@ -83,7 +86,7 @@ class LeafError:
 
     path: str
     max_abs_error: float = 0.0
-    max_rel_error: float = 0.0
+    max_rel_error: float = 0.0  # max |candidate - eager| / max |eager| over the leaf: meaningful near zero too
     sqnr_db: float | None = None
     cosine: float | None = None
     fp32_parity: dict | None = None  # {"candidate_rmse", "eager_rmse"} when rule 5 decided the leaf
@@ -211,8 +214,14 @@ class OutputComparator:
 
     def _compare_leaf(self, path: str, expected: Any, actual: Any) -> None:
         if not isinstance(expected, torch.Tensor):
-            if isinstance(actual, torch.Tensor) or not _constants_equal(expected, actual):
-                raise ShapeMismatchError(f"output {path}: expected {expected!r}, got {actual!r}")
+            if isinstance(actual, torch.Tensor):
+                raise ShapeMismatchError(f"output {path}: expected a {type(expected).__name__}, got a tensor")
+            if type(expected) is not type(actual):
+                raise ShapeMismatchError(f"output {path}: expected a {type(expected).__name__}, got a "
+                                         f"{type(actual).__name__}")
+            if not _constants_equal(expected, actual):
+                raise ShapeMismatchError(f"output {path}: {type(expected).__name__} value differs from eager's: "
+                                         f"{_short(actual)} != {_short(expected)}")
             return
         if not isinstance(actual, torch.Tensor):
             raise ShapeMismatchError(f"output {path}: expected a tensor, got {type(actual).__name__}")
@@ -222,6 +231,9 @@ class OutputComparator:
             raise ShapeMismatchError(f"output {path}: dtype {actual.dtype} != eager {expected.dtype}")
         if expected.device.type != actual.device.type:
             raise ShapeMismatchError(f"output {path}: device {actual.device} != eager {expected.device}")
+        expected_layout, actual_layout = memory_format(expected), memory_format(actual)
+        if expected_layout != actual_layout and "channels_last" in expected_layout + actual_layout:
+            raise ShapeMismatchError(f"output {path}: memory format {actual_layout} != eager {expected_layout}")
         record = self._errors.setdefault(path, LeafError(path))
         if not (expected.is_floating_point() or expected.is_complex()):
             if not torch.equal(expected.cpu(), actual.cpu()):
@@ -248,7 +260,8 @@ class OutputComparator:
             return
         difference = (actual - expected).abs()
         max_abs = float(difference.max())
-        max_rel = float((difference / expected.abs().clamp_min(1e-12)).max())
+        # Relative to the leaf's scale, not element-wise: |a-b|/|b| explodes where eager is near zero.
+        max_rel = max_abs / max(float(expected.abs().max()), 1e-12)
         record.max_abs_error = max(record.max_abs_error, max_abs)
         record.max_rel_error = max(record.max_rel_error, max_rel)
         if self.quantized:
@@ -272,11 +285,31 @@ class OutputComparator:
                 leaf=path, max_abs_error=max_abs, max_rel_error=max_rel, tolerance=f"atol={atol:g},rtol={rtol:g}")
 
 
+def memory_format(tensor: torch.Tensor) -> str:
+    """``"channels_last"`` / ``"channels_last_3d"`` (4-D / 5-D tensors in that layout and not plain
+    contiguous), ``"contiguous"``, or ``"strided"`` (any other strides)."""
+    if tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last):
+        return "channels_last"
+    if tensor.dim() == 5 and not tensor.is_contiguous() and \
+            tensor.is_contiguous(memory_format=torch.channels_last_3d):
+        return "channels_last_3d"
+    return "contiguous" if tensor.is_contiguous() else "strided"
+
+
 def _constants_equal(expected: Any, actual: Any) -> bool:
+    """Equal by ``==`` (NaN equals NaN); objects that only compare by identity (no ``__eq__`` of their own,
+    not opened as a pytree node) or cannot compare are equal when their reprs are."""
+    if type(expected).__eq__ is object.__eq__:
+        return expected is actual or repr(expected) == repr(actual)
     try:
         return bool(expected == actual) or (expected != expected and actual != actual)
     except Exception:  # noqa: BLE001 - uncomparable constants
         return repr(expected) == repr(actual)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _structure(spec) -> tuple:

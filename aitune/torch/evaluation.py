@@ -19,9 +19,16 @@ from typing import Any
 
 import torch
 
-from aitune.errors import BackendBuildError, BackendUnavailableError, CorrectnessError, ToleranceExceededError
+from aitune.errors import (
+    BackendBuildError,
+    BackendUnavailableError,
+    CorrectnessError,
+    ShapeMismatchError,
+    ToleranceExceededError,
+)
 from aitune.torch.backend.base import Backend, BuildMode, one_line
 from aitune.torch.correctness import ComparisonResult, OutputComparator, Tolerance
+from aitune.torch.probes import Probe, ProbeConfig, make_probes, run_probes
 from aitune.torch.profiling import Measurement, ProfilingConfig, measure
 from aitune.torch.pytree import tree_flatten, tree_unflatten
 from aitune.torch.report import FAILED, PASSED, REJECTED_CORRECTNESS, UNAVAILABLE, UNSUPPORTED, CandidateResult
@@ -44,6 +51,9 @@ class GraphContext:
         reference_inputs_after: per sample, the input leaves after the eager call (for in-place ops).
         cache: optional build cache (see :mod:`aitune.torch.cache`).
         eager_measurement: eager's figures, measured once per graph (set by :func:`eager_candidate`).
+        restore_state: for a module that changes its own parameters/buffers in ``forward`` (a stateful
+            graph), puts them back to where tuning started; eager's references and every candidate's check
+            start from that state. None for stateless graphs.
     """
 
     module: torch.nn.Module
@@ -55,8 +65,36 @@ class GraphContext:
     reference_inputs_after: list | None = None
     cache: Any = None
     eager_measurement: Measurement | None = None
+    restore_state: Any = None
+    _probes: dict = dataclasses.field(default_factory=dict)
     _fp32_outputs: dict = dataclasses.field(default_factory=dict)
     _fp32_unavailable: bool = False
+
+    def run_eager(self, sample) -> Any:
+        """Eager's outputs (cloned) on a clone of ``sample``, under no_grad, from the starting state."""
+        if self.restore_state is not None:
+            self.restore_state()
+        inputs = sample.clone()
+        with torch.no_grad():
+            return clone_tree(self.module(*inputs.args, **inputs.kwargs))
+
+    def probes(self, config: ProbeConfig) -> list[Probe]:
+        """The graph's probes with eager's outputs (derived once per graph and config, shared by candidates)."""
+        key = (config.max_probes, config.seed) if config.enabled else None
+        if key is None:
+            return []
+        if key not in self._probes:
+            self._probes[key] = make_probes(self.graph, self.run_eager, config, self.reference_outputs)
+            if self.restore_state is not None:
+                self.restore_state()
+        return self._probes[key]
+
+    def checked_signatures(self) -> set:
+        """Input signatures (tensor shapes) every candidate was checked on: the samples and the probes."""
+        from aitune.torch.guard import signature
+
+        probes = [probe for probes in self._probes.values() for probe in probes]
+        return {signature(s.leaves()) for s in self.graph.samples} | {signature(p.sample.leaves()) for p in probes}
 
     def fp32_reference(self, index: int) -> Any:
         """Outputs of a float32 copy of the module on sample ``index`` (fp16/bf16 inputs upcast), or None.
@@ -80,6 +118,21 @@ class GraphContext:
                 return None
         return self._fp32_outputs.get(index)
 
+    def fp32_reference_for(self, sample) -> Any:
+        """Outputs of a float32 copy of the module on ``sample`` (a probe), or None; the copy is dropped after."""
+        if self._fp32_unavailable:
+            return None
+        try:
+            if self.restore_state is not None:
+                self.restore_state()
+            module32 = copy.deepcopy(self.module).float()
+            with torch.no_grad():
+                args, kwargs = _upcast(sample.clone())
+                return clone_tree(module32(*args, **kwargs))
+        except Exception:  # noqa: BLE001 - rule 5 is a second chance, never a new failure
+            logger.debug("no fp32 reference for a probe of %s/%s", self.module_name, self.graph.name, exc_info=True)
+            return None
+
 
 @dataclasses.dataclass
 class Candidate:
@@ -101,11 +154,13 @@ class EvaluationSettings:
     Attributes:
         tolerance: thresholds of the comparison with eager (also used for the round trip of AOT artifacts).
         profiling: how to measure. correctness_check: compare with eager (default True).
+        probes: inputs beyond the recorded samples every candidate is checked on (:mod:`aitune.torch.probes`).
         measure: measure passing candidates (default True).
     """
 
     tolerance: Tolerance = dataclasses.field(default_factory=Tolerance)
     profiling: ProfilingConfig = dataclasses.field(default_factory=ProfilingConfig)
+    probes: ProbeConfig = dataclasses.field(default_factory=ProbeConfig)
     correctness_check: bool = True
     measure: bool = True
 
@@ -144,10 +199,20 @@ def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSett
         _check_support(blueprint, context, row)
         backend = _build(blueprint, context, row)
         if settings.correctness_check:
+            comparator = comparator_for(backend, settings.tolerance)
             try:
-                row.comparison = check_against_eager(backend, context, settings.tolerance).to_dict()
+                check_against_eager(backend, context, settings.tolerance, comparator)
             except Exception as exc:  # noqa: BLE001 - any failure of the check is a row
                 raise _Stop(REJECTED_CORRECTNESS if isinstance(exc, CorrectnessError) else FAILED, exc) from exc
+            try:
+                row.probes = check_probes(backend, context, settings, comparator)
+            except Exception as exc:  # noqa: BLE001
+                probe = getattr(exc, "probe", None)
+                row.probes = getattr(exc, "probe_counts", None)
+                prefix = f"probe {probe.kind} ({probe.description}): " if probe is not None else "probes: "
+                raise _Stop(REJECTED_CORRECTNESS if isinstance(exc, CorrectnessError) else FAILED, exc,
+                            prefix=prefix) from exc
+            row.comparison = comparator.result().to_dict()
         if backend.build_mode is BuildMode.AOT and not row.cached:
             try:
                 verify_round_trip(backend, context, settings.tolerance)
@@ -171,6 +236,7 @@ def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSett
             backend.deactivate()
         if raise_errors:
             if stop.cause is not None:
+                stop.cause.candidate_row = row  # tune() still reports the row of the error it re-raises
                 raise stop.cause
             raise BackendUnavailableError(f"Backend '{blueprint.name}' cannot run here: {row.reason}") from None
         return Candidate(None, row)
@@ -278,10 +344,13 @@ def comparator_for(backend: Backend, tolerance: Tolerance) -> OutputComparator:
                             low_precision=bool(getattr(backend, "low_precision", False)))
 
 
-def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tolerance) -> ComparisonResult:
-    """Run ``backend`` on a fresh clone of every sample and compare with eager (outputs and in-place effects).
+def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tolerance,
+                        comparator: OutputComparator | None = None) -> ComparisonResult:
+    """Run ``backend`` on a fresh clone of every sample, in order, and compare with eager: outputs, in-place
+    effects on inputs, and — where eager leaves its inputs alone — that the candidate does too.
 
-    Outputs are cloned right after each call, before the next one (case C20, U4).
+    Outputs are cloned right after each call, before the next one (case C20, U4). For a stateful graph the
+    module's state is first put back to where eager's reference run started, so both see the same sequence.
 
     Returns:
         The worst errors per output leaf and the thresholds used.
@@ -289,28 +358,86 @@ def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tole
     Raises:
         CorrectnessError (ShapeMismatchError / ToleranceExceededError): on the first violation.
     """
-    comparator = comparator_for(backend, tolerance)
+    comparator = comparator or comparator_for(backend, tolerance)
     graph = context.graph
+    if context.restore_state is not None:
+        context.restore_state()
     for index, sample in enumerate(graph.samples):
         inputs = sample.clone()
         with torch.no_grad():
             output = clone_tree(backend.infer(*inputs.args, **inputs.kwargs))
-        try:
-            comparator.compare(context.reference_outputs[index], output)
-        except ToleranceExceededError as exc:
-            # Correctness rule 5 (aitune/torch/correctness.py): fp16/bf16 leaves may pass against an fp32 run.
-            if not (tolerance.fp32_parity and exc.tolerance.startswith("atol=") and not backend.is_quantizing):
-                raise
-            reference_fp32 = context.fp32_reference(index)
-            if reference_fp32 is None:
-                raise
-            comparator.compare(context.reference_outputs[index], output, reference_fp32=reference_fp32)
+        _compare(comparator, context.reference_outputs[index], output, tolerance, backend,
+                 lambda: context.fp32_reference(index))
         if graph.mutated_inputs and context.reference_inputs_after is not None:
             try:
                 comparator.compare(context.reference_inputs_after[index], inputs.leaves())
             except CorrectnessError as exc:
                 raise type(exc)(f"input mutation not preserved: {exc}") from exc
+        elif not graph.mutated_inputs:
+            _check_inputs_untouched(graph, sample, inputs)
     return comparator.result()
+
+
+def _compare(comparator: OutputComparator, reference, output, tolerance: Tolerance, backend: Backend,
+             fp32_reference) -> None:
+    try:
+        comparator.compare(reference, output)
+    except ToleranceExceededError as exc:
+        # Correctness rule 5 (aitune/torch/correctness.py): fp16/bf16 leaves may pass against an fp32 run.
+        if not (tolerance.fp32_parity and exc.tolerance.startswith("atol=") and not backend.is_quantizing):
+            raise
+        reference_fp32 = fp32_reference()
+        if reference_fp32 is None:
+            raise
+        comparator.compare(reference, output, reference_fp32=reference_fp32)
+
+
+def _check_inputs_untouched(graph, sample, inputs) -> None:
+    """Eager leaves this graph's inputs alone: a candidate that writes into the caller's tensors is wrong."""
+    for path, before, after in zip(graph.input_paths, sample.leaves(), inputs.leaves()):
+        if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and not _same_values(before, after):
+            raise ShapeMismatchError(f"the candidate writes into its input {path!r} (eager leaves it unchanged): "
+                                     "the caller's tensor would be corrupted")
+
+
+def _same_values(before: torch.Tensor, after: torch.Tensor) -> bool:
+    before, after = before.detach().cpu(), after.detach().cpu()
+    if before.shape != after.shape or before.dtype != after.dtype:
+        return False
+    if torch.equal(before, after):
+        return True
+    return bool(before.is_floating_point() and torch.equal(before.isnan(), after.isnan())
+                and torch.equal(before.nan_to_num(), after.nan_to_num()))
+
+
+def check_probes(backend: Backend, context: GraphContext, settings: EvaluationSettings,
+                 comparator: OutputComparator) -> dict | None:
+    """Check ``backend`` on the graph's probes (:mod:`aitune.torch.probes`) with the same rules as the samples.
+
+    Returns:
+        ``{"checked", "passed", "not_accepted", "not_run", "kinds"}`` (None with probes off).
+
+    Raises:
+        CorrectnessError: on the first probe the candidate gets wrong; the exception carries ``probe``.
+    """
+    if not settings.probes.enabled:
+        return None
+    probes = context.probes(settings.probes)
+
+    def check(probe: Probe) -> None:
+        if context.restore_state is not None:
+            context.restore_state()
+        inputs = probe.sample.clone()
+        with torch.no_grad():
+            output = clone_tree(backend.infer(*inputs.args, **inputs.kwargs))
+        _compare(comparator, probe.reference_outputs, output, settings.tolerance, backend,
+                 lambda: context.fp32_reference_for(probe.sample))
+
+    counts = run_probes(probes, backend.accepts, check, settings.probes.max_seconds)
+    if context.restore_state is not None:
+        context.restore_state()
+    counts["kinds"] = sorted({probe.kind for probe in probes})
+    return counts
 
 
 def verify_round_trip(backend: Backend, context: GraphContext, tolerance: Tolerance) -> None:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import enum
 import logging
+import tempfile
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
 import wrapt
 
 from aitune.errors import ConfigError
+from aitune.torch.guard import GuardConfig, StateWatch
 from aitune.torch.pytree import tree_flatten
 from aitune.torch.samples import DynamicDim, Recorder, make_graph_key
 
@@ -50,13 +53,16 @@ class Module(wrapt.ObjectProxy):
             over the backends available here).
         dynamic_shapes: explicit axes per input path, e.g. ``{"x": (BatchDim("batch", 1, 32), 3, 224, 224)}``.
         max_samples: distinct input shapes kept per graph for building/checking (range extremes always kept).
+        guard: run-time checks against eager after tuning (:class:`~aitune.torch.guard.GuardConfig`; default:
+            the first call of every unseen input signature, and one call in N keeping eager re-runs within
+            2 % of serving time). ``GuardConfig(enabled=False)`` turns them off.
 
     Raises:
         ConfigError: for a non-Module, a bad strategy or a malformed ``dynamic_shapes``.
     """
 
     def __init__(self, module: torch.nn.Module, name: str | None = None, strategy=None,
-                 dynamic_shapes: dict | None = None, max_samples: int = 8):
+                 dynamic_shapes: dict | None = None, max_samples: int = 8, guard: GuardConfig | None = None):
         if isinstance(module, Module):
             raise ConfigError("this module is already wrapped by aitune.torch.Module; wrap it once")
         if not isinstance(module, torch.nn.Module):
@@ -71,6 +77,8 @@ class Module(wrapt.ObjectProxy):
         _validate_dynamic_shapes(dynamic_shapes)
         if not isinstance(max_samples, int) or max_samples < 1:
             raise ConfigError(f"max_samples must be an int >= 1, got {max_samples!r}")
+        if guard is not None and not isinstance(guard, GuardConfig):
+            raise ConfigError(f"guard must be an aitune.torch.GuardConfig, got {guard!r}")
         super().__init__(module)
         global _counter
         _counter += 1
@@ -85,6 +93,10 @@ class Module(wrapt.ObjectProxy):
         self._self_warned: set = set()
         self._self_error: str | None = None
         self._self_eager_fallback_error: str | None = None  # set by ait.load when eager would be wrong
+        self._self_guard_config = guard or GuardConfig()
+        self._self_guards: dict = {}  # id(graph) -> RuntimeGuard
+        self._self_watch: StateWatch | None = None  # set when a dispatched backend bakes weights in
+        self._self_fallbacks: dict = {}  # reason key -> calls that ran eager for it
         _REGISTRY[self._self_id] = self
 
     # ---- properties (on the proxy, not forwarded)
@@ -118,6 +130,46 @@ class Module(wrapt.ObjectProxy):
     @property
     def tuning_error(self) -> str | None:
         return self._self_error
+
+    @property
+    def guard_config(self) -> GuardConfig:
+        """The run-time guard's settings (see :class:`~aitune.torch.guard.GuardConfig`)."""
+        return self._self_guard_config
+
+    @property
+    def needs_retune(self) -> str | None:
+        """Why the tuned backends no longer fit the module (weights changed after tuning), or None."""
+        watch = self._self_watch
+        return watch.changed() if watch is not None else None
+
+    @property
+    def stats(self) -> dict:
+        """What happened at run time: eager fallbacks by reason, the guard's checks and events per graph, and
+        whether the module needs a re-tune. JSON-able."""
+        return {
+            "state": self._self_state.value,
+            "eager_fallbacks": dict(self._self_fallbacks),
+            "guard": {graph.name: self._self_guards[id(graph)].stats() for graph, _ in self._self_dispatch.values()
+                      if id(graph) in self._self_guards},
+            "needs_retune": self.needs_retune,
+        }
+
+    def arm_guard(self, graph, guard) -> None:
+        """Install the run-time guard of one tuned graph (``ait.tune`` and ``ait.load`` call this).
+
+        Args:
+            graph: a tuned :class:`~aitune.torch.samples.GraphSpec` of this module.
+            guard: a :class:`~aitune.torch.guard.RuntimeGuard`, or None for no checks on that graph.
+        """
+        if guard is None:
+            self._self_guards.pop(id(graph), None)
+        else:
+            self._self_guards[id(graph)] = guard
+
+    def watch_state(self) -> None:
+        """Start noticing weights changed after tuning when a dispatched backend baked them in."""
+        bakes = any(backend.bakes_weights and not graph.stateful for graph, backend in self._self_dispatch.values())
+        self._self_watch = StateWatch(self.__wrapped__) if bakes else None
 
     def enable_passthrough(self) -> None:
         """Call the original module from now on (recorded samples are kept)."""
@@ -159,6 +211,9 @@ class Module(wrapt.ObjectProxy):
         self._self_fast_dispatch = {}
         self._self_warned = set()
         self._self_eager_fallback_error = None
+        self._self_guards = {}
+        self._self_watch = None
+        self._self_fallbacks = {}
 
     def _set_tuned(self, dispatch: dict) -> None:
         self._drop_backends()
@@ -178,7 +233,9 @@ class Module(wrapt.ObjectProxy):
         self._self_state = ModuleState.PASSTHROUGH
 
     def __repr__(self) -> str:
-        return f"aitune.Module(name={self._self_name!r}, state={self._self_state.value}, module={self.__wrapped__!r})"
+        stale = self.needs_retune
+        state = self._self_state.value + (f" (needs re-tune: {stale})" if stale else "")
+        return f"aitune.Module(name={self._self_name!r}, state={state}, module={self.__wrapped__!r})"
 
     # ---- calls
     def __call__(self, *args, **kwargs):
@@ -208,6 +265,11 @@ class Module(wrapt.ObjectProxy):
         graph, backend = entry
         if getattr(backend, "passthrough", False):  # plain eager: nothing to route around
             return backend.run(args, kwargs)
+        watch = self._self_watch
+        if watch is not None and backend.bakes_weights and watch.changed() is not None:
+            return self._eager(args, kwargs, "stale", f"{watch.reason}: {backend.name} baked the old weights in, so "
+                                                      "calls run eager until the module is re-tuned "
+                                                      "(module.enable_recording(force=True), then ait.tune)")
         if module.training != graph.training:
             return self._eager(args, kwargs, "training", f"module.training is {module.training} but it was "
                                                          f"tuned with {graph.training}: eager runs")
@@ -226,14 +288,47 @@ class Module(wrapt.ObjectProxy):
                 return self._eager(args, kwargs, "strides", "non-contiguous inputs to a module that mutates "
                                                             "its inputs run eager")
             args, kwargs = _contiguous((args, kwargs))
+        guard = self._self_guards.get(id(graph))
         try:
+            if guard is not None and guard.due(leaves):
+                return self._guarded_call(graph, backend, guard, args, kwargs, leaves)
             return backend.run(args, kwargs)
         except Exception as exc:  # noqa: BLE001 - a crashing backend never takes the caller down
-            self._warn_once(("error", graph.name), "%s: backend %s raised %s; running eager instead",
-                            self._self_name, backend.name, exc)
-            return self._call_eager(args, kwargs)
+            return self._eager(args, kwargs, ("error", graph.name),
+                               f"backend {backend.name} raised {type(exc).__name__}: {exc}; running eager instead")
+
+    def _guarded_call(self, graph, backend, guard, args, kwargs, leaves):
+        """One call checked against eager (NOTE [guard cost] in aitune/torch/guard.py)."""
+        output, replacement = guard.check(backend, lambda chosen: chosen.run(args, kwargs),
+                                          lambda: self._call_eager(args, kwargs), leaves)
+        if replacement is not backend:
+            event = guard.events[-1]
+            logger.warning("%s/%s: %s disagreed with eager on an input of shapes %s (%s); this call returned eager's "
+                           "result and %s serves the graph from now on", self._self_name, graph.name, backend.name,
+                           event.input_shapes, event.reason, event.replaced_by)
+            self._replace_backend(graph, replacement)
+        return output
+
+    def _replace_backend(self, graph, replacement) -> None:
+        """Route ``graph`` to ``replacement`` (None: eager) from now on; the retired backend is released."""
+        from aitune.torch.backend.eager import TorchEagerBackend
+
+        if replacement is None:
+            replacement = TorchEagerBackend.from_checkpoint(Path(tempfile.gettempdir()), TorchEagerBackend.config_class(),
+                                                            {}, self.__wrapped__, graph, graph_device(graph))
+        for key, (known, backend) in list(self._self_dispatch.items()):
+            if known is graph:
+                backend.deactivate()
+                self._self_dispatch[key] = (graph, replacement)
+        for key, (known, _) in list(self._self_fast_dispatch.items()):
+            if known is graph:
+                self._self_fast_dispatch[key] = (graph, replacement)
+        replacement.activate()
 
     def _eager(self, args, kwargs, key, message: str):
+        """Run eager for a call a backend cannot take; warn once per ``key``, count every such call by kind."""
+        kind = key[0] if isinstance(key, tuple) else key
+        self._self_fallbacks[kind] = self._self_fallbacks.get(kind, 0) + 1
         self._warn_once(key, "%s: %s", self._self_name, message)
         return self._call_eager(args, kwargs)
 
@@ -272,6 +367,15 @@ def _flat_call_key(args: tuple, kwargs: dict):
         else:
             return None
     return len(args), tuple(parts)
+
+
+def graph_device(graph) -> torch.device:
+    """The device of a graph's first recorded tensor input (CPU when it has none)."""
+    for sample in graph.samples[:1]:
+        for leaf in sample.leaves():
+            if isinstance(leaf, torch.Tensor):
+                return leaf.device
+    return torch.device("cpu")
 
 
 def _contiguous(value):

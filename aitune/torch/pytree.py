@@ -17,8 +17,10 @@ LEAF = "leaf"
 class TreeSpec(NamedTuple):
     """Structure of a nested value; leaves are the places holding tensors or constants.
 
-    kind: ``"leaf"``, ``"tuple"``, ``"list"``, ``"namedtuple"``, ``"dict"``, ``"dataclass"`` or ``"model_output"``.
-    node_type: the Python type to rebuild (None for leaves and plain containers).
+    kind: ``"leaf"``, ``"tuple"``, ``"list"``, ``"namedtuple"``, ``"dict"``, ``"dataclass"``, ``"model_output"`` or
+        ``"torch_pytree"`` (a type registered with PyTorch's pytree).
+    node_type: the Python type to rebuild (None for leaves and plain containers; ``(type, context)`` for
+        ``torch_pytree`` nodes).
     context: dict keys / field names, in order.
     children: child specs.
     """
@@ -69,7 +71,69 @@ def _children(value: Any) -> tuple[str, Any, tuple, list] | None:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = tuple(field.name for field in dataclasses.fields(value) if field.init)
         return "dataclass", value_type, names, [getattr(value, n) for n in names]
-    return None
+    return _registered_node(value, value_type)
+
+
+class _Context:
+    """A torch pytree node's context (any object), hashed by its repr so a TreeSpec stays hashable."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: Any) -> bool:
+        if not isinstance(other, _Context):
+            return NotImplemented
+        try:
+            return bool(self.value == other.value)
+        except Exception:  # noqa: BLE001 - contexts that cannot compare compare by text
+            return repr(self.value) == repr(other.value)
+
+    def __hash__(self) -> int:
+        return hash(repr(self.value))
+
+    def __repr__(self) -> str:
+        return f"_Context({self.value!r})"
+
+
+def _registered_node(value: Any, value_type: type):
+    """Types registered with PyTorch's pytree (``torch.utils._pytree.register_pytree_node``), such as the
+    key/value caches of transformers (case C34): flattened with their own registered functions, so their
+    tensors are compared leaf by leaf. transformers' cache classes are registered through transformers' own
+    helper the first time one is seen (the registration torch.export uses)."""
+    import torch.utils._pytree as torch_pytree
+
+    node = torch_pytree.SUPPORTED_NODES.get(value_type)
+    if node is None and _is_transformers_cache(value_type):
+        _register_transformers_cache(value_type)
+        node = torch_pytree.SUPPORTED_NODES.get(value_type)
+    if node is None:
+        return None
+    children, context = node.flatten_fn(value)
+    return "torch_pytree", (value_type, _Context(context)), (), list(children)
+
+
+def _is_transformers_cache(value_type: type) -> bool:
+    return value_type.__module__.startswith("transformers") and any(
+        klass.__name__ == "Cache" for klass in value_type.__mro__)
+
+
+def _register_transformers_cache(value_type: type) -> None:
+    try:
+        from transformers.exporters.exporter_dynamo import register_pytree_node
+    except ImportError:  # older transformers: its executorch helper registers DynamicCache
+        try:
+            from transformers.integrations.executorch import register_dynamic_cache_export_support
+
+            register_dynamic_cache_export_support()
+        except Exception:  # noqa: BLE001 - no registration available: the cache stays one leaf
+            return
+        return
+    try:
+        register_pytree_node(value_type)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _leaf_types() -> set:
@@ -125,6 +189,11 @@ def _unflatten_from(spec: TreeSpec, iterator) -> Any:
     if spec.kind == "dict":
         items = zip(spec.context, children)
         return dict(items) if spec.node_type is None else spec.node_type(items)
+    if spec.kind == "torch_pytree":
+        import torch.utils._pytree as torch_pytree
+
+        node_type, context = spec.node_type
+        return torch_pytree.SUPPORTED_NODES[node_type].unflatten_fn(children, context.value)
     # dataclass and ModelOutput are both rebuilt from keyword arguments.
     return spec.node_type(**dict(zip(spec.context, children)))
 

@@ -36,7 +36,9 @@ class CandidateResult:
         build_s: build time, s. cached: the build was reused from the tuning cache.
         measurement: latency/throughput figures (see :class:`aitune.torch.profiling.Measurement`).
         speedup: throughput / eager throughput measured in the same run.
-        comparison: errors vs eager and the thresholds used.
+        comparison: errors vs eager (samples and probes) and the thresholds used.
+        probes: probe counts (``checked``, ``passed``, ``not_accepted`` by the artifact, ``not_run`` for lack of
+            time, ``kinds``), see :mod:`aitune.torch.probes`; None when probes were off.
         log_path: full build log. details: backend-specific facts (graph breaks, exporter, profiles...).
     """
 
@@ -51,6 +53,7 @@ class CandidateResult:
     measurement: dict | None = None
     speedup: float | None = None
     comparison: dict | None = None
+    probes: dict | None = None
     log_path: str | None = None
     details: dict = dataclasses.field(default_factory=dict)
 
@@ -129,12 +132,16 @@ class TuneReport:
         return "\n".join(lines)
 
 
+REASON_WIDTH = 60  # longer reasons go below the table, whole (never cut)
+
+
 def render_table(rows: list[CandidateResult]) -> str:
+    """The candidates as a markdown table; reasons longer than ``REASON_WIDTH`` are numbered notes below it."""
     from tabulate import tabulate
 
     headers = ["module", "graph", "backend", "status", "reason", "build s", "p50 ms", "p90 ms", "samples/s",
-               "speed-up", "max abs err"]
-    body = []
+               "speed-up", "max abs err", "probes"]
+    body, notes = [], []
     for row in rows:
         measurement = row.measurement or {}
         comparison = row.comparison or {}
@@ -143,24 +150,34 @@ def render_table(rows: list[CandidateResult]) -> str:
             error_text = f"{_fmt(error, '.2g')} (SQNR {comparison['min_sqnr_db']:.1f} dB)"
         else:
             error_text = _fmt(error, ".2g")
+        reason = " ".join(str(row.reason).split())
+        if len(reason) > REASON_WIDTH:
+            notes.append(f"[{len(notes) + 1}] {row.module}/{row.graph} {row.description}: {reason}")
+            reason = f"see [{len(notes)}] below"
         body.append([
             row.module, row.graph, row.description if len(row.description) <= 50 else row.backend,
-            row.status + (" (cached)" if row.cached else ""), _shorten(row.reason, 70),
+            row.status + (" (cached)" if row.cached else ""), reason,
             _fmt(row.build_s, ".1f"), _fmt(measurement.get("p50_ms"), ".3f"), _fmt(measurement.get("p90_ms"), ".3f"),
             _fmt(measurement.get("throughput"), ".1f"),
-            "" if row.speedup is None else f"{row.speedup:.2f}x", error_text])
-    return tabulate(body, headers=headers, tablefmt="github")
+            "" if row.speedup is None else f"{row.speedup:.2f}x", error_text, _probes_text(row.probes)])
+    table = tabulate(body, headers=headers, tablefmt="github")
+    return table + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def _probes_text(probes: dict | None) -> str:
+    """``passed/checked`` (``+n not accepted`` by the artifact, ``n not run`` for lack of time)."""
+    if not probes:
+        return ""
+    text = f"{probes.get('passed', 0)}/{probes.get('checked', 0)}"
+    if probes.get("not_run"):
+        text += f" ({probes['not_run']} not run)"
+    return text
 
 
 def _fmt(value: Any, spec: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
     return format(value, spec)
-
-
-def _shorten(text: str, limit: int) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def environment() -> dict:

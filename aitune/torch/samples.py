@@ -32,6 +32,7 @@ from aitune.torch.pytree import (
 logger = logging.getLogger(__name__)
 
 STATIC, DYNAMIC, BATCH = "static", "dynamic", "batch"
+SAME_SHAPE_SAMPLES = 2  # calls of one shape kept per graph when their values differ
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,9 +261,13 @@ class GraphSpec:
         input_paths: readable path of every input leaf.
         tensor_specs: one :class:`TensorSpec` per tensor leaf.
         constants: non-tensor leaves by readable path (the values artifacts are specialised for).
-        samples: recorded samples, at most ``max_samples`` distinct shapes, extremes always kept.
+        samples: recorded samples, at most ``max_samples``: distinct shapes first (extremes always kept), and
+            up to ``SAME_SHAPE_SAMPLES`` calls of one shape with different values, so candidates are checked
+            on more than one of them.
         output_spec: :class:`TreeSpec` of eager's output (set by the recorder).
         mutated_inputs: readable paths of inputs that ``forward`` changed in place.
+        stateful: ``forward`` changed the module's own parameters or buffers (running statistics, step
+            counters): candidates are judged from the same starting state as eager, over the same sequence.
     """
 
     def __init__(self, index: int, key: Hashable, input_spec: TreeSpec, leaves: list[Any], max_samples: int = 8,
@@ -294,6 +299,7 @@ class GraphSpec:
         self._size_history: set[tuple[int | None, tuple[tuple[int, ...], ...]]] = set()
         self.output_spec: TreeSpec | None = None
         self.mutated_inputs: list[str] = []
+        self.stateful = False
         self.training: bool | None = None
         self.signature: CallSignature | None = None  # set by the Recorder: normalises direct backend calls
         self._apply_dynamic_shapes(dynamic_shapes or {})
@@ -320,7 +326,12 @@ class GraphSpec:
         shapes = [list(leaves[spec.leaf_index].shape) for spec in self.tensor_specs]
         entry = (sample.batch_size, tuple(tuple(shape) for shape in shapes))
         if entry in self._size_history:
-            return  # these shapes were merged (and a sample of them kept) before
+            # These shapes were merged before; keep another call of them if its values differ (bounded).
+            same = [kept for kept in self.samples if kept.shapes() == sample.shapes()]
+            if len(same) < SAME_SHAPE_SAMPLES and len(self.samples) < self.max_samples and not any(
+                    _same_call(kept, sample) for kept in same):
+                self.samples.append(sample)
+            return
         self._size_history.add(entry)
         extends_range = False
         for spec, shape in zip(self.tensor_specs, shapes):
@@ -426,6 +437,7 @@ class GraphSpec:
             "num_samples": len(self.samples),
             "num_calls": self.num_calls,
             "mutated_inputs": list(self.mutated_inputs),
+            "stateful": self.stateful,
             "training": self.training,
         }
 
@@ -485,7 +497,10 @@ class Recorder:
         if batch_size is None:
             batch_size = infer_batch_size(leaves)
         sample = Sample(cloned_args, cloned_kwargs, batch_size)
+        state_before = _state_versions(module)
         output = module(*args, **kwargs)
+        if _state_versions(module) != state_before:
+            graph.stateful = True
         graph.training = module.training
         mutated = [path for path, before, after in zip(graph.input_paths, sample.leaves(), leaves)
                    if isinstance(after, torch.Tensor) and not _same_tensor_values(before, after)]
@@ -495,6 +510,22 @@ class Recorder:
         graph.output_spec = tree_flatten(output)[1]
         graph.add(sample, leaves)
         return output
+
+
+def _state_versions(module: torch.nn.Module) -> list[tuple[int, int]]:
+    """Identity and version counter of every parameter and buffer: changes when ``forward`` updates them in
+    place (running statistics) or assigns new tensors (step counters)."""
+    return [(id(t), t._version) for t in module.parameters()] + [(id(t), t._version) for t in module.buffers()]
+
+
+def _same_call(first: Sample, second: Sample) -> bool:
+    for a, b in zip(first.leaves(), second.leaves()):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if not _same_tensor_values(a, b):
+                return False
+        elif a is not b and a != b:
+            return False
+    return True
 
 
 def _same_tensor_values(before: torch.Tensor, after: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ from aitune.torch.report import GraphReport, TuneReport, environment
 from aitune.torch.samples import clone_tree
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
 from aitune.torch.evaluation import GraphContext
+from aitune.torch.guard import guard_for
 
 logger = logging.getLogger(__name__)
 
@@ -125,12 +126,14 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
         strategy_template: TuneStrategy = module.strategy or MaxThroughputStrategy()
         dispatch = {}
         selected_rows = {}
+        guards = {}
         try:
             for graph in module.graphs:
                 if not graph.samples:
                     continue
                 strategy = strategy_template.clone()
-                context = _graph_context(module, graph, target_device, root, cache)
+                context = _graph_context(module, graph, target_device, root, cache,
+                                         snapshot.restore if graph.stateful else None)
                 entry = GraphReport(module=module.name, graph=graph.name, spec=graph.describe(),
                                     strategy=strategy.describe())
                 report.graphs.append(entry)
@@ -141,11 +144,20 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
                 entry.selected, entry.selection_reason = backend.describe(), why
                 dispatch[graph.key] = (graph, backend)
                 selected_rows[graph.name] = next((row.to_dict() for row in rows if row.status == "selected"), None)
+                guards[graph.key] = guard_for(module.guard_config, graph, backend, strategy.tolerance,
+                                              selected_rows[graph.name], context.checked_signatures(),
+                                              list(strategy.runners_up))
                 snapshot.restore()
             module._set_tuned(dispatch)
+            for key, (graph, _) in dispatch.items():
+                module.arm_guard(graph, guards.get(key))
+            module.watch_state()
             module._self_tune_rows = selected_rows  # the chosen backends' report rows, kept by ait.save
         except Exception as exc:
             snapshot.restore()
+            failed_row = getattr(exc, "candidate_row", None)
+            if failed_row is not None and report.graphs and failed_row not in report.graphs[-1].candidates:
+                report.graphs[-1].candidates.append(failed_row)
             reason = f"{type(exc).__name__}: {exc}"
             report.module_errors[module.name] = reason
             module._set_failed(reason)
@@ -164,10 +176,13 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
     return report
 
 
-def _graph_context(module: Module, graph, device: torch.device, root: Path, cache) -> GraphContext:
-    """Eager reference outputs per sample, computed once on cloned inputs under no_grad."""
+def _graph_context(module: Module, graph, device: torch.device, root: Path, cache, restore_state=None) -> GraphContext:
+    """Eager reference outputs per sample, computed once on cloned inputs under no_grad, in order (for a
+    stateful graph from the module's starting state, which ``restore_state`` puts back)."""
     original = module.__wrapped__
     outputs, inputs_after = [], []
+    if restore_state is not None:
+        restore_state()
     with torch.no_grad():
         for sample in graph.samples:
             inputs = sample.clone()
@@ -175,7 +190,8 @@ def _graph_context(module: Module, graph, device: torch.device, root: Path, cach
             inputs_after.append(inputs.leaves())
     workdir = root / _safe(module.name) / graph.name
     return GraphContext(module=original, module_name=module.name, graph=graph, device=device, workdir=workdir,
-                        reference_outputs=outputs, reference_inputs_after=inputs_after, cache=cache)
+                        reference_outputs=outputs, reference_inputs_after=inputs_after, cache=cache,
+                        restore_state=restore_state)
 
 
 def _safe(name: str) -> str:

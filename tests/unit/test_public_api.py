@@ -14,10 +14,10 @@ BRIEF_BACKEND_NAMES = {
 
 
 def test_public_surface_is_exactly_all():
-    assert set(ait.__all__) == {
+    assert set(ait.__all__) == {"GuardConfig",
         "BatchDim", "DynamicDim", "FirstWinsStrategy", "InspectedModulesInfo", "LatencyBudgetStrategy",
         "MaxThroughputStrategy", "MinLatencyStrategy", "Module", "ModuleInfo", "ModuleState", "OneBackendStrategy",
-        "ProfilingConfig", "Tolerance", "TuneReport", "TuneStrategy", "aitune_cache_dir", "inspect", "load", "save",
+        "ProbeConfig", "ProfilingConfig", "Tolerance", "TuneReport", "TuneStrategy", "aitune_cache_dir", "inspect", "load", "save",
         "tune", "wrap"}
     assert set(tune_strategy.__all__) == {"FirstWinsStrategy", "LatencyBudgetStrategy", "MaxThroughputStrategy",
                                           "MinLatencyStrategy", "OneBackendStrategy", "TuneStrategy"}

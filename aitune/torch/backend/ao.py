@@ -239,6 +239,11 @@ class TorchAOBackend(Backend):
     requirements = (Requirement("torchao", ("torchao",), "torchao", "0.12"),)
 
     # ---- eligibility
+    @property
+    def bakes_weights(self) -> bool:
+        """The quantized copy holds the weights as they were at tuning."""
+        return True
+
     def preset_for(self, device: torch.device | str, module: torch.nn.Module | None = None) -> str | None:
         """The preset this backend uses on ``device`` for ``module`` (None: a custom ``quantization_config``)."""
         if self.config.quantization_config is not None:

@@ -384,6 +384,14 @@ class Backend:
         self.state = BackendState.ACTIVE
         return self
 
+    @property
+    def bakes_weights(self) -> bool:
+        """True when the built artifact holds a copy of the module's weights (AOT artifacts, quantized copies,
+        engines, Inductor ``freezing``): weights changed after tuning make it stale, so ``ait.Module`` runs
+        such calls eagerly once it notices (:class:`aitune.torch.guard.StateWatch`). JIT backends that read
+        the module's own parameters at every call return False."""
+        return self.build_mode is BuildMode.AOT
+
     def accepts(self, leaves: list) -> bool:
         """Can this built backend take a call with these flattened canonical input leaves? See :meth:`rejects`."""
         return self.rejects(leaves) is None

@@ -81,6 +81,11 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     build_mode = BuildMode.JIT
     rank = 20
 
+    @property
+    def bakes_weights(self) -> bool:
+        """Inductor reads the parameters at every call, except with ``freezing`` (weights folded in)."""
+        return bool((self.config.options or {}).get("freezing"))
+
     def _supports(self, module, graph, device) -> Check:
         if uses_cuda_graphs(self.config.mode, self.config.options) and device.type != "cuda":
             return Check(False, "mode 'reduce-overhead' captures CUDA graphs and needs a CUDA device")

@@ -174,6 +174,11 @@ class KernelSelectorBackend(Backend):
             reasons.append(f"{provider.name}: {check.reason}")
         return Check(False, f"no kernel provider can run on {device.type}: " + "; ".join(reasons))
 
+    @property
+    def bakes_weights(self) -> bool:
+        """The delegate's answer (the delegate runs the module)."""
+        return self.delegate.bakes_weights
+
     def rejects(self, leaves: list) -> str | None:
         """The delegate's answer (the delegate runs the call)."""
         return self.delegate.rejects(leaves)

@@ -285,6 +285,11 @@ class TorchTensorRTJitBackend(AutocastMixin, Backend):
     device_types = frozenset({"cuda"})
     rank = 45
 
+    @property
+    def bakes_weights(self) -> bool:
+        """TensorRT engines hold the weights as they were at the build."""
+        return True
+
     def _resolved_dynamic(self, graph) -> bool | None:
         if self.config.dynamic is not None:
             return self.config.dynamic

@@ -17,6 +17,7 @@ from aitune.errors import AITuneError, ConfigError
 from aitune.torch.backend.base import Backend, BuildMode
 from aitune.torch.correctness import Tolerance
 from aitune.torch.evaluation import Candidate, EvaluationSettings, GraphContext, eager_candidate, evaluate
+from aitune.torch.probes import ProbeConfig
 from aitune.torch.profiling import ProfilingConfig, reaches_speedup
 from aitune.torch.report import SELECTED, CandidateResult
 
@@ -52,13 +53,16 @@ class TuneStrategy:
         backends: candidate backends (blueprints, copied before each build); None = :func:`default_backends`.
         profiling_config: how to measure (:class:`~aitune.torch.profiling.ProfilingConfig`).
         tolerance: thresholds of the comparison with eager (:class:`~aitune.torch.correctness.Tolerance`).
+        probe_config: inputs beyond the recorded samples that every candidate is also checked on
+            (:class:`~aitune.torch.probes.ProbeConfig`; default: up to 12 probes, 10 s per candidate).
 
     Raises:
         ConfigError: when ``backends`` is empty or holds something that is not a Backend.
     """
 
     def __init__(self, backends: Iterable[Backend] | Backend | None = None, *,
-                 profiling_config: ProfilingConfig | None = None, tolerance: Tolerance | None = None):
+                 profiling_config: ProfilingConfig | None = None, tolerance: Tolerance | None = None,
+                 probe_config: ProbeConfig | None = None):
         if isinstance(backends, Backend):
             backends = [backends]
         if backends is not None:
@@ -74,7 +78,11 @@ class TuneStrategy:
             raise ConfigError("profiling_config must be an aitune.torch.profiling.ProfilingConfig")
         if tolerance is not None and not isinstance(tolerance, Tolerance):
             raise ConfigError("tolerance must be an aitune.torch.correctness.Tolerance")
+        if probe_config is not None and not isinstance(probe_config, ProbeConfig):
+            raise ConfigError("probe_config must be an aitune.torch.ProbeConfig")
         self.backends = backends
+        self.probe_config = probe_config or ProbeConfig()
+        self.runners_up: list[Backend] = []  # after tune(): next-best passing backends (the guard's fallbacks)
         self.profiling_config = profiling_config or ProfilingConfig()
         self.tolerance = tolerance or Tolerance()
         self.correctness_check = True
@@ -144,7 +152,8 @@ class TuneStrategy:
     def settings(self, *, measure: bool = True) -> EvaluationSettings:
         """This strategy's evaluation settings (tolerance, profiling, which checks run)."""
         return EvaluationSettings(tolerance=self.tolerance, profiling=self.profiling_config,
-                                  correctness_check=self.correctness_check, measure=measure)
+                                  probes=self.probe_config, correctness_check=self.correctness_check,
+                                  measure=measure)
 
     def evaluate(self, blueprint: Backend, context: GraphContext, *, measure_it: bool = True,
                  raise_errors: bool = False) -> Candidate:
@@ -197,6 +206,11 @@ class TuneStrategy:
         noise = top.measurement.noise
         tied = [c for c in passing if not score(top) > score(c) * (1 + noise)]
         return min(tied, key=lambda c: (_simplicity(c.backend), c.row.build_s or 0.0))
+
+    def rank(self, candidates: list[Candidate], *, by_latency: bool = False) -> list[Backend]:
+        """The passing, measured candidates' backends, best first (by throughput or latency)."""
+        passing = [c for c in candidates if c.passed and c.measurement is not None]
+        return [c.backend for c in sorted(passing, key=_score(by_latency), reverse=True)]
 
     def pick_fastest(self, candidates: list[Candidate], *, by_latency: bool = False) -> Candidate:
         """The passing candidate with the best raw figure (no tie rule)."""

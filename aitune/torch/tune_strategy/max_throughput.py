@@ -37,6 +37,8 @@ class MaxThroughputStrategy(TuneStrategy):
         chosen = self.pick(contenders, by_latency=self.by_latency)
         fastest = self.pick_fastest(contenders, by_latency=self.by_latency)
         self.finish(chosen, pool)
+        self.runners_up = self.rank([c for c in contenders if c is not chosen and c is not eager],
+                                    by_latency=self.by_latency)[:2]
         metric = "lowest latency at the smallest batch" if self.by_latency else "highest throughput"
         why = f"{metric} among {sum(c.passed for c in contenders)} correct candidates"
         if chosen is not fastest:

@@ -1,0 +1,260 @@
+"""Cases C31, C32, C34, C35 of shared/cases/CASES.md (faults that only show on inputs tuning never saw), and
+the kinds behind them caught for other ops: value-range dependence and size dependence.
+
+Each real-backend case forces its backend (OneBackendStrategy, no performance validation): after tuning,
+either the backend runs and matches eager on the case's later input, or it was rejected during tuning (U5:
+no test asserts that a backend fails). The kind tests use deliberately faulty backends — real code with a
+real fault, like tests/unit/test_strategies.py's — to show that the probes catch the fault's kind.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aitune.torch as ait
+from aitune.torch.backend import TorchEagerBackend, TorchInductorAotBackend, TorchInductorJitBackend
+from aitune.torch.samples import record_graphs
+
+
+def forced(backend, profiling):
+    return ait.OneBackendStrategy(backend, profiling_config=profiling).enable_performance_validation(False)
+
+
+def tune_forced(model, name, backend, data, profiling):
+    tuned = ait.Module(model, name, strategy=forced(backend, profiling))
+    report = ait.tune(tuned, data)
+    row = report.rows[0]
+    if name in report.module_errors:  # rejected or failed during tuning: U1 reason, U5 no assertion on which
+        assert row.reason and row.status in ("failed", "rejected (correctness)")
+        assert tuned.state is ait.ModuleState.PASSTHROUGH
+    else:
+        assert {b.name for b in tuned.backends.values()} == {backend.name}
+        assert row.probes is not None and row.probes["checked"] > 0  # checked beyond the recorded samples
+    return tuned, report
+
+
+# ------------------------------------------------------------------------------------------ C31
+
+
+class Stretch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, img):
+        flat = img.flatten(1)
+        lo = flat.amin(1).view(-1, 1, 1, 1).float()
+        hi = flat.amax(1).view(-1, 1, 1, 1).float()
+        return self.conv((img.float() - lo) / (hi - lo).clamp_min(1))
+
+
+@pytest.mark.parametrize("backend", [TorchInductorJitBackend(), TorchInductorAotBackend()],
+                         ids=["inductor_jit", "inductor_aot"])
+def test_c31_integer_image_reduction_on_a_narrower_value_range(backend, fast_profiling):
+    model = Stretch().eval()
+    tuning = [torch.randint(0, 256, (b, 3, 16, 16), dtype=torch.uint8) for b in (2, 4)]
+    tuned, report = tune_forced(model, "stretch", backend, tuning, fast_profiling)
+    later = torch.randint(40, 201, (3, 3, 16, 16), dtype=torch.uint8)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(later), model(later), atol=1e-4, rtol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------ C32
+
+
+class Stem(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(F.interpolate(x, scale_factor=0.5, mode="bilinear", antialias=True))
+
+
+def test_c32_antialiased_resize_at_sizes_never_recorded(fast_profiling):
+    pytest.importorskip("onnxruntime")
+    from aitune.torch.backend import ONNXRuntimeBackend
+
+    model = Stem().eval()
+    tuning = [torch.rand(2, 3, 32, 32), torch.rand(4, 3, 64, 48), torch.rand(3, 3, 40, 64)]
+    tuned, report = tune_forced(model, "stem", ONNXRuntimeBackend(), tuning, fast_profiling)
+    later = torch.rand(2, 3, 33, 47)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(later), model(later), atol=1e-4, rtol=1e-3)
+    row = report.rows[0]
+    if row.status == "rejected (correctness)":
+        assert row.reason.startswith("probe size")  # caught by a size probe, and the reason names its shape
+
+
+# ------------------------------------------------------------------------------------------ C34
+
+
+def test_c34_outputs_holding_a_key_value_cache(fast_profiling):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    lm = transformers.LlamaForCausalLM(cfg).eval()
+    tuned = ait.Module(lm, "lm", strategy=forced(TorchInductorJitBackend(), fast_profiling))
+    data = [{"input_ids": torch.randint(0, 64, (b, 8))} for b in (2, 4)]
+    report = ait.tune(lambda batch: tuned(**batch), data)
+    row = report.rows[0]
+    assert "expected" not in row.reason or "got" not in row.reason  # never "expected X, got X"
+    assert row.status == "selected", row.reason
+    assert tuned.backends["graph0"].name == "inductor_jit"
+    leaves = [leaf["path"] for leaf in row.comparison["leaves"]]
+    assert "logits" in leaves and any(path.startswith("cache") for path in leaves), leaves  # opened leaf by leaf
+    ids = torch.randint(0, 64, (3, 8))
+    with torch.no_grad():
+        out, expected = tuned(input_ids=ids), lm(input_ids=ids)
+    torch.testing.assert_close(out.logits, expected.logits, atol=1e-4, rtol=1e-3)
+    assert type(out.past_key_values) is type(expected.past_key_values)
+
+
+# ------------------------------------------------------------------------------------------ C35
+
+
+class Buckets(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.proj = nn.Embedding(200, 16), nn.Linear(16, 8)
+
+    def forward(self, t):
+        return self.proj(self.emb(torch.div(t, 0.1, rounding_mode="floor").long().clamp(0, 199)))
+
+
+def _c35_backends():
+    backends = [TorchInductorJitBackend(), TorchInductorAotBackend()]
+    try:
+        import onnxruntime  # noqa: F401
+        from aitune.torch.backend import ONNXRuntimeBackend
+
+        backends.append(ONNXRuntimeBackend())
+    except ImportError:
+        pass
+    return backends
+
+
+@pytest.mark.parametrize("backend", _c35_backends(), ids=lambda b: b.name)
+def test_c35_floor_division_on_grid_aligned_values(backend, fast_profiling):
+    model = Buckets().eval()
+    tuning = [torch.rand(2, 16) * 19, torch.rand(4, 32) * 19]
+    tuned, report = tune_forced(model, "buckets", backend, tuning, fast_profiling)
+    later = torch.randint(0, 190, (2, 16)).float() * 0.1
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(later), model(later))  # caught during tuning, or by the guard
+
+
+# ------------------------------------------------------------------------------------------ the kinds
+
+
+class FloorViaDivideBackend(TorchEagerBackend):
+    """Computes floor(t / 0.1) as floor(t * 10): what a compiler's strength reduction does. Exact on
+    continuous values almost everywhere, wrong on many 0.1-grid values (value-grid dependence)."""
+
+    name = "test_floor_via_multiply"
+    passthrough = False
+
+    def _infer(self, args, kwargs):
+        module, t = self.module, kwargs["t"]
+        return module.proj(module.emb(torch.floor(t * 10.0).long().clamp(0, 199)))
+
+
+class EvenSizesOnlyPool(TorchEagerBackend):
+    """An average pool that assumes even spatial sizes (pairs of pixels reshaped): right at every recorded
+    size, wrong at odd sizes inside the range (size dependence, another op than C32's resize)."""
+
+    name = "test_even_sizes_pool"
+    passthrough = False
+
+    def _infer(self, args, kwargs):
+        x = kwargs["x"]
+        b, c, h, w = x.shape
+        pooled = x[:, :, : h - h % 2, : w - w % 2].reshape(b, c, h // 2, 2, w // 2, 2).mean((3, 5))
+        return self.module.head(pooled.mean((2, 3)))
+
+
+class Pool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 5)
+
+    def forward(self, x):
+        return self.head(F.avg_pool2d(x, 2, ceil_mode=True).mean((2, 3)))
+
+
+class SaturatingBackend(TorchEagerBackend):
+    """Accumulates the sum of squares in a register that saturates at 2000: right for the recorded values,
+    wrong once they are larger (value-range dependence, another op than C31's min/max)."""
+
+    name = "test_saturating"
+    passthrough = False
+
+    def _infer(self, args, kwargs):
+        x = kwargs["x"]
+        energy = (x * x).sum(-1, keepdim=True).clamp(max=2000.0)
+        return self.module.proj(x / energy.sqrt().clamp_min(1e-6))
+
+
+class Normalize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x):
+        energy = (x * x).sum(-1, keepdim=True)
+        return self.proj(x / energy.sqrt().clamp_min(1e-6))
+
+
+@pytest.mark.parametrize("make_case", ["grid", "size", "range"])
+def test_probes_catch_the_kind_behind_each_case_for_other_ops(make_case, fast_profiling, tmp_path):
+    if make_case == "grid":
+        model, backend = Buckets().eval(), FloorViaDivideBackend()
+        data = [torch.rand(2, 16) * 19, torch.rand(4, 32) * 19]
+        expected_kind = "float-grid"
+    elif make_case == "size":
+        model, backend = Pool().eval(), EvenSizesOnlyPool()
+        data = [torch.rand(2, 3, 32, 32), torch.rand(4, 3, 64, 48)]
+        expected_kind = "size"
+    else:
+        model, backend = Normalize().eval(), SaturatingBackend()
+        data = [torch.randn(2, 8) * 3, torch.randn(4, 8) * 3]
+        expected_kind = "float-scale-up"
+    # The fault is invisible on the recorded samples: checking them alone would let it through.
+    graph = record_graphs(model, [((x,), {}) for x in data])[0]
+    built = backend.copy().build(model, graph, "cpu", tmp_path)
+    with torch.no_grad():
+        for x in data:
+            torch.testing.assert_close(built(x), model(x), atol=1e-4, rtol=1e-3)
+    tuned = ait.Module(model, "kind", strategy=ait.MaxThroughputStrategy([backend], profiling_config=fast_profiling))
+    report = ait.tune(tuned, data)
+    row = next(r for r in report.rows if r.backend == backend.name)
+    assert row.status == "rejected (correctness)"
+    assert row.reason.startswith(f"probe {expected_kind} ("), row.reason
+    assert tuned.backends["graph0"].name == "eager"
+
+
+class Picky(nn.Module):
+    """Eager itself raises on lengths that are not multiples of 4: probes of such sizes say nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[1] % 4:
+            raise ValueError("length must be a multiple of 4")
+        return self.fc(x.view(x.shape[0], -1, 4)).flatten(1)
+
+
+def test_a_probe_eager_cannot_run_is_dropped(fast_profiling):
+    model = Picky().eval()
+    tuned = ait.Module(model, "picky", strategy=forced(TorchInductorJitBackend(), fast_profiling))
+    report = ait.tune(tuned, [torch.randn(2, 8), torch.randn(2, 16)])
+    row = report.rows[0]
+    assert row.status == "selected", row.reason  # the odd-length probes were dropped, not held against it
+    assert row.probes["checked"] >= 1
+    x = torch.randn(2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x), model(x))

@@ -1,0 +1,184 @@
+"""After tuning: the run-time guard (a wrong backend retired on the call that shows it, the next-best that
+gets that input right takes over) and stale weights (case C33 (a)-(d) on weight-baking backends)."""
+
+import logging
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aitune.torch as ait
+from aitune.errors import ConfigError
+from aitune.torch.backend import TorchEagerBackend, TorchInductorAotBackend
+from aitune.torch.guard import GuardConfig, StateWatch
+
+PAUSE_S = 0.002
+
+
+class PausedNet(nn.Module):
+    """Eager pays a 2 ms pause per call: backends that skip it are clearly faster."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        time.sleep(PAUSE_S)
+        return self.body(x)
+
+
+class WrongOnLargeValues(TorchEagerBackend):
+    """Fastest, right on everything tuning checks (values up to ~100), wrong once inputs exceed 1e4."""
+
+    name = "test_wrong_on_large"
+    passthrough = False
+
+    def _infer(self, args, kwargs):
+        x = kwargs["x"]
+        out = self.module.body(x)
+        return out * 2.0 if bool(x.abs().max() > 1e4) else out
+
+
+class SlowerButRight(TorchEagerBackend):
+    """Right everywhere, skips most of the pause: the runner-up."""
+
+    name = "test_slower_but_right"
+    passthrough = False
+
+    def _infer(self, args, kwargs):
+        time.sleep(PAUSE_S / 4)
+        return self.module.body(kwargs["x"])
+
+
+def _tune_guarded(fast_profiling, guard=None):
+    model = PausedNet().eval()
+    strategy = ait.MaxThroughputStrategy([WrongOnLargeValues(), SlowerButRight()], profiling_config=fast_profiling)
+    tuned = ait.Module(model, "paused", strategy=strategy, guard=guard)
+    ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)])
+    assert tuned.backends["graph0"].name == "test_wrong_on_large"
+    return model, tuned
+
+
+def test_guard_retires_a_wrong_backend_on_the_call_that_shows_it(fast_profiling, caplog):
+    model, tuned = _tune_guarded(fast_profiling)
+    x = torch.randn(5, 16) * 1e5  # batch 5 was never checked (recorded 2, 4; probed 3): its first call is
+    with caplog.at_level(logging.WARNING, logger="aitune"):
+        out = tuned(x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))  # the checked call already returns eager's (right) result
+    assert tuned.backends["graph0"].name == "test_slower_but_right"  # next-best that gets this input right
+    messages = [r.getMessage() for r in caplog.records if "disagreed with eager" in r.getMessage()]
+    assert len(messages) == 1 and "[[5, 16]]" in messages[0] and "max abs error" in messages[0]
+    events = tuned.stats["guard"]["graph0"]["events"]
+    assert events[0]["backend"] == "test_wrong_on_large" and events[0]["replaced_by"] == "test_slower_but_right"
+    for _ in range(3):  # no wrong value once the guard has seen one, checked or not
+        y = torch.randn(5, 16) * 1e5
+        with torch.no_grad():
+            torch.testing.assert_close(tuned(y), model(y))
+
+
+def test_guard_checks_one_call_in_n_of_known_shapes(fast_profiling):
+    model, tuned = _tune_guarded(fast_profiling, GuardConfig(check_unseen_shapes=False, check_every=3))
+    x = torch.randn(2, 16) * 1e5  # a recorded shape: only the periodic check can catch it
+    outputs = [tuned(x) for _ in range(3)]
+    with torch.no_grad():
+        expected = model(x)
+    assert not torch.allclose(outputs[0], expected)  # unchecked calls 1-2 ran the wrong backend...
+    torch.testing.assert_close(outputs[2], expected)  # ...call 3 was checked: eager's result, backend retired
+    assert tuned.stats["guard"]["graph0"]["checks"] == 1
+
+
+def test_default_interval_keeps_eager_reruns_within_two_percent():
+    assert GuardConfig().interval(2.3) == 115 and GuardConfig().interval(None) == 1000
+    assert GuardConfig(max_overhead=0.1).interval(2.0) == 20 and GuardConfig(check_every=0).interval(5.0) == 0
+    with pytest.raises(ConfigError, match="max_overhead"):
+        GuardConfig(max_overhead=0)
+
+
+def test_guard_off_means_no_checks(fast_profiling):
+    model, tuned = _tune_guarded(fast_profiling, GuardConfig(enabled=False))
+    x = torch.randn(3, 16) * 1e5
+    assert not torch.allclose(tuned(x), model(x))  # documented: with the guard off nothing re-checks
+    assert tuned.stats["guard"] == {}
+
+
+# ------------------------------------------------------------------------------------------ C33
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 5)).eval()
+
+
+def _change(net, which):
+    if which == "a":
+        net.load_state_dict({k: v + 0.5 for k, v in net.state_dict().items()})
+    elif which == "b":
+        net.load_state_dict({k: v * 2 for k, v in net.state_dict().items()}, assign=True)
+    elif which == "c":
+        with torch.no_grad():
+            net[0].weight.mul_(2)
+    else:
+        net.half()
+
+
+def _baking_backends():
+    backends = [TorchInductorAotBackend()]
+    try:
+        import onnxruntime  # noqa: F401
+        from aitune.torch.backend import ONNXRuntimeBackend
+
+        backends.append(ONNXRuntimeBackend())
+    except ImportError:
+        pass
+    try:
+        import torchao  # noqa: F401
+        from aitune.torch.backend import TorchAOBackend
+
+        backends.append(TorchAOBackend())
+    except ImportError:
+        pass
+    return backends
+
+
+WHAT = {"a": "changed in place", "b": "replaced by a new tensor", "c": "changed in place", "d": "is now float16"}
+
+
+@pytest.mark.parametrize("backend", _baking_backends(), ids=lambda b: b.name)
+def test_c33_weights_changed_after_tuning(backend, fast_profiling, caplog):
+    for which in "abcd":
+        net = _net()
+        tuned = ait.Module(net, f"c33{which}", strategy=ait.OneBackendStrategy(backend, profiling_config=fast_profiling)
+                           .enable_performance_validation(False))
+        ait.tune(tuned, [torch.randn(2, 16), torch.randn(8, 16)], ignore_failing_modules=False)
+        assert tuned.backends["graph0"].name == backend.name and backend.copy().bakes_weights
+        x = torch.randn(4, 16)
+        assert tuned.needs_retune is None
+        _change(net, which)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="aitune"):
+            if which == "d":
+                with pytest.raises(RuntimeError) as eager_error:  # eager with the new (fp16) weights raises
+                    net(x)
+                with pytest.raises(type(eager_error.value)):
+                    tuned(x)
+                out, expected = tuned(x.half()), net(x.half())  # fp16 inputs: another graph, eager too
+            else:
+                with torch.no_grad():
+                    out, expected = tuned(x), net(x)
+        torch.testing.assert_close(out, expected)  # the stale artifact is not used
+        assert WHAT[which] in tuned.needs_retune, tuned.needs_retune
+        if which != "d":
+            warnings = [r.getMessage() for r in caplog.records if "baked the old weights" in r.getMessage()]
+            assert len(warnings) == 1 and WHAT[which] in warnings[0]
+        assert "needs re-tune" in repr(tuned)
+
+
+def test_state_watch_ignores_other_modules_being_built():
+    net = _net()
+    watch = StateWatch(net)
+    nn.Linear(3, 3)  # registers parameters elsewhere: a full scan, then nothing changed here
+    assert watch.changed() is None
+    net[2].bias.data = net[2].bias.data.clone()
+    assert "holds new data" in watch.changed()
