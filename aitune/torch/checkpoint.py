@@ -543,6 +543,7 @@ def _save_module(index: int, entry: WrapperEntry, staging: Path) -> dict:
             "output_structure": _output_structure(graph, wrapper.name, build_mode),
             "samples": _save_samples(graph, staging / graph_base / "samples.safetensors", f"{graph_base}/samples.safetensors"),
             "tune_row": _json_safe(rows.get(graph.name)) if rows.get(graph.name) else None,
+            "tolerance": _tuned_tolerance(rows.get(graph.name)),
         })
         graphs.append(data)
     module = wrapper.__wrapped__
@@ -564,6 +565,12 @@ def _save_module(index: int, entry: WrapperEntry, staging: Path) -> dict:
         record["weight_aliases"], record["num_weight_tensors"] = _save_weights(
             module, staging / record["weights"], wrapper.name)
     return record
+
+
+def _tuned_tolerance(row: dict | None) -> dict | None:
+    """The thresholds the chosen backend was compared with eager under (``Tolerance.to_dict``), or None."""
+    tolerance = ((row or {}).get("comparison") or {}).get("tolerance")
+    return _json_safe(tolerance) if isinstance(tolerance, dict) else None
 
 
 def _output_structure(graph, module_name: str, build_mode) -> dict | None:
@@ -1099,8 +1106,10 @@ def _eager_fallback_problem(module: torch.nn.Module, plan: "_ModulePlan") -> str
     with the artifact; if they disagree (random or missing weights) fallback would be silently wrong, so the
     wrapper refuses such calls with this reason instead.
     """
-    from aitune.torch.correctness import OutputComparator
+    from aitune.torch.correctness import OutputComparator, Tolerance
     from aitune.torch.samples import clone_tree
+
+    graph_entries = {g.entry.get("name"): g.entry for g in plan.graphs}
 
     if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
         return (f"{plan.name} was loaded from an AOT checkpoint into a module without weights (meta tensors), so "
@@ -1109,13 +1118,19 @@ def _eager_fallback_problem(module: torch.nn.Module, plan: "_ModulePlan") -> str
     for graph, backend in plan.dispatch.values():
         if not graph.samples:
             continue
+        # The thresholds the module was tuned under; manifests written before they were stored per graph
+        # fall back to the default Tolerance().
+        try:
+            tolerance = Tolerance.from_dict(graph_entries.get(graph.name, {}).get("tolerance"))
+        except AITuneError as exc:
+            raise CheckpointError(f"{plan.name}/{graph.name}: malformed tolerance in the checkpoint ({exc})") from exc
         try:
             with torch.no_grad():
                 inputs = graph.samples[0].clone()
                 expected = clone_tree(backend.infer(*inputs.args, **inputs.kwargs))
                 inputs = graph.samples[0].clone()
                 actual = module(*inputs.args, **inputs.kwargs)
-            OutputComparator(quantized=backend.is_quantizing,
+            OutputComparator(tolerance, quantized=backend.is_quantizing,
                              low_precision=bool(getattr(backend, "low_precision", False))).compare(expected, actual)
         except Exception as exc:  # noqa: BLE001
             return (f"the module passed to ait.load does not reproduce {plan.name}/{graph.name}'s tuned outputs "
