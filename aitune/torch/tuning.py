@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from aitune.errors import AITuneError, ConfigError
-from aitune.torch.module import Module, ModuleState, _recording_context, registered_modules
 from aitune.torch.environment import environment
+from aitune.torch.module import Module, ModuleState, _recording_context, registered_modules
 from aitune.torch.report import GraphReport, TuneReport
 from aitune.torch.samples import clone_tree
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy

@@ -19,7 +19,7 @@ from aitune.torch.checkpoint.archive import check_member_name
 from aitune.torch.checkpoint.manifest import read_manifest
 from aitune.torch.checkpoint.plan import ModulePlan, plan_module, warn_differences
 from aitune.torch.checkpoint.wrappers import replace_at, resolve_path
-from aitune.torch.correctness import OutputComparator
+from aitune.torch.evaluation import comparator_for
 from aitune.torch.module import Module
 from aitune.torch.pytree import tree_unflatten
 from aitune.torch.samples import GraphSpec, Sample, clone_tree
@@ -173,8 +173,7 @@ def _eager_fallback_problem(module: torch.nn.Module, plan: ModulePlan) -> str | 
                 expected = clone_tree(backend.infer(*inputs.args, **inputs.kwargs))
                 inputs = graph.samples[0].clone()
                 actual = module(*inputs.args, **inputs.kwargs)
-            OutputComparator(tolerances.get(graph.name), quantized=backend.is_quantizing,
-                             low_precision=bool(getattr(backend, "low_precision", False))).compare(expected, actual)
+            comparator_for(backend, tolerances[graph.name]).compare(expected, actual)
         except Exception as exc:  # noqa: BLE001
             return (f"the module passed to ait.load does not reproduce {plan.name}/{graph.name}'s tuned outputs "
                     f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}) — its weights differ from the tuned "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import math
 import platform
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from aitune.torch.backend.base import BuildMode
 from aitune.torch.checkpoint.archive import read_unverified, read_verified
 from aitune.torch.correctness import Tolerance
 from aitune.torch.environment import device_facts, environment
+from aitune.torch.jsonsafe import json_safe
 from aitune.torch.serialization import tree_spec_to_json
 
 logger = logging.getLogger(__name__)
@@ -125,19 +125,6 @@ def _tuned_tolerance(row: dict | None) -> dict | None:
     """The thresholds the chosen backend was compared with eager under (``Tolerance.to_dict``), or None."""
     tolerance = ((row or {}).get("comparison") or {}).get("tolerance")
     return json_safe(tolerance) if isinstance(tolerance, dict) else None
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` with dict keys as strings, tuples as lists, non-finite floats as None, other objects as str."""
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, (str, int, bool)):
-        return value
-    return str(value)
 
 
 # ============================================================================================ reading
