@@ -44,13 +44,14 @@ import torch
 
 from aitune import __version__
 from aitune.torch.backend.base import Backend, BuildMode
+from aitune.torch.checkpoint.archive import check_files, digest_files
+from aitune.torch.environment import cpu_model_name
 
 logger = logging.getLogger(__name__)
 
 CACHE_FORMAT_VERSION = 1
 ENTRY_FILE = "entry.json"
 ARTIFACTS_DIR = "artifacts"
-_CHUNK = 1 << 20
 
 
 class BuildCache:
@@ -198,8 +199,7 @@ class BuildCache:
             metadata = backend.save(staging / ARTIFACTS_DIR)
             metadata = json.loads(json.dumps(metadata, allow_nan=False))
             artifacts = staging / ARTIFACTS_DIR
-            files = {path.relative_to(artifacts).as_posix(): _sha256_file(path)
-                     for path in sorted(artifacts.rglob("*")) if path.is_file()}
+            files = digest_files(artifacts)
             build_info = {}
             for name, value in backend.build_info.items():
                 if name in ("build_s", "cached", "cache_entry", "original_build_s"):
@@ -269,8 +269,6 @@ def graph_fingerprint(graph, include_values: bool = False) -> dict:
 
 def device_key(device: torch.device | str) -> dict:
     """Device facts that invalidate a compiled artifact."""
-    from aitune.torch.checkpoint import cpu_model_name
-
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -305,14 +303,6 @@ def _digest_json(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()
 
 
-def _sha256_file(path: Path) -> str:
-    hasher = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            hasher.update(chunk)
-    return hasher.hexdigest()
-
-
 def _verify_entry(entry: Path, record: dict, key: str) -> str | None:
     """None when the entry is intact, else what is wrong with it."""
     if record.get("cache_format") != CACHE_FORMAT_VERSION:
@@ -322,13 +312,4 @@ def _verify_entry(entry: Path, record: dict, key: str) -> str | None:
     files = record.get("files")
     if not isinstance(files, dict):
         return f"{ENTRY_FILE} lists no files"
-    artifacts = entry / ARTIFACTS_DIR
-    present = {path.relative_to(artifacts).as_posix() for path in artifacts.rglob("*") if path.is_file()} \
-        if artifacts.is_dir() else set()
-    if set(files) != present:
-        missing, extra = sorted(set(files) - present), sorted(present - set(files))
-        return f"files missing {missing[:3]} / unexpected {extra[:3]}"
-    for name, digest in files.items():
-        if _sha256_file(artifacts / name) != digest:
-            return f"{name} does not match its sha256"
-    return None
+    return check_files(entry / ARTIFACTS_DIR, files)

@@ -79,6 +79,21 @@ class Tolerance:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "Tolerance":
+        """The inverse of :meth:`to_dict`; missing fields take their defaults, unknown ones are ignored.
+
+        Args:
+            data: a :meth:`to_dict` result (e.g. from a checkpoint manifest), or None for the defaults.
+
+        Raises:
+            ConfigError: when ``data`` is not a dict or a value is invalid (see the class).
+        """
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"a Tolerance is read from a dict, got {type(data).__name__}")
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in (data or {}).items() if key in names})
+
 
 @dataclasses.dataclass
 class LeafError:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from aitune.errors import ConfigError
+from aitune.torch.locate import walk
 
 logger = logging.getLogger(__name__)
 
@@ -80,35 +81,11 @@ class InspectedModulesInfo:
         return text
 
 
-def _children(obj: Any) -> list[tuple[Any, Any]]:
-    if isinstance(obj, torch.nn.Module):
-        return list(obj._modules.items())
-    if isinstance(obj, dict):
-        return list(obj.items())
-    if isinstance(obj, (list, tuple)):
-        return list(enumerate(obj))
-    if hasattr(obj, "__dict__") and not isinstance(obj, type):
-        return [(k, v) for k, v in vars(obj).items() if not k.startswith("__")]
-    return []
-
-
 def _discover(obj: Any, max_depth: int) -> list[ModuleInfo]:
-    found: list[ModuleInfo] = []
-    seen: set[int] = set()
-
-    def visit(value, name, parent, attribute, depth):
-        if id(value) in seen or depth > max_depth:
-            return
-        seen.add(id(value))
-        if isinstance(value, torch.nn.Module):
-            found.append(ModuleInfo(value, name, parent, attribute, depth))
-        if isinstance(value, (torch.nn.Module, dict, list, tuple)) or (
-                hasattr(value, "__dict__") and type(value).__module__.split(".")[0] not in ("builtins", "torch")):
-            for key, child in _children(value):
-                visit(child, f"{name}.{key}" if name else str(key), value, key, depth + 1)
-
-    visit(obj, "", None, None, 0)
-    return found
+    """Every module reachable from ``obj`` (see :mod:`aitune.torch.locate`), named by its dotted path."""
+    return [ModuleInfo(node.value, ".".join(str(step.key) for step in node.path), node.parent,
+                       node.path[-1].key if node.path else None, node.depth)
+            for node in walk(obj, max_depth) if node.first and isinstance(node.value, torch.nn.Module)]
 
 
 def inspect(obj: Any, dataset, inference_function: Callable | None = None, number_of_iterations: int = 10,

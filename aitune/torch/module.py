@@ -97,6 +97,7 @@ class Module(wrapt.ObjectProxy):
         self._self_guards: dict = {}  # id(graph) -> RuntimeGuard
         self._self_watch: StateWatch | None = None  # set when a dispatched backend bakes weights in
         self._self_fallbacks: dict = {}  # reason key -> calls that ran eager for it
+        self._self_tune_rows: dict[str, dict] = {}
         _REGISTRY[self._self_id] = self
 
     # ---- properties (on the proxy, not forwarded)
@@ -170,6 +171,56 @@ class Module(wrapt.ObjectProxy):
         """Start noticing weights changed after tuning when a dispatched backend baked them in."""
         bakes = any(backend.bakes_weights and not graph.stateful for graph, backend in self._self_dispatch.values())
         self._self_watch = StateWatch(self.__wrapped__) if bakes else None
+
+    @property
+    def max_samples(self) -> int:
+        """Distinct input shapes kept per graph (the ``max_samples`` the wrapper was made with)."""
+        return self._self_recorder.max_samples
+
+    @property
+    def tune_rows(self) -> dict[str, dict]:
+        """The chosen backend's tune-report row (``CandidateResult.to_dict``) per graph name; empty before tuning."""
+        return dict(self._self_tune_rows)
+
+    def tuned_graphs(self) -> list[tuple[Any, Any]]:
+        """The tuned graphs and their backends.
+
+        Returns:
+            ``[(GraphSpec, Backend), ...]`` in graph order (by ``graph.index``); empty unless TUNED.
+        """
+        return sorted(self._self_dispatch.values(), key=lambda entry: entry[0].index)
+
+    def install_tuned(self, entries: list[tuple[Any, Any]], *, tune_rows: dict[str, dict] | None = None,
+                      eager_fallback_error: str | None = None) -> None:
+        """Make the module TUNED with these backends (what :func:`aitune.torch.tune` and ``ait.load`` do).
+
+        The previous backends are released. The entries' graphs become the module's graphs; recorded graphs
+        without samples (calls that raised while recording, never tuned) are kept so graph names stay unique.
+
+        Args:
+            entries: ``(GraphSpec, Backend)`` per tuned graph, each backend built (or restored) for its graph.
+            tune_rows: the chosen backend's report row per graph name (kept by ``ait.save``).
+            eager_fallback_error: when set, calls the backends do not take raise
+                :class:`~aitune.errors.BackendRuntimeError` with this reason instead of running the module
+                eagerly (``ait.load`` sets it when the module's weights do not reproduce the tuned outputs).
+        """
+        entries = list(entries)
+        tuned_keys = {graph.key for graph, _ in entries}
+        untuned = [graph for key, graph in self._self_recorder.graphs.items()
+                   if not graph.samples and key not in tuned_keys]
+        graphs = sorted([graph for graph, _ in entries] + untuned, key=lambda graph: graph.index)
+        self._self_recorder.graphs = {graph.key: graph for graph in graphs}
+        self._set_tuned({graph.key: (graph, backend) for graph, backend in entries})
+        self._self_tune_rows = dict(tune_rows or {})
+        self._self_eager_fallback_error = eager_fallback_error
+
+    def mark_failed(self, reason: str) -> None:
+        """Tuning failed: release the backends and run the original module from now on (PASSTHROUGH).
+
+        Args:
+            reason: one line, shown as :attr:`tuning_error`.
+        """
+        self._set_failed(reason)
 
     def enable_passthrough(self) -> None:
         """Call the original module from now on (recorded samples are kept)."""

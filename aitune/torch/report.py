@@ -6,13 +6,11 @@ import dataclasses
 import datetime
 import json
 import math
-import platform
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from aitune import __version__
+from aitune.torch.environment import environment  # noqa: F401 - re-exported (reports record it)
 from aitune.torch.jsonsafe import json_safe
 
 # Candidate statuses.
@@ -180,11 +178,3 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
-def environment() -> dict:
-    """Versions and device facts recorded in reports and checkpoints."""
-    info = {"aitune": __version__, "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
-    return info

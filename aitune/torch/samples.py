@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import logging
 import math
-from typing import Any, Callable, Hashable, Iterable
+from typing import Any, Hashable, Iterable
 
 import torch
 
-from aitune.errors import ConfigError
+from aitune.errors import CheckpointError, ConfigError
 from aitune.torch.pytree import (
     TreeSpec,
     hashable_constant,
@@ -28,6 +27,9 @@ from aitune.torch.pytree import (
     tree_flatten,
     tree_unflatten,
 )
+from aitune.torch.dtypes import dtype_from_name, dtype_name
+from aitune.torch.serialization import constant_to_json, tree_spec_from_json, tree_spec_to_json
+from aitune.torch.signature import CallSignature, positional_parameter_names  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -72,92 +74,6 @@ class DynamicDim:
 @dataclasses.dataclass(frozen=True)
 class BatchDim(DynamicDim):
     """An explicitly dynamic batch axis (see :class:`DynamicDim`)."""
-
-
-# --------------------------------------------------------------------------------------------- calls
-
-
-class CallSignature:
-    """Normalises calls against a ``forward`` signature.
-
-    ``normalize(args, kwargs)`` returns the canonical ``(args, kwargs)``: every argument that can be
-    passed by keyword is, in signature order (extra ``**kwargs`` sorted by name); only positional-only
-    parameters and ``*args`` stay positional. Defaults are not filled in: some decorated ``forward``s
-    (e.g. transformers') inject keyword arguments themselves and reject them when given twice.
-    Calling the module with the canonical form is equivalent to the original call.
-    """
-
-    def __init__(self, function: Callable):
-        try:
-            self.signature = inspect.signature(function)
-        except (TypeError, ValueError):  # builtins without a signature: take the call as given
-            self.signature = None
-        self._var_keyword = None
-        self._fast = self.signature is not None
-        self._names: list[str] = []
-        self._positional: list[str] = []
-        self._required: list[str] = []
-        if self.signature is not None:
-            for parameter in self.signature.parameters.values():
-                kind = parameter.kind
-                if kind is inspect.Parameter.VAR_KEYWORD:
-                    self._var_keyword = parameter.name
-                    continue
-                if kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL):
-                    self._fast = False
-                    continue
-                self._names.append(parameter.name)
-                if kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
-                    self._positional.append(parameter.name)
-                if parameter.default is inspect.Parameter.empty:
-                    self._required.append(parameter.name)
-        self._known = set(self._names)
-
-    def normalize(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Return the canonical (args, kwargs). Raises ``TypeError`` like Python for a bad call."""
-        if self.signature is None:
-            return tuple(args), dict(sorted(kwargs.items()))
-        if self._fast and len(args) <= len(self._positional):
-            result = self._normalize_fast(args, kwargs)
-            if result is not None:
-                return result
-        bound = self.signature.bind(*args, **kwargs)
-        positional: list = []
-        keyword: dict = {}
-        for name, value in bound.arguments.items():
-            kind = self.signature.parameters[name].kind
-            if kind is inspect.Parameter.POSITIONAL_ONLY:
-                positional.append(value)
-            elif kind is inspect.Parameter.VAR_POSITIONAL:
-                positional.extend(value)
-            elif kind is inspect.Parameter.VAR_KEYWORD:
-                keyword.update(sorted(value.items()))
-            else:
-                keyword[name] = value
-        return tuple(positional), keyword
-
-    def _normalize_fast(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        # Same result as the bind() path for signatures without positional-only params or *args;
-        # returns None (=> inspect's binder) for anything unusual, so errors match Python's.
-        given = dict(zip(self._positional, args))
-        for name in kwargs:
-            if name in given:
-                return None
-        keyword: dict = {}
-        for name in self._names:
-            if name in given:
-                keyword[name] = given[name]
-            elif name in kwargs:
-                keyword[name] = kwargs[name]
-            elif name in self._required:
-                return None
-        extra = [key for key in kwargs if key not in self._known]
-        if extra:
-            if self._var_keyword is None:
-                return None
-            for key in sorted(extra):
-                keyword[key] = kwargs[key]
-        return (), keyword
 
 
 # --------------------------------------------------------------------------------------------- samples
@@ -246,9 +162,34 @@ class TensorSpec:
         return [i for i, kind in enumerate(self.axes) if kind != STATIC]
 
     def to_dict(self) -> dict:
+        """Summary for reports: name, path, leaf index, dtype, min/max shape, axes."""
         return {"name": self.name, "path": self.path, "leaf_index": self.leaf_index,
-                "dtype": str(self.dtype).removeprefix("torch."), "min_shape": self.min_shape,
+                "dtype": dtype_name(self.dtype), "min_shape": self.min_shape,
                 "max_shape": self.max_shape, "axes": self.axes}
+
+    def to_json(self) -> dict:
+        """Every field as JSON (checkpoint manifests): NaN multipliers as None, declared dims as
+        ``{"kind": "batch" | "dynamic", "name", "min", "max", "opt"}``; :meth:`from_json` reads it back."""
+        dims = [None if dim is None else {"kind": BATCH if isinstance(dim, BatchDim) else DYNAMIC, "name": dim.name,
+                                          "min": dim.min, "max": dim.max, "opt": dim.opt} for dim in self.dims]
+        return {"name": self.name, "path": self.path, "leaf_index": self.leaf_index, "dtype": dtype_name(self.dtype),
+                "min_shape": list(self.min_shape), "max_shape": list(self.max_shape), "axes": list(self.axes),
+                "multipliers": [None if math.isnan(m) else m for m in self.multipliers], "dims": dims}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TensorSpec":
+        """The spec :meth:`to_json` wrote (extra keys such as ``"device"`` are ignored).
+
+        Raises:
+            CheckpointError: an unknown dtype. ConfigError: a declared dim with an invalid range.
+        """
+        dims = [None if dim is None else (BatchDim if dim["kind"] == BATCH else DynamicDim)(
+            dim["name"], dim["min"], dim["max"], dim.get("opt")) for dim in data["dims"]]
+        return cls(name=data["name"], path=data["path"], leaf_index=int(data["leaf_index"]),
+                   dtype=dtype_from_name(data["dtype"], CheckpointError, f"input {data['path']!r} in the checkpoint"),
+                   min_shape=[int(v) for v in data["min_shape"]],
+                   max_shape=[int(v) for v in data["max_shape"]], axes=list(data["axes"]),
+                   multipliers=[math.nan if m is None else float(m) for m in data["multipliers"]], dims=dims)
 
 
 class GraphSpec:
@@ -442,6 +383,79 @@ class GraphSpec:
         }
 
 
+    # ---- JSON (checkpoint manifests)
+    def to_json(self, module_name: str | None = None) -> dict:
+        """Everything needed to rebuild this graph except the sample tensors and the output structure.
+
+        Args:
+            module_name: the owning module's name, for error messages.
+
+        Returns:
+            ``{"index", "input_structure", "input_paths", "input_names", "tensor_specs" (each with the
+            ``"device"`` type its tensor was recorded on), "constants" ([{"leaf_index", "path", "value"}]),
+            "max_samples", "num_calls", "mutated_inputs", "stateful", "training"}``.
+
+        Raises:
+            CheckpointError: an input constant or structure type that has no JSON form.
+        """
+        where = f"module {module_name!r} {self.name}" if module_name is not None else self.name
+        leaves = self.samples[0].leaves() if self.samples else []
+        constants = [{"leaf_index": index, "path": path, "value": constant_to_json(leaf, f"{where}: input {path!r}")}
+                     for index, (leaf, path) in enumerate(zip(leaves, self.input_paths))
+                     if not isinstance(leaf, torch.Tensor)]
+        return {
+            "index": self.index,
+            "input_structure": tree_spec_to_json(self.input_spec, f"{where}: the input structure"),
+            "input_paths": list(self.input_paths),
+            "input_names": list(self.input_names),
+            "tensor_specs": [{**spec.to_json(), "device": leaves[spec.leaf_index].device.type}
+                             for spec in self.tensor_specs],
+            "constants": constants,
+            "max_samples": self.max_samples,
+            "num_calls": self.num_calls,
+            "mutated_inputs": list(self.mutated_inputs),
+            "stateful": self.stateful,
+            "training": self.training,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict, samples: list[Sample], signature: CallSignature | None, *,
+                  output_spec: TreeSpec | None = None) -> "GraphSpec":
+        """The graph :meth:`to_json` wrote, with its samples restored.
+
+        Args:
+            data: a :meth:`to_json` result plus ``"name"``.
+            samples: the recorded samples, rebuilt in ``data``'s input structure (constants included).
+            signature: the module's call signature (normalises direct backend calls, as the Recorder sets it).
+            output_spec: eager's output structure, when known.
+
+        Raises:
+            CheckpointError: no samples, a structure that does not fit the samples, or an unknown dtype.
+        """
+        if not samples:
+            raise CheckpointError(f"{data.get('name')}: the checkpoint holds no samples for this graph")
+        input_spec = tree_spec_from_json(data["input_structure"])
+        first = samples[0].leaves()
+        if len(first) != input_spec.num_leaves or len(data["input_paths"]) != len(first):
+            raise CheckpointError(f"{data.get('name')}: the samples do not fit the graph's input structure")
+        graph = cls(int(data["index"]), make_graph_key(first, input_spec), input_spec, first,
+                    max_samples=int(data.get("max_samples", len(samples))))
+        graph.name = data["name"]
+        graph.input_paths = list(data["input_paths"])
+        graph._input_names = list(data["input_names"])
+        graph.tensor_specs = [TensorSpec.from_json(spec) for spec in data["tensor_specs"]]
+        graph.constants = {path: leaf for path, leaf in zip(graph.input_paths, first)
+                           if not isinstance(leaf, torch.Tensor)}
+        graph.samples = list(samples)
+        graph.num_calls = int(data.get("num_calls", len(samples)))
+        graph.mutated_inputs = list(data.get("mutated_inputs", []))
+        graph.stateful = bool(data.get("stateful", False))
+        graph.training = data.get("training")
+        graph.signature = signature
+        graph.output_spec = output_spec
+        return graph
+
+
 def _readable_path(path: tuple, positional_names: list[str]) -> tuple:
     """Turn a canonical ``(args, kwargs)`` leaf path into one that starts with the parameter name."""
     if not path:
@@ -451,14 +465,6 @@ def _readable_path(path: tuple, positional_names: list[str]) -> tuple:
         name = positional_names[index] if index < len(positional_names) else f"args{index}"
         return (name,) + tuple(path[2:])
     return tuple(path[1:])
-
-
-def positional_parameter_names(signature: CallSignature) -> list[str]:
-    """Names of the parameters that canonical positional arguments bind to, in order."""
-    if signature.signature is None:
-        return []
-    return [p.name for p in signature.signature.parameters.values()
-            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
 
 
 def make_graph_key(leaves: list[Any], spec: TreeSpec) -> Hashable:

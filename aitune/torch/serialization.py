@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from aitune.errors import CheckpointError
+from aitune.torch.dtypes import dtype_from_name, dtype_name
 from aitune.torch.pytree import LEAF, TreeSpec, tree_unflatten
 
 
@@ -127,7 +128,7 @@ def constant_to_json(value: Any, where: str) -> Any:
     if type(value) is float:
         return value if math.isfinite(value) else {"float": repr(value)}
     if isinstance(value, torch.dtype):
-        return {"dtype": str(value).removeprefix("torch.")}
+        return {"dtype": dtype_name(value)}
     if isinstance(value, torch.device):
         return {"device": str(value)}
     raise CheckpointError(
@@ -141,7 +142,7 @@ def constant_from_json(value: Any) -> Any:
         if set(value) == {"float"} and value["float"] in ("nan", "inf", "-inf"):
             return float(value["float"])
         if set(value) == {"dtype"} and isinstance(getattr(torch, str(value["dtype"]), None), torch.dtype):
-            return getattr(torch, value["dtype"])
+            return dtype_from_name(value["dtype"], CheckpointError, "a constant in the checkpoint")
         if set(value) == {"device"}:
             return torch.device(value["device"])
         raise CheckpointError(f"malformed constant {value!r} in the checkpoint")
@@ -154,7 +155,7 @@ def outputs_to_json(spec: TreeSpec, constants: list, is_tensor: list[bool], dtyp
     """An output structure with its constant leaves and tensor dtypes, as JSON (what AOT backends store to
     rebuild eager's outputs without the original module)."""
     dtype_iter = iter(dtypes)
-    slots = [{"tensor": str(next(dtype_iter)).removeprefix("torch.")} if tensor else
+    slots = [{"tensor": dtype_name(next(dtype_iter))} if tensor else
              {"constant": constant_to_json(constant, "an output leaf")}
              for constant, tensor in zip(constants, is_tensor)]
     return {"spec": tree_spec_to_json(spec, "the output structure"), "slots": slots}
@@ -176,10 +177,8 @@ def output_template_from_json(data: dict, recorded_spec: TreeSpec | None = None)
     leaves = []
     for slot in data["slots"]:
         if "tensor" in slot:
-            dtype = getattr(torch, str(slot["tensor"]), None)
-            if not isinstance(dtype, torch.dtype):
-                raise CheckpointError(f"unknown output dtype {slot['tensor']!r} in the checkpoint")
-            leaves.append(torch.empty(0, dtype=dtype))
+            leaves.append(torch.empty(0, dtype=dtype_from_name(slot["tensor"], CheckpointError,
+                                                               "an output dtype in the checkpoint")))
         else:
             leaves.append(constant_from_json(slot["constant"]))
     return tree_unflatten(spec, leaves)

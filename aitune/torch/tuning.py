@@ -13,8 +13,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 from aitune.errors import AITuneError, ConfigError
+from aitune.torch.environment import environment
 from aitune.torch.module import Module, ModuleState, _recording_context, registered_modules
-from aitune.torch.report import GraphReport, TuneReport, environment
+from aitune.torch.report import GraphReport, TuneReport
 from aitune.torch.samples import clone_tree
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
 from aitune.torch.evaluation import GraphContext
@@ -124,7 +125,7 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
         target_device = _resolve_device(module, device)
         logger.info("aitune: tuning %s (%d graph(s)) on %s", module.name, len(module.graphs), target_device)
         strategy_template: TuneStrategy = module.strategy or MaxThroughputStrategy()
-        dispatch = {}
+        entries = []
         selected_rows = {}
         guards = {}
         try:
@@ -142,17 +143,16 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
                 backend, rows, why = strategy.tune(context)
                 entry.candidates.extend(rows)
                 entry.selected, entry.selection_reason = backend.describe(), why
-                dispatch[graph.key] = (graph, backend)
+                entries.append((graph, backend))
                 selected_rows[graph.name] = next((row.to_dict() for row in rows if row.status == "selected"), None)
                 guards[graph.key] = guard_for(module.guard_config, graph, backend, strategy.tolerance,
                                               selected_rows[graph.name], context.checked_signatures(),
                                               list(strategy.runners_up))
                 snapshot.restore()
-            module._set_tuned(dispatch)
-            for key, (graph, _) in dispatch.items():
-                module.arm_guard(graph, guards.get(key))
+            module.install_tuned(entries, tune_rows=selected_rows)  # the rows are kept by ait.save
+            for graph, _ in entries:
+                module.arm_guard(graph, guards.get(graph.key))
             module.watch_state()
-            module._self_tune_rows = selected_rows  # the chosen backends' report rows, kept by ait.save
         except Exception as exc:
             snapshot.restore()
             failed_row = getattr(exc, "candidate_row", None)
@@ -160,7 +160,7 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
                 report.graphs[-1].candidates.append(failed_row)
             reason = f"{type(exc).__name__}: {exc}"
             report.module_errors[module.name] = reason
-            module._set_failed(reason)
+            module.mark_failed(reason)
             logger.warning("aitune: tuning %s failed, it runs eager: %s", module.name, reason)
             if not ignore_failing_modules:
                 raise

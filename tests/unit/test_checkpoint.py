@@ -618,3 +618,63 @@ def test_load_names_mismatches_clearly(eager_checkpoint, caplog):
 
     with pytest.raises(CheckpointError, match=r"Missing key\(s\) in state_dict: \"proj.weight\""):
         ait.load(ait.Module(Wider(), "encoder"), eager_checkpoint.path)
+
+
+class Affine(nn.Module):
+    """Small weights (|output| < 1) so a bias shift is the whole, controlled, difference from the artifact."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 3)
+        with torch.no_grad():
+            self.linear.weight.mul_(0.25)
+            self.linear.bias.mul_(0.25)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+@pytest.mark.skipif(not ONNXRuntimeBackend.availability().ok, reason=ONNXRuntimeBackend.availability().reason)
+def test_aot_load_checks_eager_fallback_with_the_tuned_tolerance(tmp_path):
+    """The fallback check uses the tolerance the module was tuned with, not the default ``Tolerance()``.
+
+    A bias shift of 0.01 exceeds the default (atol 1e-4, rtol 1e-3) but lies within atol/rtol 0.05, the
+    tolerance this module was tuned under: its eager fallback is as correct as its tuning demanded.
+    """
+    from aitune.errors import BackendRuntimeError
+
+    loose = Tolerance(atol=0.05, rtol=0.05)
+    module = ait.Module(Affine().eval(), "affine", strategy=ait.OneBackendStrategy(
+        ONNXRuntimeBackend(), profiling_config=FAST, tolerance=loose).enable_performance_validation(False))
+    ait.tune(module, [torch.randn(2, 4), torch.randn(3, 4)], cache_dir_path=tmp_path / "cache")
+    path = ait.save(module, tmp_path / "affine.ait")
+    outside = torch.randn(8, 4)  # batch 8 > recorded max 3: the artifact does not take it, eager runs
+
+    def load_shifted(shift: float):
+        target = Affine().eval()
+        with torch.no_grad():
+            target.linear.bias.add_(shift)
+        return ait.load(target, path)
+
+    with torch.no_grad():
+        within = load_shifted(0.01)
+        torch.testing.assert_close(within(outside), within.module(outside))  # fallback allowed
+        beyond = load_shifted(0.5)
+        with pytest.raises(BackendRuntimeError, match="weights differ"):
+            beyond(outside)
+    graph = read_manifest(path)["modules"][0]["graphs"][0]
+    assert graph["tolerance"]["atol"] == 0.05 and graph["tolerance"]["rtol"] == 0.05
+
+    # A manifest written before the tolerance was stored falls back to the default Tolerance().
+    def drop_tolerance(manifest):
+        for graph_entry in manifest["modules"][0]["graphs"]:
+            graph_entry.pop("tolerance")
+
+    old = edit_manifest(path, tmp_path / "old.ait", drop_tolerance)
+    target = Affine().eval()
+    with torch.no_grad():
+        target.linear.bias.add_(0.01)
+        loaded = ait.load(target, old)
+        with pytest.raises(BackendRuntimeError, match="weights differ"):
+            loaded(outside)

@@ -108,3 +108,27 @@ def test_extremes_of_every_axis_are_kept():
     kept = sorted(tuple(s.leaves()[0].shape) for s in graph.samples)
     # smallest batch (1), smallest length (4), largest of both (64, 600): (32, 8) holds no extreme.
     assert kept == [(1, 512), (4, 4), (64, 600)]
+
+
+def test_graph_spec_json_round_trip():
+    from aitune.torch.samples import GraphSpec, TensorSpec
+
+    class Model(torch.nn.Module):
+        def forward(self, tokens, scale=1.0):
+            return tokens * scale
+
+    model = Model()
+    dynamic = {"tokens": (BatchDim("batch", 1, 8), DynamicDim("length", 2, 16))}
+    calls = [((torch.randn(2, 5),), {"scale": 0.5}), ((torch.randn(4, 7),), {"scale": 0.5})]
+    graph = record_graphs(model, calls, dynamic_shapes=dynamic)[0]
+    data = graph.to_json("model")
+    assert data["tensor_specs"][0]["device"] == "cpu" and data["tensor_specs"][0]["multipliers"] == [None, None]
+    assert data["constants"] == [{"leaf_index": 1, "path": "scale", "value": 0.5}]
+    spec = graph.tensor_specs[0]
+    assert TensorSpec.from_json(spec.to_json()).to_json() == spec.to_json()  # NaN != NaN: compare JSON forms
+    assert TensorSpec.from_json(spec.to_json()).dims == spec.dims
+    restored = GraphSpec.from_json({**data, "name": graph.name}, graph.samples, graph.signature,
+                                   output_spec=graph.output_spec)
+    assert restored.to_json("model") == data and restored.key == graph.key
+    assert restored.constants == {"scale": 0.5} and restored.input_names == graph.input_names
+    assert restored.shape_range(restored.tensor_specs[0]) == graph.shape_range(spec)

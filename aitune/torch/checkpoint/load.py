@@ -1,0 +1,293 @@
+"""``ait.load``: verify the archive, plan (:mod:`~aitune.torch.checkpoint.plan`), restore every graph's
+backend, then install the wrappers in the user's object."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aitune.errors import CheckpointError, CheckpointIntegrityError
+from aitune.torch.backend.eager import TorchEagerBackend
+from aitune.torch.checkpoint.archive import check_member_name
+from aitune.torch.checkpoint.manifest import read_manifest
+from aitune.torch.checkpoint.plan import ModulePlan, plan_module, warn_differences
+from aitune.torch.checkpoint.wrappers import replace_at, resolve_path
+from aitune.torch.evaluation import comparator_for
+from aitune.torch.module import Module
+from aitune.torch.pytree import tree_unflatten
+from aitune.torch.samples import GraphSpec, Sample, clone_tree
+from aitune.torch.serialization import constant_from_json, tree_spec_from_json
+from aitune.torch.signature import CallSignature
+
+logger = logging.getLogger(__name__)
+
+
+def load(model_or_pipeline: Any, path: str | os.PathLike, device: str | torch.device | None = None) -> Any:
+    """Restore the tuned modules of a checkpoint into ``model_or_pipeline``; returns it TUNED.
+
+    Every digest is verified before anything is deserialised (see NOTE [checkpoint safety] in
+    :mod:`aitune.torch.checkpoint`). The digests detect corruption and accidental changes, not tampering:
+    an Inductor AOT artifact is a compiled shared library that runs in this process, so load checkpoints
+    only from sources you trust. Where the checkpoint has a wrapper and ``model_or_pipeline`` holds a plain
+    ``nn.Module``, the module is wrapped in place (as :func:`aitune.torch.wrap` does); when that place is the
+    root, the new wrapper is returned. Weights stored for JIT graphs are loaded into the module
+    (``load_state_dict(strict=True)``); AOT graphs run their artifact and never touch the module's weights
+    (calls outside an artifact's recorded shape range still run the module eagerly, with the weights it has,
+    if they reproduce the tuned outputs within the tolerance it was tuned with).
+
+    Args:
+        model_or_pipeline: the same model/pipeline structure that was saved (freshly constructed: its
+            classes must be importable and imported; for JIT graphs its parameters receive the stored
+            weights).
+        path: the ``.ait`` file.
+        device: where to run; None chooses per module (see NOTE [checkpoint devices]).
+
+    Returns:
+        ``model_or_pipeline``, or the new wrapper when its root was wrapped.
+
+    Raises:
+        CheckpointIntegrityError: not a zip / truncated, a digest mismatch, an unsafe or unlisted member,
+            a missing file or artifact, or a side sums file that disagrees with the archive.
+        CheckpointVersionError: the checkpoint was written by a newer format version.
+        CheckpointError: a structure type that is not imported here, a module path missing from
+            ``model_or_pipeline``, weights that do not fit, an AOT artifact for another device type or
+            GPU architecture, an unavailable backend, or a backend that fails to restore (cause chained).
+    """
+    path = Path(path)
+    scratch = Path(tempfile.mkdtemp(prefix="aitune-checkpoint-"))
+    keep_scratch = False
+    try:
+        manifest, sums = read_manifest(path, extract_to=scratch)
+        plans = [plan_module(model_or_pipeline, entry, set(sums), device) for entry in manifest["modules"]]
+        warn_differences(manifest, plans, path)
+        files = ExtractedFiles(scratch)
+        for plan in plans:
+            _restore_module(plan, files)
+        keep_scratch = True
+        result = model_or_pipeline
+        for plan in plans:
+            result = _install(result, plan)
+        _drop_loaded_tensor_files(scratch)
+        logger.info("aitune.load: restored %s from %s", ", ".join(
+            f"{plan.name} ({', '.join(f'{g.name}: {b.name}' for g, b in plan.dispatch.values())})" for plan in plans),
+            path)
+        return result
+    finally:
+        if not keep_scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+class ExtractedFiles:
+    """A folder of files extracted from a checkpoint, deleted once nothing that uses it is alive.
+
+    Restored backends read their artifacts from here (an ONNX model, an AOTInductor package); a backend
+    that keeps using the files after ``from_checkpoint`` is registered with :meth:`keep_alive_while`.
+
+    Args:
+        root: the folder (deleted with its contents when this object and every registered user are gone,
+            or at interpreter exit).
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._finalizer = weakref.finalize(self, shutil.rmtree, str(root), True)
+
+    def keep_alive_while(self, user: object) -> None:
+        """Keep the folder at least as long as ``user`` (e.g. a restored backend) is alive.
+
+        NOTE [keeping extracted files]: ``weakref.finalize`` holds its arguments until ``user`` is collected;
+        holding ``self`` there is the reference that keeps the folder, without an attribute on ``user``.
+        """
+        weakref.finalize(user, _release, self)
+
+
+def _release(files: ExtractedFiles) -> None:
+    """Drops the last reference a collected user held (see NOTE [keeping extracted files])."""
+
+
+def _restore_module(plan: ModulePlan, files: ExtractedFiles) -> None:
+    entry = plan.entry
+    module = plan.module
+    if entry.get("weights"):
+        _load_weights(module, files.root / entry["weights"], entry.get("weight_aliases") or {}, plan)
+    if module.training != bool(entry.get("training", module.training)):
+        logger.warning("aitune.load: %s is in %s mode but was tuned in %s mode; tuned backends run only when the "
+                       "modes agree (call .eval() / .train())", plan.name, "training" if module.training else "eval",
+                       "training" if entry.get("training") else "eval")
+    for graph_plan in plan.graphs:
+        graph_entry = graph_plan.entry
+        graph = _restore_graph(graph_entry, files.root, graph_plan.device, plan.name, module)
+        artifacts = files.root / graph_entry["artifacts_dir"]
+        artifacts.mkdir(parents=True, exist_ok=True)
+        for artifact in graph_entry.get("artifacts", []):
+            check_member_name(artifact)
+            if not (artifacts / artifact).is_file():
+                raise CheckpointIntegrityError(f"{plan.name}/{graph.name}: artifact {artifact!r} of backend "
+                                               f"'{graph_entry['backend']}' is missing from the checkpoint")
+        backend_class, config = graph_plan.backend_class, graph_plan.config
+        if graph_plan.rebuild_as_eager:
+            backend_class, config = TorchEagerBackend, TorchEagerBackend.config_class()
+        try:
+            with torch.no_grad():
+                backend = backend_class.from_checkpoint(artifacts, config, graph_entry.get("metadata") or {}, module,
+                                                        graph, graph_plan.device)
+        except Exception as exc:  # noqa: BLE001 - translated with the cause chained
+            raise CheckpointError(
+                f"{plan.name}/{graph.name}: restoring backend '{backend_class.name}' failed: {type(exc).__name__}: "
+                f"{exc}. It was saved on {graph_entry.get('device')}; load it in the environment it was saved in, or "
+                "re-tune") from exc
+        files.keep_alive_while(backend)
+        backend.build_info.update({"restored_from_checkpoint": True})
+        plan.dispatch[graph.key] = (graph, backend)
+    if not entry.get("weights"):
+        plan.eager_fallback_error = _eager_fallback_problem(module, plan)
+
+
+def _eager_fallback_problem(module: torch.nn.Module, plan: ModulePlan) -> str | None:
+    """Can calls an AOT artifact does not take (other shapes, untuned structures) still run eagerly?
+
+    The checkpoint holds no weights for an AOT-only module, so eager fallback runs ``module`` with the weights
+    it was given. NOTE [eager fallback after load]: we run it once per graph on a recorded sample and compare
+    with the artifact under the tolerance the graph was tuned with (the default ``Tolerance()`` for
+    checkpoints that predate storing it); if they disagree (random or missing weights) fallback would be
+    silently wrong, so the wrapper refuses such calls with this reason instead.
+    """
+    if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+        return (f"{plan.name} was loaded from an AOT checkpoint into a module without weights (meta tensors), so "
+                "calls its artifacts do not take cannot run eagerly; load into a module with its real weights "
+                "(e.g. from_pretrained) to allow that")
+    tolerances = {graph_plan.entry.get("name"): graph_plan.tolerance for graph_plan in plan.graphs}
+    for graph, backend in plan.dispatch.values():
+        if not graph.samples:
+            continue
+        try:
+            with torch.no_grad():
+                inputs = graph.samples[0].clone()
+                expected = clone_tree(backend.infer(*inputs.args, **inputs.kwargs))
+                inputs = graph.samples[0].clone()
+                actual = module(*inputs.args, **inputs.kwargs)
+            comparator_for(backend, tolerances[graph.name]).compare(expected, actual)
+        except Exception as exc:  # noqa: BLE001
+            return (f"the module passed to ait.load does not reproduce {plan.name}/{graph.name}'s tuned outputs "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}) — its weights differ from the tuned "
+                    "ones — so calls the AOT artifacts do not take cannot fall back to eager; load into the model "
+                    "with its real weights")
+    return None
+
+
+def _restore_graph(entry: dict, root: Path, device: torch.device, module_name: str,
+                   module: torch.nn.Module) -> GraphSpec:
+    where = f"{module_name}/{entry.get('name')}"
+    samples = _restore_samples(entry, root, device, where)
+    output_spec = None
+    if entry.get("output_structure") is not None:
+        try:
+            output_spec = tree_spec_from_json(entry["output_structure"])
+        except CheckpointError:
+            if entry.get("build_mode") == "aot":
+                raise
+            logger.debug("%s: output structure not restored (JIT backends rebuild it)", where, exc_info=True)
+    # The signature normalises direct backend calls, as the Recorder sets it.
+    return GraphSpec.from_json(entry, samples, CallSignature(module.forward), output_spec=output_spec)
+
+
+def _restore_samples(entry: dict, root: Path, device: torch.device, where: str) -> list[Sample]:
+    """The recorded samples: tensors from the samples file, constants from the manifest, in the input structure.
+
+    Tensors recorded on the saved graph's device go to ``device``; others (e.g. CPU inputs of a CUDA graph)
+    back to the device type they were recorded on.
+    """
+    from safetensors.torch import load_file
+
+    input_spec = tree_spec_from_json(entry["input_structure"])
+    count = input_spec.num_leaves
+    saved_type = torch.device(entry.get("device", "cpu")).type
+    tensor_leaves = [(int(spec["leaf_index"]), spec.get("device", saved_type)) for spec in entry["tensor_specs"]]
+    constants = {int(c["leaf_index"]): constant_from_json(c["value"]) for c in entry["constants"]}
+    if any(not 0 <= index < count for index, _ in tensor_leaves) or any(not 0 <= i < count for i in constants):
+        raise CheckpointError(f"{where}: leaf indices in the checkpoint do not fit its input structure")
+    samples_entry = entry["samples"]
+    tensors = load_file(str(root / samples_entry["file"]), device="cpu")
+    samples = []
+    for sample_index in range(int(samples_entry["count"])):
+        leaves: list[Any] = [None] * count
+        for index, value in constants.items():
+            leaves[index] = value
+        for leaf_index, leaf_device_type in tensor_leaves:
+            key = f"{sample_index}/{leaf_index}"
+            if key not in tensors:
+                raise CheckpointIntegrityError(f"{where}: sample tensor {key!r} is missing from the checkpoint")
+            leaf_device = device if leaf_device_type == saved_type else torch.device(leaf_device_type)
+            leaves[leaf_index] = tensors[key].to(leaf_device)
+        args, kwargs = tree_unflatten(input_spec, leaves)
+        samples.append(Sample(tuple(args), dict(kwargs), samples_entry["batch_sizes"][sample_index]))
+    if not samples:
+        raise CheckpointError(f"{where}: the checkpoint holds no samples for this graph")
+    return samples
+
+
+def _load_weights(module: torch.nn.Module, file: Path, aliases: dict, plan: ModulePlan) -> None:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(file), device="cpu")
+    for alias, canonical in aliases.items():
+        if canonical not in tensors:
+            raise CheckpointIntegrityError(f"module {plan.name!r}: weight alias {alias!r} points to missing {canonical!r}")
+        tensors[alias] = tensors[canonical]
+    on_meta = any(t.device.type == "meta" for t in list(module.parameters()) + list(module.buffers()))
+    try:
+        with torch.no_grad():
+            module.load_state_dict(tensors, strict=True, assign=on_meta)
+        if on_meta:
+            module.to(plan.device)
+    except Exception as exc:  # noqa: BLE001 - translated with the cause chained
+        raise CheckpointError(f"the stored weights of module {plan.name!r} do not fit the {type(module).__name__} "
+                              f"passed to load ({type(exc).__name__}: {_first_line(exc)}); construct the same model "
+                              "(class and configuration) that was saved") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    """The message's first meaningful lines (load_state_dict puts the useful part on the second)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return " ".join(lines[:3])[:400]
+
+
+def _install(root: Any, plan: ModulePlan) -> Any:
+    """Wrap (if needed) and mark tuned; returns the (possibly new) root."""
+    entry = plan.entry
+    wrapper = plan.target
+    if isinstance(wrapper, Module) and entry.get("name") and wrapper.name != entry["name"]:
+        logger.warning("aitune.load: the checkpoint's module %r is loaded into the wrapper named %r (found at the "
+                       "same place in the model); check that this is the module you meant", entry["name"],
+                       wrapper.name)
+    if not isinstance(wrapper, Module):
+        wrapper = Module(plan.target, name=entry.get("name"), max_samples=int(entry.get("max_samples", 8)))
+        if plan.parent is None:
+            root = wrapper
+        else:
+            replace_at(plan.parent, entry["path"][-1], wrapper)
+    for alias in entry.get("aliases") or []:
+        try:
+            parent, value = resolve_path(root, alias)
+        except CheckpointError:
+            continue
+        if parent is not None and value is plan.target:
+            replace_at(parent, alias[-1], wrapper)
+    wrapper.install_tuned(list(plan.dispatch.values()), eager_fallback_error=plan.eager_fallback_error,
+                          tune_rows={g.entry["name"]: g.entry.get("tune_row") for g in plan.graphs
+                                     if g.entry.get("tune_row")})
+    return root
+
+
+def _drop_loaded_tensor_files(scratch: Path) -> None:
+    """Weights and samples are in memory now; only the artifacts stay on disk."""
+    for pattern in ("modules/*/weights.safetensors", "modules/*/graphs/*/samples.safetensors"):
+        for file in scratch.glob(pattern):
+            file.unlink(missing_ok=True)

@@ -1,0 +1,58 @@
+"""The public accessors through which tune() and ait.save/ait.load read and set a wrapper's tuned state."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import aitune.torch as ait
+from aitune.errors import BackendRuntimeError
+from aitune.torch.backend import TorchEagerBackend
+from aitune.torch.checkpoint import ExtractedFiles
+from aitune.torch.profiling import ProfilingConfig
+
+FAST = ProfilingConfig(warmup_rounds=1, min_rounds=3, max_rounds=10, time_budget_s=0.1)
+
+
+def test_tuned_state_through_accessors(tmp_path):
+    module = ait.Module(nn.Linear(4, 2), "linear", max_samples=3,
+                        strategy=ait.OneBackendStrategy(TorchEagerBackend(), profiling_config=FAST))
+    assert module.max_samples == 3 and module.tuned_graphs() == [] and module.tune_rows == {}
+    ait.tune(module, [torch.randn(2, 4), torch.randn(3, 4), torch.randn(2, 3, 4)], cache_dir_path=tmp_path)
+    tuned = module.tuned_graphs()
+    assert [graph.name for graph, _ in tuned] == ["graph0", "graph1"]
+    assert all(backend.name == "eager" for _, backend in tuned)
+    assert set(module.tune_rows) == {"graph0", "graph1"} and module.tune_rows["graph0"]["status"] == "selected"
+
+    module.install_tuned(tuned[:1], tune_rows={"graph0": {"status": "selected"}}, eager_fallback_error="no eager")
+    assert module.state is ait.ModuleState.TUNED and [graph.name for graph in module.graphs] == ["graph0"]
+    assert module.tune_rows == {"graph0": {"status": "selected"}}
+    with pytest.raises(BackendRuntimeError, match="no eager"):
+        module(torch.randn(2, 3, 4))  # graph1 is no longer tuned: it would run eager, which is refused
+
+    module.mark_failed("ValueError: broken")
+    assert module.state is ait.ModuleState.PASSTHROUGH and module.tuning_error == "ValueError: broken"
+    assert module.tuned_graphs() == []
+
+
+def test_extracted_files_live_while_a_user_does(tmp_path):
+    root = tmp_path / "extracted"
+    root.mkdir()
+    (root / "model.onnx").write_bytes(b"artifact")
+
+    class Backend:
+        pass
+
+    files, user = ExtractedFiles(root), Backend()
+    files.keep_alive_while(user)
+    user_ref = weakref.ref(user)
+    del files
+    gc.collect()
+    assert (root / "model.onnx").exists()  # the user still needs them
+    del user
+    gc.collect()
+    assert user_ref() is None and not root.exists()
