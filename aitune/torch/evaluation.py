@@ -25,13 +25,22 @@ from aitune.errors import (
     CorrectnessError,
     ShapeMismatchError,
     ToleranceExceededError,
+    TuningError,
 )
 from aitune.torch.backend.base import Backend, BuildMode, one_line
 from aitune.torch.correctness import ComparisonResult, OutputComparator, Tolerance
 from aitune.torch.probes import Probe, ProbeConfig, make_probes, run_probes
 from aitune.torch.profiling import Measurement, ProfilingConfig, measure
 from aitune.torch.pytree import tree_flatten, tree_unflatten
-from aitune.torch.report import FAILED, PASSED, REJECTED_CORRECTNESS, UNAVAILABLE, UNSUPPORTED, CandidateResult
+from aitune.torch.report import (
+    FAILED,
+    NO_OP,
+    PASSED,
+    REJECTED_CORRECTNESS,
+    UNAVAILABLE,
+    UNSUPPORTED,
+    CandidateResult,
+)
 from aitune.torch.samples import clone_tree
 
 logger = logging.getLogger(__name__)
@@ -198,6 +207,9 @@ def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSett
     try:
         _check_support(blueprint, context, row)
         backend = _build(blueprint, context, row)
+        if backend.is_quantizing and backend.build_info.get("quantized_modules") == 0:
+            raise _Stop(NO_OP, None, reason="quantized nothing: no layer matched its quantization config, so it would "
+                                            "only run the original model under another name; never selected")
         if settings.correctness_check:
             comparator = comparator_for(backend, settings.tolerance)
             try:
@@ -238,6 +250,8 @@ def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSett
             if stop.cause is not None:
                 stop.cause.candidate_row = row  # tune() still reports the row of the error it re-raises
                 raise stop.cause
+            if stop.status == NO_OP:
+                raise TuningError(f"Backend '{blueprint.name}' {row.reason}") from None
             raise BackendUnavailableError(f"Backend '{blueprint.name}' cannot run here: {row.reason}") from None
         return Candidate(None, row)
     row.reason = "; ".join(filter(None, [build_notes(row.details), noise_note(measurement)]))

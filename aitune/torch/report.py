@@ -21,6 +21,7 @@ REJECTED_CORRECTNESS = "rejected (correctness)"
 REJECTED_PERFORMANCE = "rejected (performance)"
 UNAVAILABLE = "unavailable"
 UNSUPPORTED = "unsupported"
+NO_OP = "no-op"  # a quantizing candidate that quantized nothing: measured eager under another name
 SKIPPED = "skipped"
 
 

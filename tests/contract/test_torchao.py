@@ -221,3 +221,17 @@ def test_importing_the_backends_does_not_import_torchao_or_sageattention():
             "print(sorted({'torchao', 'sageattention'} & set(sys.modules)))")
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "torchao" not in output and "sageattention" not in output
+
+
+def test_a_quantizer_that_quantizes_nothing_is_no_op_and_never_selected(fast_profiling):
+    """Issue "Trust" 6: 0 layers match the config (filter_fn picks none) -> no-op, not selected."""
+    import aitune.torch as ait
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
+    backend = TorchAOBackend(TorchAOBackendConfig(quantization="int8wo", compile=False,
+                                                  filter_fn=lambda module, name: name == "no_such_layer"))
+    tuned = ait.Module(model, "noop", strategy=ait.MaxThroughputStrategy([backend], profiling_config=fast_profiling))
+    report = ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)])
+    row = next(r for r in report.rows if r.backend == "torchao")
+    assert row.status == "no-op" and "nothing to quantize" in row.reason
+    assert tuned.backends["graph0"].name == "eager"

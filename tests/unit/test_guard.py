@@ -182,3 +182,64 @@ def test_state_watch_ignores_other_modules_being_built():
     assert watch.changed() is None
     net[2].bias.data = net[2].bias.data.clone()
     assert "holds new data" in watch.changed()
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def test_guard_events_are_saved_and_shown_by_describe(fast_profiling, tmp_path):
+    from aitune.torch.checkpoint import describe_checkpoint
+
+    model, tuned = _tune_guarded(fast_profiling)
+    tuned(torch.randn(5, 16) * 1e5)  # trips the guard
+    path = ait.save(tuned, tmp_path / "paused.ait")
+    text = describe_checkpoint(path)
+    assert "run time: graph0: test_wrong_on_large disagreed with eager on inputs [[5, 16]]" in text
+    assert "test_slower_but_right served it afterwards" in text
+    restored = ait.load(ait.Module(PausedNet().eval(), "paused"), path)
+    assert restored.backends["graph0"].name == "test_slower_but_right"  # the retired backend is not saved
+
+
+@pytest.fixture(scope="module")
+def aot_checkpoint(tmp_path_factory):
+    pytest.importorskip("onnxruntime")
+    from aitune.torch.backend import ONNXRuntimeBackend
+
+    net = _net()
+    tuned = ait.Module(net, "net", strategy=ait.OneBackendStrategy(ONNXRuntimeBackend()).enable_performance_validation(
+        False))
+    ait.tune(tuned, [torch.randn(2, 16), torch.randn(8, 16)], ignore_failing_modules=False)
+    return ait.save(tuned, tmp_path_factory.mktemp("c33") / "net.ait")
+
+
+class OtherNet(nn.Sequential):
+    pass
+
+
+@pytest.mark.parametrize("target, message", [
+    (lambda: nn.Sequential(nn.Linear(16, 33), nn.GELU(), nn.Linear(33, 5)), "'0.weight' has shape [33, 16] here but "
+                                                                            "[32, 16]"),
+    (lambda: nn.Sequential(nn.Linear(16, 32), nn.GELU()), "has no '2.weight'"),
+    (lambda: nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 5), nn.Linear(5, 5)), "has '3.weight', which"),
+    (lambda: _net().double(), "'0.weight' is float64 here but float32"),
+    (lambda: OtherNet(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 5)), "cannot be loaded into a"),
+], ids=["shape", "missing", "extra", "dtype", "class"])
+def test_c33_load_into_another_architecture_names_the_first_difference(aot_checkpoint, target, message):
+    from aitune.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ait.load(target().eval(), aot_checkpoint)
+
+
+def test_a_loaded_module_is_guarded_and_watched(aot_checkpoint):
+    net = _net()
+    loaded = ait.load(net, aot_checkpoint)
+    assert loaded.stats["guard"]["graph0"]["check_every"] >= 1
+    x = torch.randn(5, 16)  # batch 5: inside the artifact's range, never recorded -> checked against eager
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), net(x), atol=1e-4, rtol=1e-3)
+    assert loaded.stats["guard"]["graph0"]["checks"] == 1
+    with torch.no_grad():
+        net[0].weight.mul_(2)
+        torch.testing.assert_close(loaded(x), net(x))
+    assert "changed in place" in loaded.needs_retune

@@ -68,7 +68,23 @@ def describe_checkpoint(path: str | os.PathLike, verify: bool = True) -> str:
         lines.append(tabulate(rows, headers=["graph", "backend", "mode", "device", "inputs (min..max)", "p50 ms",
                                              "samples/s", "speed-up", "max abs err", "artifacts"],
                               tablefmt="github"))
+        lines += _runtime_lines(module.get("runtime") or {})
     return "\n".join(lines)
+
+
+def _runtime_lines(runtime: dict) -> list[str]:
+    """What the module went through at run time before it was saved: guard events, stale weights, fallbacks."""
+    lines = []
+    for graph, guard in (runtime.get("guard") or {}).items():
+        for event in guard.get("events", []):
+            lines.append(f"run time: {graph}: {event['backend']} disagreed with eager on inputs {event['input_shapes']} "
+                         f"({event['reason']}); {event['replaced_by']} served it afterwards")
+    if runtime.get("needs_retune"):
+        lines.append(f"run time: needs re-tune — {runtime['needs_retune']}")
+    fallbacks = runtime.get("eager_fallbacks") or {}
+    if fallbacks:
+        lines.append("run time: calls that ran eager: " + ", ".join(f"{kind} {count}" for kind, count in fallbacks.items()))
+    return lines
 
 
 def _size_text(size: float) -> str:

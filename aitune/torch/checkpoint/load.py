@@ -20,6 +20,7 @@ from aitune.torch.checkpoint.manifest import read_manifest
 from aitune.torch.checkpoint.plan import ModulePlan, plan_module, warn_differences
 from aitune.torch.checkpoint.wrappers import replace_at, resolve_path
 from aitune.torch.evaluation import comparator_for
+from aitune.torch.guard import guard_for, signature
 from aitune.torch.module import Module
 from aitune.torch.pytree import tree_unflatten
 from aitune.torch.samples import GraphSpec, Sample, clone_tree
@@ -280,9 +281,16 @@ def _install(root: Any, plan: ModulePlan) -> Any:
             continue
         if parent is not None and value is plan.target:
             replace_at(parent, alias[-1], wrapper)
+    rows = {g.entry["name"]: g.entry.get("tune_row") for g in plan.graphs if g.entry.get("tune_row")}
     wrapper.install_tuned(list(plan.dispatch.values()), eager_fallback_error=plan.eager_fallback_error,
-                          tune_rows={g.entry["name"]: g.entry.get("tune_row") for g in plan.graphs
-                                     if g.entry.get("tune_row")})
+                          tune_rows=rows)
+    if plan.eager_fallback_error is None:  # the guard re-runs eager: only where eager is right
+        tolerances = {g.entry["name"]: g.tolerance for g in plan.graphs}
+        for graph, backend in plan.dispatch.values():
+            checked = {signature(sample.leaves()) for sample in graph.samples}
+            wrapper.arm_guard(graph, guard_for(wrapper.guard_config, graph, backend, tolerances[graph.name],
+                                               rows.get(graph.name), checked))
+    wrapper.watch_state()
     return root
 
 

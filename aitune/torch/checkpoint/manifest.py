@@ -24,6 +24,7 @@ from aitune.errors import AITuneError, CheckpointError, CheckpointIntegrityError
 from aitune.torch.backend.base import BuildMode
 from aitune.torch.checkpoint.archive import read_unverified, read_verified
 from aitune.torch.correctness import Tolerance
+from aitune.torch.dtypes import dtype_name
 from aitune.torch.environment import device_facts, environment
 from aitune.torch.jsonsafe import json_safe
 from aitune.torch.serialization import tree_spec_to_json
@@ -36,6 +37,50 @@ MANIFEST = "manifest.json"
 
 
 # ============================================================================================ writing
+
+
+def state_signature(module: torch.nn.Module) -> list[list]:
+    """``[[name, shape, dtype], ...]`` of the module's ``state_dict`` tensors: what ``ait.load`` checks the
+    target module against (stored for every module, also AOT-only ones whose weights are not stored)."""
+    return [[name, list(value.shape), dtype_name(value.dtype)] for name, value in module.state_dict().items()
+            if isinstance(value, torch.Tensor)]
+
+
+def check_state(entry: dict, module: torch.nn.Module, where: str) -> None:
+    """Refuse a target module of another class or with other state_dict keys, shapes or dtypes than saved.
+
+    Raises:
+        CheckpointError: naming the first difference (checkpoints that predate the stored signature are
+            checked for the class only).
+    """
+    saved_class = entry.get("class")
+    current_class = f"{type(module).__module__}.{type(module).__qualname__}"
+    if saved_class and saved_class != current_class:
+        raise CheckpointError(f"{where} was saved from a {saved_class} and cannot be loaded into a {current_class}: "
+                              "construct the same model that was saved")
+    saved = entry.get("state")
+    if saved is None:
+        return
+    current = state_signature(module)
+    saved_names, current_names = [item[0] for item in saved], [item[0] for item in current]
+    missing = [name for name in saved_names if name not in set(current_names)]
+    if missing:
+        raise CheckpointError(f"{where}: the module passed to load has no '{missing[0]}' (saved state_dict key"
+                              f"{'s' if len(missing) > 1 else ''} {', '.join(missing[:3])}{'…' if len(missing) > 3 else ''}"
+                              " missing); construct the same model that was saved")
+    extra = [name for name in current_names if name not in set(saved_names)]
+    if extra:
+        raise CheckpointError(f"{where}: the module passed to load has '{extra[0]}', which the saved module did not "
+                              "have; construct the same model that was saved")
+    now = {item[0]: item for item in current}
+    for name, shape, dtype in saved:
+        _, current_shape, current_dtype = now[name]
+        if current_shape != shape:
+            raise CheckpointError(f"{where}: '{name}' has shape {current_shape} here but {shape} in the checkpoint; "
+                                  "construct the same model (configuration) that was saved")
+        if current_dtype != dtype:
+            raise CheckpointError(f"{where}: '{name}' is {current_dtype} here but {dtype} in the checkpoint; convert "
+                                  f"the model first (e.g. model.to(torch.{dtype}))")
 
 
 def base_manifest(obj: Any) -> dict:

@@ -15,7 +15,7 @@ from aitune import __version__
 from aitune.errors import AITuneError, CheckpointError, CheckpointIntegrityError
 from aitune.torch.backend.base import BuildMode, get_backend_class
 from aitune.torch.checkpoint.archive import check_member_name
-from aitune.torch.checkpoint.manifest import graph_tolerance
+from aitune.torch.checkpoint.manifest import check_state, graph_tolerance
 from aitune.torch.checkpoint.wrappers import path_text, resolve_path
 from aitune.torch.correctness import Tolerance
 from aitune.torch.environment import device_facts
@@ -74,11 +74,7 @@ def plan_module(root: Any, entry: dict, verified: set[str], device) -> ModulePla
     if not isinstance(target, Module) and isinstance(parent, tuple):
         raise CheckpointError(f"{name!r} at {path_text(path)} is an entry of a tuple, which cannot be replaced by its "
                               "wrapper; hold the module in a list, dict or attribute, or wrap it before load")
-    saved_class = entry.get("class")
-    current_class = f"{type(module).__module__}.{type(module).__qualname__}"
-    if saved_class and saved_class != current_class:
-        logger.warning("aitune.load: %s at %s was saved from a %s and is loaded into a %s", name, path_text(path),
-                       saved_class, current_class)
+    check_state(entry, module, f"module {name!r} at {path_text(path)}")
     graphs_entries = entry.get("graphs") or []
     _check_files_present(entry, verified)
     needs_weights = any(g.get("build_mode") == BuildMode.JIT.value for g in graphs_entries)

@@ -14,8 +14,16 @@ import torch
 from aitune.errors import AITuneError, CheckpointError
 from aitune.torch.backend.base import BuildMode
 from aitune.torch.checkpoint.archive import publish
-from aitune.torch.checkpoint.manifest import MANIFEST, base_manifest, finish_manifest, graph_entry, manifest_bytes
+from aitune.torch.checkpoint.manifest import (
+    MANIFEST,
+    base_manifest,
+    finish_manifest,
+    graph_entry,
+    manifest_bytes,
+    state_signature,
+)
 from aitune.torch.checkpoint.wrappers import WrapperEntry, find_wrappers, path_text
+from aitune.torch.jsonsafe import json_safe
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +108,8 @@ def _save_module(index: int, entry: WrapperEntry, staging: Path) -> dict:
         "max_samples": wrapper.max_samples,
         "strategy": wrapper.strategy.describe() if wrapper.strategy is not None else None,
         "training": module.training,
+        "state": state_signature(module),
+        "runtime": json_safe(wrapper.stats),
         "weights": None,
         "weight_aliases": {},
         "graphs": graphs,
