@@ -108,6 +108,34 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
         raise ConfigError("no aitune.torch.Module was called while running func over the dataset: wrap the "
                           "module(s) to tune with ait.Module(...) (or ait.wrap) and make func call them" + hint)
 
+    return tune_modules(targets, device=device, cache_dir_path=cache_dir_path, report_path=report_path,
+                        ignore_failing_modules=ignore_failing_modules, use_cache=use_cache, snapshots=snapshots,
+                        started=started)
+
+
+def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None = None,
+                 cache_dir_path: str | Path | None = None, report_path: str | Path | None = None,
+                 ignore_failing_modules: bool = True, use_cache: bool = True, snapshots: dict | None = None,
+                 started: float | None = None) -> TuneReport:
+    """Tune wrappers that have already recorded calls (their graphs hold samples), graph by graph.
+
+    This is what :func:`tune` does after its recording pass; just-in-time tuning calls it for modules
+    recorded during the user's own run. Arguments as for :func:`tune`; ``snapshots`` (``id(wrapper)`` ->
+    state snapshot taken before recording) and ``started`` (``perf_counter()`` at the start) are passed by
+    :func:`tune` itself.
+
+    Returns:
+        The :class:`~aitune.torch.report.TuneReport` (also written as JSON and logged as a table).
+
+    Raises:
+        ConfigError: for an entry that is not an :class:`~aitune.torch.Module`, or a bad ``device``.
+    """
+    started = time.perf_counter() if started is None else started
+    targets = list(modules)
+    for module in targets:
+        if not isinstance(module, Module):
+            raise ConfigError(f"modules must hold aitune.torch.Module wrappers, got {type(module).__name__}")
+    snapshots = snapshots or {}
     root = Path(cache_dir_path).expanduser() if cache_dir_path else cache_dir()
     report = TuneReport(environment=environment())
     cache = None
@@ -167,8 +195,10 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
         finally:
             snapshot.restore()
 
-    for snapshot in snapshots.values():
-        snapshot.restore()
+    for module in targets:
+        snapshot = snapshots.get(id(module))
+        if snapshot is not None:
+            snapshot.restore()
     report.duration_s = time.perf_counter() - started
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     report.write_json(report_path or root / "reports" / f"tune-{stamp}.json")
