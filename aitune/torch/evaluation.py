@@ -63,7 +63,13 @@ class GraphContext:
         restore_state: for a module that changes its own parameters/buffers in ``forward`` (a stateful
             graph), puts them back to where tuning started; eager's references and every candidate's check
             start from that state. None for stateless graphs.
+        progress: where phases are shown (:class:`~aitune.torch.progress.TuneProgress`), or None.
     """
+
+    def show(self, candidate: str, phase: str) -> None:
+        """Tell the progress display which candidate is in which phase."""
+        if self.progress is not None:
+            self.progress.phase(candidate, phase)
 
     module: torch.nn.Module
     module_name: str
@@ -75,6 +81,7 @@ class GraphContext:
     cache: Any = None
     eager_measurement: Measurement | None = None
     restore_state: Any = None
+    progress: Any = None  # a TuneProgress (aitune/torch/progress.py); None: nothing shown
     _probes: dict = dataclasses.field(default_factory=dict)
     _fp32_outputs: dict = dataclasses.field(default_factory=dict)
     _fp32_unavailable: bool = False
@@ -203,19 +210,24 @@ def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSett
     row = CandidateResult(module=context.module_name, graph=context.graph.name, backend=blueprint.name,
                           description=blueprint.describe())
     label = blueprint.describe()[:28]
+    show = lambda phase: context.show(blueprint.describe(), phase)  # noqa: E731
     backend: Backend | None = None
     try:
+        show("supports")
         _check_support(blueprint, context, row)
+        show("build")
         backend = _build(blueprint, context, row)
         if backend.is_quantizing and backend.build_info.get("quantized_modules") == 0:
             raise _Stop(NO_OP, None, reason="quantized nothing: no layer matched its quantization config, so it would "
                                             "only run the original model under another name; never selected")
         if settings.correctness_check:
             comparator = comparator_for(backend, settings.tolerance)
+            show("check")
             try:
                 check_against_eager(backend, context, settings.tolerance, comparator)
             except Exception as exc:  # noqa: BLE001 - any failure of the check is a row
                 raise _Stop(REJECTED_CORRECTNESS if isinstance(exc, CorrectnessError) else FAILED, exc) from exc
+            show("probes")
             try:
                 row.probes = check_probes(backend, context, settings, comparator)
             except Exception as exc:  # noqa: BLE001
@@ -226,12 +238,14 @@ def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSett
                             prefix=prefix) from exc
             row.comparison = comparator.result().to_dict()
         if backend.build_mode is BuildMode.AOT and not row.cached:
+            show("round_trip")
             try:
                 verify_round_trip(backend, context, settings.tolerance)
             except Exception as exc:  # noqa: BLE001 - case C23: not saveable means not selectable
                 raise _Stop(FAILED, exc, prefix="not saveable: ") from exc
         measurement = None
         if settings.measure:
+            show("measure")
             try:
                 measurement = measure_backend(backend, context, settings.profiling)
             except Exception as exc:  # noqa: BLE001
@@ -241,6 +255,8 @@ def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSett
             if eager.throughput > 0:
                 row.speedup = measurement.throughput / eager.throughput
     except _Stop as stop:  # the one failure exit
+        if context.progress is not None:
+            context.progress.candidate_done()
         row.status = stop.status
         row.reason = stop.reason or stop.prefix + failure_reason(stop.cause)
         logger.info("  %-28s %s: %s", label, row.status, row.reason)
@@ -254,6 +270,8 @@ def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSett
                 raise TuningError(f"Backend '{blueprint.name}' {row.reason}") from None
             raise BackendUnavailableError(f"Backend '{blueprint.name}' cannot run here: {row.reason}") from None
         return Candidate(None, row)
+    if context.progress is not None:
+        context.progress.candidate_done()
     row.reason = "; ".join(filter(None, [build_notes(row.details), noise_note(measurement)]))
     logger.info("  %-28s passed%s", label, f" ({row.speedup:.2f}x eager)" if row.speedup is not None else "")
     return Candidate(backend, row, measurement)
@@ -301,7 +319,10 @@ def eager_candidate(context: GraphContext, profiling: ProfilingConfig) -> Candid
     blueprint = TorchEagerBackend()
     backend = blueprint.copy().build(context.module, context.graph, context.device, context.workdir / blueprint.key())
     if context.eager_measurement is None:
+        context.show("eager (baseline)", "measure")
         context.eager_measurement = measure_backend(backend, context, profiling)
+        if context.progress is not None:
+            context.progress.candidate_done()
     measurement = context.eager_measurement
     row = CandidateResult(module=context.module_name, graph=context.graph.name, backend=blueprint.name,
                           description=blueprint.describe(), build_s=backend.build_info.get("build_s"),

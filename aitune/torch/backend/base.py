@@ -30,6 +30,7 @@ from aitune.errors import (
     ConfigError,
     UnknownBackendError,
 )
+from aitune.torch.build_log import into_build_log
 from aitune.torch.dtypes import dtype_from_name, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -366,7 +367,7 @@ class Backend:
         handler.stream.write(f"aitune: building {self.describe()} for {getattr(graph, 'name', '?')} on "
                              f"{self.device} (torch {torch.__version__})\n")
         try:
-            with torch.no_grad():
+            with torch.no_grad(), into_build_log(handler):
                 self._build(module, graph, self.device, self.workdir)
         except BackendBuildError as exc:
             exc.log_path = exc.log_path or log_path

@@ -55,6 +55,9 @@ class TuneStrategy:
         tolerance: thresholds of the comparison with eager (:class:`~aitune.torch.correctness.Tolerance`).
         probe_config: inputs beyond the recorded samples that every candidate is also checked on
             (:class:`~aitune.torch.probes.ProbeConfig`; default: up to 12 probes, 10 s per candidate).
+        allow_quantization: may a quantizing candidate (TorchAO, TensorRT with int8/fp8) be *selected*? They
+            are always measured and shown. None (default) = only when you listed the backends yourself;
+            with the default candidates a quantizing one is shown as "would be N x at SQNR ..." but not used.
 
     Raises:
         ConfigError: when ``backends`` is empty or holds something that is not a Backend.
@@ -62,7 +65,7 @@ class TuneStrategy:
 
     def __init__(self, backends: Iterable[Backend] | Backend | None = None, *,
                  profiling_config: ProfilingConfig | None = None, tolerance: Tolerance | None = None,
-                 probe_config: ProbeConfig | None = None):
+                 probe_config: ProbeConfig | None = None, allow_quantization: bool | None = None):
         if isinstance(backends, Backend):
             backends = [backends]
         if backends is not None:
@@ -80,6 +83,9 @@ class TuneStrategy:
             raise ConfigError("tolerance must be an aitune.torch.correctness.Tolerance")
         if probe_config is not None and not isinstance(probe_config, ProbeConfig):
             raise ConfigError("probe_config must be an aitune.torch.ProbeConfig")
+        if allow_quantization is not None and not isinstance(allow_quantization, bool):
+            raise ConfigError(f"allow_quantization must be True, False or None, got {allow_quantization!r}")
+        self.allow_quantization = allow_quantization
         self.backends = backends
         self.probe_config = probe_config or ProbeConfig()
         self.runners_up: list[Backend] = []  # after tune(): next-best passing backends (the guard's fallbacks)
@@ -119,6 +125,37 @@ class TuneStrategy:
         self.performance_validation = bool(enabled)
         self.min_speedup_ratio = float(min_speedup_ratio)
         return self
+
+    def enable_quantization(self, enabled: bool = True) -> "TuneStrategy":
+        """Allow (or forbid) selecting quantizing candidates (int8/fp8: outputs differ from eager by design,
+        judged by SQNR and cosine instead of atol/rtol). Returns self."""
+        self.allow_quantization = bool(enabled)
+        return self
+
+    @property
+    def quantization_allowed(self) -> bool:
+        """``allow_quantization``, or — when left at None — whether the user listed the backends."""
+        return self.allow_quantization if self.allow_quantization is not None else self.backends is not None
+
+    def selectable(self, candidate: Candidate) -> bool:
+        """May this passing candidate be chosen? A quantizing one only when quantization is allowed; otherwise
+        its row says what it would give and how to allow it."""
+        if not candidate.passed or candidate.backend is None or not candidate.backend.is_quantizing:
+            return candidate.passed
+        if self.quantization_allowed:
+            return True
+        comparison = candidate.row.comparison or {}
+        figures = []
+        if candidate.row.speedup is not None:
+            figures.append(f"{candidate.row.speedup:.2f}x eager")
+        if comparison.get("min_sqnr_db") is not None:
+            figures.append(f"SQNR {comparison['min_sqnr_db']:.0f} dB")
+        if comparison.get("min_cosine") is not None:
+            figures.append(f"cosine {comparison['min_cosine']:.3f}")
+        note = (f"would be {', '.join(figures)}" if figures else "passed") + \
+            " — quantization is not used unless allowed: allow_quantization=True on the strategy"
+        candidate.row.reason = "; ".join(filter(None, [note, candidate.row.reason]))
+        return False
 
     def clone(self) -> "TuneStrategy":
         """A deep copy (each graph is tuned by its own copy)."""

@@ -19,7 +19,9 @@ class FirstWinsStrategy(TuneStrategy):
         for position, blueprint in enumerate(blueprints):
             candidate = self.evaluate(blueprint, context, measure_it=self.performance_validation)
             rows.append(candidate.row)
-            if not candidate.passed:
+            if not self.selectable(candidate):
+                if candidate.backend is not None:
+                    candidate.backend.deactivate()
                 continue
             if not self.fast_enough(candidate, eager):
                 candidate.row.status = REJECTED_PERFORMANCE

@@ -47,7 +47,7 @@ class LatencyBudgetStrategy(TuneStrategy):
         """
         scored = []
         for candidate in pool:
-            if not candidate.passed:
+            if not self.selectable(candidate):
                 continue
             if self.budget_score(candidate) is None:
                 candidate.row.status = REJECTED_PERFORMANCE

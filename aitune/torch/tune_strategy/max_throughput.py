@@ -25,7 +25,7 @@ class MaxThroughputStrategy(TuneStrategy):
         if self.performance_validation:
             contenders = [eager]
             for candidate in candidates:
-                if not candidate.passed:
+                if not self.selectable(candidate):
                     continue
                 if self.min_speedup_ratio != 1.0 and not self.fast_enough(candidate, eager):
                     candidate.row.status = REJECTED_PERFORMANCE
@@ -33,7 +33,7 @@ class MaxThroughputStrategy(TuneStrategy):
                     continue
                 contenders.append(candidate)
         else:
-            contenders = [c for c in candidates if c.passed] or [eager]
+            contenders = [c for c in candidates if self.selectable(c)] or [eager]
         chosen = self.pick(contenders, by_latency=self.by_latency)
         fastest = self.pick_fastest(contenders, by_latency=self.by_latency)
         self.finish(chosen, pool)
