@@ -17,6 +17,11 @@ class ConfigError(AITuneError, ValueError):
     """A configuration value, argument or dataset is invalid; the message says which and how to fix it."""
 
 
+class UnknownArgumentError(ConfigError, TypeError):
+    """A misspelled or unknown keyword argument; the message lists the valid ones (also a ``TypeError``, as
+    Python raises for unexpected keywords)."""
+
+
 class UnknownBackendError(AITuneError, KeyError):
     """A backend name is not registered; the message lists every registered name."""
 

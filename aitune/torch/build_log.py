@@ -25,11 +25,24 @@ def into_build_log(handler: logging.Handler) -> Iterator[None]:
     Args:
         handler: the build log's handler (a ``logging.FileHandler``).
     """
+    others = logging.StreamHandler(handler.stream)  # the same file, for records that are not aitune's
+    others.setFormatter(handler.formatter)
+    others.addFilter(lambda record: not _OnlyAitune().filter(record))
     saved = []
     for logger in _third_party_loggers():
         saved.append((logger, list(logger.handlers), logger.propagate))
-        logger.handlers = [handler]
+        logger.handlers = [others]
         logger.propagate = False
+
+    # Libraries that log under other names (ONNX Runtime's transformer tools import their modules as top-level
+    # names): while the build runs, the root logger's own handlers pass only aitune's records and the build
+    # log takes the rest.
+    root = logging.getLogger()
+    only_aitune = _OnlyAitune()
+    root_handlers = list(root.handlers)
+    for root_handler in root_handlers:
+        root_handler.addFilter(only_aitune)
+    root.addHandler(others)
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         handler.stream.write(f"warning: {warnings.formatwarning(message, category, filename, lineno, line)}")
@@ -40,9 +53,17 @@ def into_build_log(handler: logging.Handler) -> Iterator[None]:
             warnings.showwarning = show
             yield
     finally:
+        root.removeHandler(others)
+        for root_handler in root_handlers:
+            root_handler.removeFilter(only_aitune)
         for logger, handlers, propagate in saved:
             logger.handlers = handlers
             logger.propagate = propagate
+
+
+class _OnlyAitune(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name == "aitune" or record.name.startswith("aitune.")
 
 
 def _third_party_loggers() -> list[logging.Logger]:

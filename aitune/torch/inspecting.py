@@ -159,10 +159,22 @@ def wrap(obj: Any, modules: list[ModuleInfo], strategy=None) -> Any:
     (or the wrapper when the root itself is selected)."""
     from aitune.torch.module import Module
 
+    from aitune.torch.checkpoint.wrappers import find_wrappers
+    from aitune.torch.module import check_unique_names
+
     result = obj
     for info in modules:
         if not isinstance(info, ModuleInfo):
             raise ConfigError("wrap takes ModuleInfo entries from ait.inspect(...).get_modules()")
+    existing = [entry.wrapper for entry in find_wrappers(obj)]
+    names = [wrapper.name for wrapper in existing]
+    for info in modules:
+        name = (info.name or f"{type(info.module).__module__}.{type(info.module).__qualname__}").replace("/", "_")
+        if name in names:
+            raise ConfigError(f"ait.wrap: two wrapped modules would be named {name!r}; names identify modules in "
+                              "reports, caches and checkpoints — wrap each module once, under a distinct name")
+        names.append(name)
+    for info in modules:
         wrapped = Module(info.module, name=info.name or None, strategy=strategy)
         if info.parent is None:
             result = wrapped

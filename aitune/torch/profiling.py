@@ -18,10 +18,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from aitune.errors import ConfigError
+from aitune.torch.arguments import KnownFields
 
 
 @dataclasses.dataclass(kw_only=True)
-class ProfilingConfig:
+class ProfilingConfig(KnownFields):
     """How long and how carefully to measure.
 
     Args:

@@ -138,8 +138,8 @@ def render_table(rows: list[CandidateResult]) -> str:
     """The candidates as a markdown table; reasons longer than ``REASON_WIDTH`` are numbered notes below it."""
     from tabulate import tabulate
 
-    headers = ["module", "graph", "backend", "status", "reason", "build s", "p50 ms", "p90 ms", "samples/s",
-               "speed-up", "max abs err", "probes"]
+    headers = ["module", "graph", "backend", "config", "status", "reason", "build s", "p50 ms", "p90 ms",
+               "samples/s", "speed-up", "max abs err", "probes"]
     body, notes = [], []
     for row in rows:
         measurement = row.measurement or {}
@@ -154,13 +154,19 @@ def render_table(rows: list[CandidateResult]) -> str:
             notes.append(f"[{len(notes) + 1}] {row.module}/{row.graph} {row.description}: {reason}")
             reason = f"see [{len(notes)}] below"
         body.append([
-            row.module, row.graph, row.description if len(row.description) <= 50 else row.backend,
+            row.module, row.graph, row.backend, _config_text(row.description),
             row.status + (" (cached)" if row.cached else ""), reason,
             _fmt(row.build_s, ".1f"), _fmt(measurement.get("p50_ms"), ".3f"), _fmt(measurement.get("p90_ms"), ".3f"),
             _fmt(measurement.get("throughput"), ".1f"),
             "" if row.speedup is None else f"{row.speedup:.2f}x", error_text, _probes_text(row.probes)])
     table = tabulate(body, headers=headers, tablefmt="github")
     return table + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def _config_text(description: str) -> str:
+    """``Class(a=b,c=d)`` -> ``a=b, c=d`` (the fields that differ from the defaults; empty for defaults)."""
+    inner = description.partition("(")[2].rpartition(")")[0]
+    return inner.replace(",", ", ") if inner else "default"
 
 
 def _probes_text(probes: dict | None) -> str:

@@ -14,7 +14,7 @@ import torch
 
 from aitune.errors import AITuneError, ConfigError
 from aitune.torch.environment import environment
-from aitune.torch.module import Module, ModuleState, _recording_context, registered_modules
+from aitune.torch.module import Module, ModuleState, check_unique_names, _recording_context, registered_modules
 from aitune.torch.report import GraphReport, TuneReport
 from aitune.torch.samples import clone_tree
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
@@ -138,6 +138,7 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
     for module in targets:
         if not isinstance(module, Module):
             raise ConfigError(f"modules must hold aitune.torch.Module wrappers, got {type(module).__name__}")
+    check_unique_names(targets, "ait.tune")
     snapshots = snapshots or {}
     root = Path(cache_dir_path).expanduser() if cache_dir_path else cache_dir()
     report = TuneReport(environment=environment())
@@ -189,7 +190,7 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
             report.graphs.append(entry)
             logger.info(" %s/%s: %d sample(s), strategy %s", module.name, graph.name, len(graph.samples),
                         strategy.describe())
-            bar.start_graph(f"{module.name}/{graph.name}", len(strategy.candidates(target_device)) + 1)
+            bar.start_graph(f"{module.name}/{graph.name}", len(strategy.candidates(target_device, module.module, graph)) + 1)
             context.progress = bar
             backend, rows, why = strategy.tune(context)
             bar.graph_done(backend.describe())

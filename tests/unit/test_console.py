@@ -61,3 +61,43 @@ def test_progress_is_off_when_not_a_terminal_or_switched_off(fast_profiling, cap
     monkeypatch.setenv("AITUNE_PROGRESS", "0")
     _tune(True, fast_profiling)  # an explicit argument wins over the environment
     assert "noisy/graph0" in capsys.readouterr().err
+
+
+def test_misspelled_keywords_list_the_valid_ones():
+    import pytest
+
+    from aitune.errors import UnknownArgumentError
+    from aitune.torch.backend import TorchInductorJitBackendConfig
+
+    with pytest.raises(UnknownArgumentError, match=r"'mdoe' \(did you mean 'mode'\?\); valid: .*fullgraph, mode"):
+        TorchInductorJitBackendConfig(mdoe="default")
+    with pytest.raises(TypeError, match="did you mean 'profiling_config'"):  # still a TypeError, as Python's
+        ait.MaxThroughputStrategy(profling_config=None)
+    with pytest.raises(UnknownArgumentError, match="latency_budget_ms, probe_config"):
+        ait.LatencyBudgetStrategy(5.0, budget=3)
+    for config_class in (ait.Tolerance, ait.ProfilingConfig, ait.ProbeConfig, ait.GuardConfig):
+        with pytest.raises(UnknownArgumentError, match="valid: "):
+            config_class(no_such_field=1)
+
+
+def test_two_wrapped_modules_with_one_name_are_refused(fast_profiling):
+    import pytest
+
+    from aitune.errors import ConfigError
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    pair = Pair()
+    pair.a = ait.Module(pair.a, "layer")
+    b_info = ait.ModuleInfo(module=pair.b, name="layer", parent=pair, attribute="b", depth=1)
+    with pytest.raises(ConfigError, match="two wrapped modules would be named 'layer'"):
+        ait.wrap(pair, [b_info])
+    pair.b = ait.Module(pair.b, "layer")
+    with pytest.raises(ConfigError, match="two wrapped modules are named 'layer'"):
+        ait.tune(pair, [torch.randn(2, 4)])

@@ -54,7 +54,7 @@ def _tune(strategy):
 def test_default_candidates_show_but_never_select_quantization(fast_profiling, monkeypatch):
     from aitune.torch.tune_strategy import base
 
-    monkeypatch.setattr(base, "default_backends", lambda device: [FakeInt8Backend()])
+    monkeypatch.setattr(base, "default_backends", lambda device, module=None, graph=None: [FakeInt8Backend()])
     tuned, row = _tune(ait.MaxThroughputStrategy(profiling_config=fast_profiling))
     assert row.status == "passed" and row.speedup > 1.5
     assert "would be" in row.reason and "SQNR" in row.reason and "allow_quantization=True" in row.reason

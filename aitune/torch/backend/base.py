@@ -30,6 +30,7 @@ from aitune.errors import (
     ConfigError,
     UnknownBackendError,
 )
+from aitune.torch.arguments import KnownFields
 from aitune.torch.build_log import into_build_log
 from aitune.torch.dtypes import dtype_from_name, dtype_name
 
@@ -170,7 +171,7 @@ _CONFIG_CLASSES: dict[str, type["BackendConfig"]] = {}
 
 
 @dataclasses.dataclass(kw_only=True)
-class BackendConfig:
+class BackendConfig(KnownFields):
     """Base of every ``<Backend>Config``: keyword-only plain data, validated in ``__post_init__``.
 
     Serialised as ``{"type": <class name>, "version": 1, "data": {...}}``; :meth:`from_dict` resolves the
@@ -384,6 +385,17 @@ class Backend:
         self.build_info["build_s"] = time.perf_counter() - started
         self.state = BackendState.ACTIVE
         return self
+
+    def search_space(self, module: torch.nn.Module | None, graph, device: torch.device | str) -> list["Backend"]:
+        """The configurations of this backend worth trying for ``module``/``graph`` on ``device`` (issue
+        "Search"): each one is a candidate and a report row. Default: this blueprint as configured.
+        Backends override it to offer variants when they are at their default configuration."""
+        return [self]
+
+    @property
+    def expensive(self) -> bool:
+        """Builds that take far longer than usual (max-autotune): tried only when the time budget allows."""
+        return False
 
     @property
     def bakes_weights(self) -> bool:

@@ -88,6 +88,19 @@ def coerce_execution_provider(value: Any) -> ONNXExecutionProvider | None:
                       f"got {value!r}")
 
 
+TRANSFORMER_MODEL_TYPES = ("bert", "gpt2", "t5", "vit", "clip", "bart")
+
+
+def looks_like_transformer_encoder(module: torch.nn.Module | None) -> bool:
+    """A BERT-like encoder (attention + embeddings submodules, by class name): worth ONNX Runtime's
+    transformer fusions. A heuristic only: a fusion that changes results is rejected by the value check."""
+    if module is None:
+        return False
+    names = {type(sub).__name__ for sub in module.modules()}
+    return any("Attention" in name for name in names) and any("Embedding" in name and name != "Embedding"
+                                                              for name in names)
+
+
 @dataclasses.dataclass(kw_only=True)
 class ONNXRuntimeBackendConfig(BackendConfig):
     """Config of :class:`ONNXRuntimeBackend`.
@@ -102,6 +115,9 @@ class ONNXRuntimeBackendConfig(BackendConfig):
             one thread per physical core for intra-op).
         graph_optimization_level: ``"disable"``, ``"basic"``, ``"extended"`` or ``"all"`` (ONNX Runtime's
             ``GraphOptimizationLevel``).
+        transformer_fusions: run ONNX Runtime's transformer optimizer (``onnxruntime.transformers.optimizer``:
+            attention, LayerNorm, GELU and bias fusions) on the exported graph before the session is built,
+            for this ``model_type`` (``"bert"`` covers BERT-like encoders); None = off.
 
     Raises:
         ConfigError: on an invalid field.
@@ -113,6 +129,7 @@ class ONNXRuntimeBackendConfig(BackendConfig):
     intra_op_num_threads: int | None = None
     inter_op_num_threads: int | None = None
     graph_optimization_level: str = "all"
+    transformer_fusions: str | None = None
 
     def validate(self) -> None:
         if not isinstance(self.use_dynamo, bool):
@@ -125,6 +142,9 @@ class ONNXRuntimeBackendConfig(BackendConfig):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{name} must be an int >= 1 or None (ONNX Runtime's default), got {value!r}")
+        if self.transformer_fusions is not None and self.transformer_fusions not in TRANSFORMER_MODEL_TYPES:
+            raise ConfigError(f"transformer_fusions must be one of {TRANSFORMER_MODEL_TYPES} or None, got "
+                              f"{self.transformer_fusions!r}")
         if self.graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
             raise ConfigError(f"graph_optimization_level must be one of {list(GRAPH_OPTIMIZATION_LEVELS)}, "
                               f"got {self.graph_optimization_level!r}")
@@ -219,9 +239,31 @@ class ONNXRuntimeBackend(Backend):
                                         config_key=self.config.key())
         self._io = OnnxCallIO.from_export(export, graph, module)
         self._onnx_path = export.path
+        if self.config.transformer_fusions:
+            self._onnx_path = self._fuse(export, device)
         self._setup_device(device)
         self._create_session(BackendBuildError)
         self._validate_samples(graph, export)
+
+    def _fuse(self, export, device: torch.device) -> Path:
+        """ONNX Runtime's transformer optimizer on the exported model; returns the fused model's path."""
+        from onnxruntime.transformers import optimizer
+
+        fused_path = export.path.with_name(f"fused_{export.path.name}")
+        fused = optimizer.optimize_model(str(export.path), model_type=self.config.transformer_fusions, num_heads=0,
+                                         hidden_size=0, opt_level=0, use_gpu=device.type == "cuda")
+        fused.save_model_to_file(str(fused_path), use_external_data_format=bool(export.external_data_files))
+        counts = {name: count for name, count in fused.get_fused_operator_statistics().items() if count}
+        self.build_info["transformer_fusions"] = counts
+        logger.debug("onnxruntime: transformer fusions %s", counts)
+        return fused_path
+
+    def search_space(self, module, graph, device) -> list["Backend"]:
+        """Issue "Search": at the default configuration, plus ONNX Runtime's transformer fusions for a
+        BERT-like encoder. A configuration the user chose is tried as given."""
+        if self.config != ONNXRuntimeBackendConfig() or not looks_like_transformer_encoder(module):
+            return [self]
+        return [self, ONNXRuntimeBackend(ONNXRuntimeBackendConfig(transformer_fusions="bert"))]
 
     def _validate_samples(self, graph, export) -> None:
         """Run every recorded sample once; restrict a graph that fails at some recorded shapes to the others."""

@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 import torch
 
 from aitune.errors import AITuneError, ConfigError
+from aitune.torch.arguments import init_keywords, reject_unknown_keywords
 from aitune.torch.backend.base import Backend, BuildMode
 from aitune.torch.correctness import Tolerance
 from aitune.torch.evaluation import Candidate, EvaluationSettings, GraphContext, eager_candidate, evaluate
@@ -24,25 +25,31 @@ from aitune.torch.report import SELECTED, CandidateResult
 __all__ = ["Candidate", "GraphContext", "TuneStrategy", "default_backends"]
 
 
-def default_backends(device: torch.device | str) -> list[Backend]:
-    """Candidates tried when a strategy is given none: every built-in backend's default configuration.
+def default_backends(device: torch.device | str, module: torch.nn.Module | None = None,
+                     graph=None) -> list[Backend]:
+    """Candidates tried when a strategy is given none: every built-in backend's search space
+    (:meth:`Backend.search_space`: e.g. Inductor with and without freezing, CUDA graphs on a GPU, channels-last
+    for convnets), cheapest and most promising first.
 
-    Unavailable ones still get a report row saying why (case U6). On CUDA, Inductor with CUDA graphs
-    (``mode="reduce-overhead"``) and eager replayed from CUDA graphs are added: eager at batch 1 is
-    launch-bound there (H200 figures in benchmarks/RESULTS.md).
+    Unavailable ones still get a report row saying why (case U6). On CUDA, eager replayed from CUDA graphs
+    is added: eager at batch 1 is launch-bound there (H200 figures in benchmarks/RESULTS.md).
     """
     from aitune.torch import backend as backends
 
-    candidates: list[Backend] = [backends.TorchInductorJitBackend()]
+    blueprints: list[Backend] = [backends.TorchInductorJitBackend()]
     if torch.device(device).type == "cuda":
-        candidates.append(backends.TorchInductorJitBackend(backends.TorchInductorJitBackendConfig(
-            mode="reduce-overhead")))
-        candidates.append(backends.TorchEagerBackend(backends.TorchEagerBackendConfig(use_cuda_graphs=True)))
+        blueprints.append(backends.TorchEagerBackend(backends.TorchEagerBackendConfig(use_cuda_graphs=True)))
     for name in ("TorchInductorAotBackend", "ONNXRuntimeBackend", "TorchAOBackend", "TensorRTBackend",
                  "TorchTensorRTJitBackend", "TorchTensorRTAotBackend"):
         backend_class = getattr(backends, name)
         if isinstance(backend_class, type) and issubclass(backend_class, Backend):
-            candidates.append(backend_class())
+            blueprints.append(backend_class())
+    candidates: list[Backend] = []
+    for blueprint in blueprints:
+        try:
+            candidates.extend(blueprint.search_space(module, graph, device))
+        except Exception:  # noqa: BLE001 - a search space that cannot be derived: the default configuration
+            candidates.append(blueprint)
     return candidates
 
 
@@ -62,6 +69,10 @@ class TuneStrategy:
     Raises:
         ConfigError: when ``backends`` is empty or holds something that is not a Backend.
     """
+
+    def __new__(cls, *args, **kwargs):
+        reject_unknown_keywords(cls.__name__, init_keywords(cls), kwargs)
+        return super().__new__(cls)
 
     def __init__(self, backends: Iterable[Backend] | Backend | None = None, *,
                  profiling_config: ProfilingConfig | None = None, tolerance: Tolerance | None = None,
@@ -161,9 +172,14 @@ class TuneStrategy:
         """A deep copy (each graph is tuned by its own copy)."""
         return copy.deepcopy(self)
 
-    def candidates(self, device: torch.device) -> list[Backend]:
-        """The blueprints to evaluate on ``device``: the given backends, or :func:`default_backends`."""
-        return list(self.backends) if self.backends is not None else default_backends(device)
+    def candidates(self, device: torch.device, module: torch.nn.Module | None = None, graph=None) -> list[Backend]:
+        """The blueprints to evaluate on ``device``: the given backends as configured, or the default candidates'
+        search spaces for ``module``/``graph`` (:func:`default_backends`)."""
+        return list(self.backends) if self.backends is not None else default_backends(device, module, graph)
+
+    def candidates_for(self, context: GraphContext) -> list[Backend]:
+        """:meth:`candidates` for the graph being tuned."""
+        return self.candidates(context.device, context.module, context.graph)
 
     def describe(self) -> str:
         """``StrategyName(Backend(config), ...)`` for reports."""

@@ -15,7 +15,7 @@ class FirstWinsStrategy(TuneStrategy):
         """Evaluate the backends in order until one wins; see the class docstring."""
         eager = self.eager_candidate(context) if self.performance_validation else None
         rows: list[CandidateResult] = []
-        blueprints = self.candidates(context.device)
+        blueprints = self.candidates_for(context)
         for position, blueprint in enumerate(blueprints):
             candidate = self.evaluate(blueprint, context, measure_it=self.performance_validation)
             rows.append(candidate.row)

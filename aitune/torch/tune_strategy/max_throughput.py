@@ -20,7 +20,7 @@ class MaxThroughputStrategy(TuneStrategy):
     def tune(self, context):
         """Evaluate every candidate, then choose; see the class docstring."""
         eager = self.eager_candidate(context)
-        candidates = [self.evaluate(blueprint, context) for blueprint in self.candidates(context.device)]
+        candidates = [self.evaluate(blueprint, context) for blueprint in self.candidates_for(context)]
         pool = candidates + [eager]
         if self.performance_validation:
             contenders = [eager]
