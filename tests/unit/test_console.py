@@ -69,7 +69,7 @@ def test_misspelled_keywords_list_the_valid_ones():
     from aitune.errors import UnknownArgumentError
     from aitune.torch.backend import TorchInductorJitBackendConfig
 
-    with pytest.raises(UnknownArgumentError, match=r"'mdoe' \(did you mean 'mode'\?\); valid: .*fullgraph, mode"):
+    with pytest.raises(UnknownArgumentError, match=r"'mdoe' \(did you mean 'mode'\?\); valid: .*fullgraph, memory_format, mode"):
         TorchInductorJitBackendConfig(mdoe="default")
     with pytest.raises(TypeError, match="did you mean 'profiling_config'"):  # still a TypeError, as Python's
         ait.MaxThroughputStrategy(profling_config=None)
