@@ -29,6 +29,8 @@ from aitune.errors import (
 )
 from aitune.torch.backend.base import Backend, BuildMode, one_line
 from aitune.torch.correctness import ComparisonResult, OutputComparator, Tolerance
+from aitune.torch.crashes import crash_signal
+from aitune.torch.isolation import BUILD_DEADLINE
 from aitune.torch.probes import Probe, ProbeConfig, make_probes, run_probes
 from aitune.torch.profiling import Measurement, ProfilingConfig, measure
 from aitune.torch.pytree import tree_flatten, tree_unflatten
@@ -37,6 +39,7 @@ from aitune.torch.report import (
     NO_OP,
     PASSED,
     REJECTED_CORRECTNESS,
+    SKIPPED,
     UNAVAILABLE,
     UNSUPPORTED,
     CandidateResult,
@@ -64,7 +67,13 @@ class GraphContext:
             graph), puts them back to where tuning started; eager's references and every candidate's check
             start from that state. None for stateless graphs.
         progress: where phases are shown (:class:`~aitune.torch.progress.TuneProgress`), or None.
+        crashes: candidates that crashed this environment before (:class:`~aitune.torch.crashes.CrashRegistry`).
+        deadline: ``time.perf_counter()`` by which this graph should be done (from the time budget), or None.
     """
+
+    def remaining_s(self) -> float | None:
+        """Seconds left of this graph's time budget (None: no budget)."""
+        return None if self.deadline is None else self.deadline - time.perf_counter()
 
     def show(self, candidate: str, phase: str) -> None:
         """Tell the progress display which candidate is in which phase."""
@@ -82,6 +91,8 @@ class GraphContext:
     eager_measurement: Measurement | None = None
     restore_state: Any = None
     progress: Any = None  # a TuneProgress (aitune/torch/progress.py); None: nothing shown
+    crashes: Any = None  # a CrashRegistry (aitune/torch/crashes.py); None: crashes are not remembered
+    deadline: float | None = None  # perf_counter() by which this graph's evaluations should end (time budget)
     _probes: dict = dataclasses.field(default_factory=dict)
     _fp32_outputs: dict = dataclasses.field(default_factory=dict)
     _fp32_unavailable: bool = False
@@ -215,6 +226,7 @@ def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSett
     try:
         show("supports")
         _check_support(blueprint, context, row)
+        _check_budget_and_crashes(blueprint, context)
         show("build")
         backend = _build(blueprint, context, row)
         if backend.is_quantizing and backend.build_info.get("quantized_modules") == 0:
@@ -266,7 +278,7 @@ def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSett
             if stop.cause is not None:
                 stop.cause.candidate_row = row  # tune() still reports the row of the error it re-raises
                 raise stop.cause
-            if stop.status == NO_OP:
+            if stop.status in (NO_OP, SKIPPED):
                 raise TuningError(f"Backend '{blueprint.name}' {row.reason}") from None
             raise BackendUnavailableError(f"Backend '{blueprint.name}' cannot run here: {row.reason}") from None
         return Candidate(None, row)
@@ -287,11 +299,33 @@ def _check_support(blueprint: Backend, context: GraphContext, row: CandidateResu
         raise _Stop(status, None, reason=support.reason)
 
 
+EXPENSIVE_MIN_S = 300.0  # time left below which expensive candidates (max-autotune) are not started
+
+
+def _check_budget_and_crashes(blueprint: Backend, context: GraphContext) -> None:
+    """Skip a candidate that crashed this environment before, an expensive one the budget does not allow,
+    and any once the budget is spent."""
+    if context.crashes is not None:
+        crash = context.crashes.lookup(blueprint, context.device)
+        if crash is not None:
+            raise _Stop(SKIPPED, None, reason=f"crashed this environment before ({crash['signal']}, {crash['when']}: "
+                                              f"{crash['reason']}; log {crash['log']}) — `aitune env --clear-crashes` "
+                                              "retries it")
+    remaining = context.remaining_s()
+    if remaining is not None and remaining <= 0:
+        raise _Stop(SKIPPED, None, reason="time budget spent before this candidate could be built")
+    if blueprint.expensive and (remaining is None or remaining < EXPENSIVE_MIN_S):
+        left = "no time budget was given" if remaining is None else f"only {remaining:.0f} s of the budget left"
+        raise _Stop(SKIPPED, None, reason=f"expensive build (minutes), tried only with >= {EXPENSIVE_MIN_S:.0f} s of "
+                                          f"time budget left; {left} (ait.tune(..., time_budget_s=...))")
+
+
 def _build(blueprint: Backend, context: GraphContext, row: CandidateResult) -> Backend:
     workdir = context.workdir / blueprint.key()
     logger.info("  %-28s building…", blueprint.describe()[:28])
     started = time.perf_counter()
     row.log_path = str(workdir / "build.log")
+    deadline = BUILD_DEADLINE.set(context.deadline)
     try:
         if context.cache is not None:
             backend, row.cached = context.cache.build(blueprint, context.module, context.graph, context.device,
@@ -301,7 +335,12 @@ def _build(blueprint: Backend, context: GraphContext, row: CandidateResult) -> B
     except Exception as exc:  # noqa: BLE001 - any candidate failure is a row, never a crash
         row.build_s = time.perf_counter() - started
         row.log_path = str(getattr(exc, "log_path", None) or row.log_path)
+        signal_name = crash_signal(exc)
+        if signal_name is not None and context.crashes is not None:
+            context.crashes.record(blueprint, context.device, signal_name, failure_reason(exc), row.log_path)
         raise _Stop(FAILED, exc) from exc
+    finally:
+        BUILD_DEADLINE.reset(deadline)
     row.build_s = backend.build_info.get("build_s", time.perf_counter() - started)
     row.details = {k: v for k, v in backend.build_info.items() if k != "build_s"}
     return backend

@@ -36,7 +36,8 @@ def cache_dir() -> Path:
 def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None = None,
          device: str | torch.device | None = None, *, modules: Iterable[Module] | None = None,
          cache_dir_path: str | Path | None = None, report_path: str | Path | None = None,
-         ignore_failing_modules: bool = True, use_cache: bool = True, progress: bool | None = None) -> TuneReport:
+         ignore_failing_modules: bool = True, use_cache: bool = True, progress: bool | None = None,
+         time_budget_s: float | None = None) -> TuneReport:
     """Record, build, check, measure and choose a backend for every wrapped module ``func`` calls.
 
     Args:
@@ -55,6 +56,11 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
         use_cache: reuse earlier AOT builds from the tuning cache when nothing that matters changed.
         progress: show progress on the terminal (module/graph, candidate, phase, elapsed, left); None (default)
             = when standard error is a terminal, unless ``AITUNE_PROGRESS=0`` (see :mod:`aitune.torch.progress`).
+        time_budget_s: seconds for the whole run (recording excluded), shared out evenly among the graphs left;
+            a candidate is not started once its graph's share is spent (its row says "skipped"), child build
+            steps get at most the time left, and expensive candidates (max-autotune) are tried only with
+            >= 300 s left. None (default): no limit, and no expensive candidates. Builds running in this process
+            (Inductor JIT, TorchAO) cannot be interrupted: a budget can be overrun by the one build in flight.
 
     Returns:
         The :class:`~aitune.torch.report.TuneReport` (also written as JSON and logged as a table).
@@ -113,13 +119,14 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
 
     return tune_modules(targets, device=device, cache_dir_path=cache_dir_path, report_path=report_path,
                         ignore_failing_modules=ignore_failing_modules, use_cache=use_cache, snapshots=snapshots,
-                        started=started, progress=progress)
+                        started=started, progress=progress, time_budget_s=time_budget_s)
 
 
 def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None = None,
                  cache_dir_path: str | Path | None = None, report_path: str | Path | None = None,
                  ignore_failing_modules: bool = True, use_cache: bool = True, snapshots: dict | None = None,
-                 started: float | None = None, progress: bool | None = None) -> TuneReport:
+                 started: float | None = None, progress: bool | None = None,
+                 time_budget_s: float | None = None) -> TuneReport:
     """Tune wrappers that have already recorded calls (their graphs hold samples), graph by graph.
 
     This is what :func:`tune` does after its recording pass; just-in-time tuning calls it for modules
@@ -139,23 +146,27 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
         if not isinstance(module, Module):
             raise ConfigError(f"modules must hold aitune.torch.Module wrappers, got {type(module).__name__}")
     check_unique_names(targets, "ait.tune")
+    if time_budget_s is not None and (isinstance(time_budget_s, bool) or not isinstance(time_budget_s, (int, float))
+                                      or not time_budget_s > 0):
+        raise ConfigError(f"time_budget_s must be a number of seconds > 0 or None, got {time_budget_s!r}")
+    deadline = None if time_budget_s is None else started + float(time_budget_s)
     snapshots = snapshots or {}
     root = Path(cache_dir_path).expanduser() if cache_dir_path else cache_dir()
     report = TuneReport(environment=environment())
-    cache = None
+    cache = crashes = None
     if use_cache:
-        try:
-            from aitune.torch.cache import BuildCache
+        from aitune.torch.cache import BuildCache
+        from aitune.torch.crashes import FILE_NAME, CrashRegistry
 
-            cache = BuildCache(root / "builds")
-        except ImportError:
-            cache = None
+        cache = BuildCache(root / "builds")
+        crashes = CrashRegistry(root / FILE_NAME)
+    budget = _Budget(deadline, sum(1 for module in targets for graph in module.graphs if graph.samples))
 
     # 2. Tune each module, graph by graph.
     with TuneProgress(progress) as bar:
         for module in targets:
             _tune_module(module, report, snapshots.get(id(module)) or _Snapshot(module.__wrapped__), device, root,
-                         cache, ignore_failing_modules, bar)
+                         cache, ignore_failing_modules, bar, crashes, budget)
 
     for module in targets:
         snapshot = snapshots.get(id(module))
@@ -168,8 +179,24 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
     return report
 
 
+class _Budget:
+    """The run's deadline shared out evenly among the graphs still to tune."""
+
+    def __init__(self, deadline: float | None, graphs: int):
+        self.deadline, self.graphs_left = deadline, max(graphs, 1)
+
+    def next_graph(self) -> float | None:
+        """The deadline of the next graph: now + (time left) / (graphs left)."""
+        if self.deadline is None:
+            return None
+        now = time.perf_counter()
+        share = (self.deadline - now) / self.graphs_left
+        self.graphs_left = max(self.graphs_left - 1, 1)
+        return now + share
+
+
 def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", device, root: Path, cache,
-                 ignore_failing_modules: bool, bar: TuneProgress) -> None:
+                 ignore_failing_modules: bool, bar: TuneProgress, crashes=None, budget: _Budget | None = None) -> None:
     """Tune every graph of one wrapper with its strategy; on success it becomes TUNED (guards armed), else it
     runs eager (PASSTHROUGH) and ``report.module_errors`` says why. The module's state is restored after."""
     target_device = _resolve_device(module, device)
@@ -191,7 +218,8 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
             logger.info(" %s/%s: %d sample(s), strategy %s", module.name, graph.name, len(graph.samples),
                         strategy.describe())
             bar.start_graph(f"{module.name}/{graph.name}", len(strategy.candidates(target_device, module.module, graph)) + 1)
-            context.progress = bar
+            context.progress, context.crashes = bar, crashes
+            context.deadline = budget.next_graph() if budget is not None else None
             backend, rows, why = strategy.tune(context)
             bar.graph_done(backend.describe())
             entry.candidates.extend(rows)

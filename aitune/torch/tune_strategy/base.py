@@ -17,10 +17,19 @@ from aitune.errors import AITuneError, ConfigError
 from aitune.torch.arguments import init_keywords, reject_unknown_keywords
 from aitune.torch.backend.base import Backend, BuildMode
 from aitune.torch.correctness import Tolerance
-from aitune.torch.evaluation import Candidate, EvaluationSettings, GraphContext, eager_candidate, evaluate
+from aitune.torch.evaluation import (
+    Candidate,
+    EvaluationSettings,
+    GraphContext,
+    eager_candidate,
+    evaluate,
+    measure_backend,
+)
 from aitune.torch.probes import ProbeConfig
 from aitune.torch.profiling import ProfilingConfig, reaches_speedup
 from aitune.torch.report import SELECTED, CandidateResult
+
+QUANTIZATION_NOTE = "quantization is not used unless allowed: allow_quantization=True on the strategy"
 
 __all__ = ["Candidate", "GraphContext", "TuneStrategy", "default_backends"]
 
@@ -155,6 +164,8 @@ class TuneStrategy:
             return candidate.passed
         if self.quantization_allowed:
             return True
+        if QUANTIZATION_NOTE in candidate.row.reason:
+            return False
         comparison = candidate.row.comparison or {}
         figures = []
         if candidate.row.speedup is not None:
@@ -163,8 +174,7 @@ class TuneStrategy:
             figures.append(f"SQNR {comparison['min_sqnr_db']:.0f} dB")
         if comparison.get("min_cosine") is not None:
             figures.append(f"cosine {comparison['min_cosine']:.3f}")
-        note = (f"would be {', '.join(figures)}" if figures else "passed") + \
-            " — quantization is not used unless allowed: allow_quantization=True on the strategy"
+        note = (f"would be {', '.join(figures)}" if figures else "passed") + f" — {QUANTIZATION_NOTE}"
         candidate.row.reason = "; ".join(filter(None, [note, candidate.row.reason]))
         return False
 
@@ -212,6 +222,50 @@ class TuneStrategy:
                  raise_errors: bool = False) -> Candidate:
         """One candidate through :func:`aitune.torch.evaluation.evaluate` with this strategy's settings."""
         return evaluate(blueprint, context, self.settings(measure=measure_it), raise_errors=raise_errors)
+
+    finalists = 3  # candidates measured at full length after the quick round (successive halving)
+
+    def search(self, context: GraphContext, *, by_latency: bool = False) -> list[Candidate]:
+        """Evaluate every candidate, one at a time, releasing each (device memory) before the next builds.
+
+        With more candidates than :attr:`finalists`, successive halving: every candidate is measured briefly
+        (:func:`quick_profiling`), then the best :attr:`finalists` selectable ones are measured again with the
+        strategy's full :class:`ProfilingConfig`; the others keep their quick figures, are marked
+        ``details["finalist"] = False`` and cannot be chosen (their rows say so).
+
+        Returns:
+            The evaluated candidates, in order.
+        """
+        blueprints = self.candidates_for(context)
+        halving = len(blueprints) > self.finalists and self.performance_validation
+        settings = self.settings()
+        if halving:
+            settings.profiling = quick_profiling(self.profiling_config)
+        candidates = []
+        for blueprint in blueprints:
+            candidate = evaluate(blueprint, context, settings)
+            if candidate.backend is not None:
+                candidate.backend.deactivate()
+            candidates.append(candidate)
+        if not halving:
+            return candidates
+        measured = [c for c in candidates if c.measurement is not None and self.selectable(c)]
+        score = _score(by_latency)
+        finalists = sorted(measured, key=score, reverse=True)[:self.finalists]
+        eager = context.eager_measurement
+        for candidate in measured:
+            candidate.row.details["finalist"] = candidate in finalists
+            if candidate not in finalists:
+                candidate.row.reason = "; ".join(filter(None, [
+                    f"quick measurement only: not among the {self.finalists} finalists", candidate.row.reason]))
+                continue
+            context.show(candidate.row.description, "measure")
+            candidate.measurement = measure_backend(candidate.backend, context, self.profiling_config)
+            candidate.backend.deactivate()
+            candidate.row.measurement = candidate.measurement.to_dict()
+            if eager is not None and eager.throughput > 0:
+                candidate.row.speedup = candidate.measurement.throughput / eager.throughput
+        return candidates
 
     def eager_candidate(self, context: GraphContext) -> Candidate:
         """The eager baseline (measured once per graph, in the same run as the candidates)."""
@@ -277,6 +331,16 @@ class TuneStrategy:
         for candidate in candidates:
             if candidate is not chosen and candidate.backend is not None:
                 candidate.backend.deactivate()
+
+
+def quick_profiling(config: ProfilingConfig) -> ProfilingConfig:
+    """The short measurement of the first round of successive halving (a tenth of a second or so per
+    candidate; its figures only rank candidates)."""
+    return ProfilingConfig(warmup_rounds=min(config.warmup_rounds, 2), warmup_s=min(config.warmup_s, 0.1),
+                           min_rounds=min(config.min_rounds, 3), max_rounds=min(config.max_rounds, 30),
+                           time_budget_s=min(config.time_budget_s, 0.3), stable_rel_error=max(config.stable_rel_error,
+                                                                                             0.03),
+                           min_noise=config.min_noise)
 
 
 def _score(by_latency: bool) -> Callable[[Candidate], float]:
