@@ -74,6 +74,22 @@ def resolve_target(target: str) -> Callable[..., Any]:
 BUILD_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("aitune_build_deadline", default=None)
 
 
+# NOTE [background builds]: while a strategy evaluates other candidates, the child step of an isolated build
+# can run at the same time (issue "Search", point 4). A backend that supports it submits its step with
+# :func:`submit_isolated` when ``BACKGROUND_BUILDS`` holds an executor, and waits in ``finish_build``.
+BACKGROUND_BUILDS: contextvars.ContextVar = contextvars.ContextVar("aitune_background_builds", default=None)
+
+
+def submit_isolated(target: str, kwargs: dict, *, timeout_s: float, log_path: Path | str):
+    """:func:`run_isolated` on the executor in ``BACKGROUND_BUILDS`` (a ``Future`` of its result), or None
+    when no executor is set (the caller then runs the step itself). The time budget in force now applies."""
+    executor = BACKGROUND_BUILDS.get()
+    if executor is None:
+        return None
+    context = contextvars.copy_context()  # carries BUILD_DEADLINE into the worker thread
+    return executor.submit(context.run, run_isolated, target, kwargs, timeout_s=timeout_s, log_path=log_path)
+
+
 def run_isolated(target: str, kwargs: dict, *, timeout_s: float, log_path: Path | str,
                  env: dict[str, str] | None = None) -> dict:
     """Run ``target(**kwargs)`` in a fresh Python process and return its result.

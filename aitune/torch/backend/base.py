@@ -47,7 +47,11 @@ class BuildMode(str, enum.Enum):
 
 
 class BackendState(str, enum.Enum):
+    """INIT -> (build) ACTIVE <-> INACTIVE; BUILDING while a background build step runs (finish_build ends
+    it); CHECKPOINT_LOADED for a restored backend not yet activated."""
+
     INIT = "init"
+    BUILDING = "building"
     ACTIVE = "active"
     INACTIVE = "inactive"
     CHECKPOINT_LOADED = "checkpoint_loaded"
@@ -300,6 +304,7 @@ class Backend:
         self.module: torch.nn.Module | None = None
         self.workdir: Path | None = None
         self.build_info: dict[str, Any] = {}
+        self._pending = None  # a Future of a background build step (see finish_build)
 
     # ---- identity
     def key(self) -> str:
@@ -367,9 +372,42 @@ class Backend:
         started = time.perf_counter()
         handler.stream.write(f"aitune: building {self.describe()} for {getattr(graph, 'name', '?')} on "
                              f"{self.device} (torch {torch.__version__})\n")
+        self._build_started = started
+        self._run_build_step(lambda: self._build(module, graph, self.device, self.workdir), handler, log_path)
+        if getattr(self, "_pending", None) is not None:
+            self.state = BackendState.BUILDING  # a background step runs: finish_build() completes it
+            return self
+        self.build_info["build_s"] = time.perf_counter() - started
+        self.state = BackendState.ACTIVE
+        return self
+
+    def finish_build(self) -> "Backend":
+        """Wait for a build step started in the background (NOTE [background builds] in
+        :mod:`aitune.torch.isolation`) and complete the build: BUILDING -> ACTIVE. No-op in other states.
+
+        Raises:
+            BackendBuildError: when the background step failed (the cause chained, build.log appended).
+        """
+        if self.state is not BackendState.BUILDING:
+            return self
+        log_path = self.workdir / "build.log"
+        handler = logging.FileHandler(log_path, mode="a")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        try:
+            self._run_build_step(self._finish_build, handler, log_path)
+        finally:
+            self._pending = None
+        self.build_info["build_s"] = time.perf_counter() - self._build_started
+        self.state = BackendState.ACTIVE
+        return self
+
+    def _run_build_step(self, step, handler: logging.FileHandler, log_path: Path) -> None:
+        """Run a build step with its log in build.log and errors translated at the boundary."""
+        package_logger = logging.getLogger("aitune")
+        package_logger.addHandler(handler)
         try:
             with torch.no_grad(), into_build_log(handler):
-                self._build(module, graph, self.device, self.workdir)
+                step()
         except BackendBuildError as exc:
             exc.log_path = exc.log_path or log_path
             handler.stream.write("aitune: build failed\n" + traceback.format_exc())
@@ -382,15 +420,18 @@ class Backend:
         finally:
             package_logger.removeHandler(handler)
             handler.close()
-        self.build_info["build_s"] = time.perf_counter() - started
-        self.state = BackendState.ACTIVE
-        return self
 
     def search_space(self, module: torch.nn.Module | None, graph, device: torch.device | str) -> list["Backend"]:
         """The configurations of this backend worth trying for ``module``/``graph`` on ``device`` (issue
         "Search"): each one is a candidate and a report row. Default: this blueprint as configured.
         Backends override it to offer variants when they are at their default configuration."""
         return [self]
+
+    @property
+    def builds_in_background(self) -> bool:
+        """True when this backend's heavy build step runs in a child process and can be started while other
+        candidates are evaluated (NOTE [background builds] in :mod:`aitune.torch.isolation`)."""
+        return False
 
     @property
     def expensive(self) -> bool:
@@ -448,12 +489,17 @@ class Backend:
             if self.state is BackendState.INIT:
                 raise BackendStateError(f"{self.describe()}: inference needs a built backend (state: init); call "
                                         "build() or load it from a checkpoint first")
+            if self.state is BackendState.BUILDING:
+                self.finish_build()
             self.activate()
         return self._infer(args, kwargs)
 
     def activate(self) -> None:
         """INACTIVE/CHECKPOINT_LOADED -> ACTIVE (reacquire device memory, reload or recompile)."""
         if self.state is BackendState.ACTIVE:
+            return
+        if self.state is BackendState.BUILDING:
+            self.finish_build()
             return
         if self.state is BackendState.INIT:
             raise BackendStateError(f"{self.describe()}: activate() before build()")
@@ -516,6 +562,9 @@ class Backend:
 
     def _infer(self, args: tuple, kwargs: dict):
         raise NotImplementedError
+
+    def _finish_build(self) -> None:
+        """Complete a build whose background step ``self._pending`` (a Future) was started by ``_build``."""
 
     def _activate(self) -> None:
         pass

@@ -361,6 +361,11 @@ class TorchInductorAotBackend(Backend):
         self._package_path: Path | None = None
         self._accepted: AcceptedInputs | None = None
 
+    @property
+    def builds_in_background(self) -> bool:
+        """The AOTInductor compile + first load run in a child process (``isolate``): it can overlap other work."""
+        return bool(self.config.isolate)
+
     @classmethod
     def availability(cls) -> Check:
         if not torch_version_at_least(MIN_TORCH_VERSION):
@@ -418,25 +423,42 @@ class TorchInductorAotBackend(Backend):
             "inductor_configs": self.config.inductor_configs, "device": str(device),
         }
         self.build_info["isolated"] = self.config.isolate
+        self._io = flat_io
+        self._package_path = package_path
         if self.config.isolate:
-            from aitune.torch.isolation import run_isolated
+            from aitune.torch.isolation import submit_isolated
 
-            log_path = workdir / CHILD_LOG_FILE
-            try:
-                result = run_isolated(self.compile_step, step_kwargs, timeout_s=self.config.build_timeout_s,
-                                      log_path=log_path)
-            except IsolatedStepError as exc:
-                raise BackendBuildError(
-                    f"{self.name}: AOTInductor compile/load/check in a child process failed: {exc.args[0]}",
-                    backend=self.name, config_key=self.config.key(), log_path=log_path) from exc
+            # NOTE [background builds]: with an executor set, the child compile runs while other candidates
+            # are evaluated; finish_build() waits for it.
+            self._pending = submit_isolated(self.compile_step, step_kwargs, timeout_s=self.config.build_timeout_s,
+                                            log_path=workdir / CHILD_LOG_FILE)
+            if self._pending is None:
+                self._finish_compile(lambda: self._run_compile_step(step_kwargs))
         else:
             from aitune.torch.isolation import resolve_target
 
-            result = resolve_target(self.compile_step)(**step_kwargs)
+            self._finish_compile(lambda: resolve_target(self.compile_step)(**step_kwargs))
+
+    def _run_compile_step(self, step_kwargs: dict) -> dict:
+        from aitune.torch.isolation import run_isolated
+
+        return run_isolated(self.compile_step, step_kwargs, timeout_s=self.config.build_timeout_s,
+                            log_path=self.workdir / CHILD_LOG_FILE)
+
+    def _finish_build(self) -> None:
+        self._finish_compile(self._pending.result)
+
+    def _finish_compile(self, compile_result) -> None:
+        """The child's result (or its failure, as a BackendBuildError), then the package loaded here."""
+        log_path = self.workdir / CHILD_LOG_FILE
+        try:
+            result = compile_result()
+        except IsolatedStepError as exc:
+            raise BackendBuildError(
+                f"{self.name}: AOTInductor compile/load/check in a child process failed: {exc.args[0]}",
+                backend=self.name, config_key=self.config.key(), log_path=log_path) from exc
         self.build_info.update({key: result[key] for key in ("compile_s", "package_bytes") if key in result})
-        self._io = flat_io
-        self._package_path = package_path
-        self._runner = load_package(package_path, device)
+        self._runner = load_package(self._package_path, self.device)
 
     def _export(self, flat_module, graph, flat_io):
         plan = _export_plan(graph, flat_io, use_auto=False)

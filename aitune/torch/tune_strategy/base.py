@@ -9,6 +9,7 @@ original error): it becomes a report row with a one-line reason naming the real 
 from __future__ import annotations
 
 import copy
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 import torch
@@ -19,11 +20,14 @@ from aitune.torch.backend.base import Backend, BuildMode
 from aitune.torch.correctness import Tolerance
 from aitune.torch.evaluation import (
     Candidate,
+    Evaluation,
     EvaluationSettings,
     GraphContext,
+    complete,
     eager_candidate,
     evaluate,
     measure_backend,
+    start,
 )
 from aitune.torch.probes import ProbeConfig
 from aitune.torch.profiling import ProfilingConfig, reaches_speedup
@@ -237,16 +241,31 @@ class TuneStrategy:
             The evaluated candidates, in order.
         """
         blueprints = self.candidates_for(context)
-        halving = len(blueprints) > self.finalists and self.performance_validation
+        background = [blueprint.builds_in_background for blueprint in blueprints]
+        halving = (len(blueprints) > self.finalists or any(background)) and self.performance_validation
         settings = self.settings()
         if halving:
             settings.profiling = quick_profiling(self.profiling_config)
-        candidates = []
-        for blueprint in blueprints:
-            candidate = evaluate(blueprint, context, settings)
-            if candidate.backend is not None:
-                candidate.backend.deactivate()
-            candidates.append(candidate)
+        results: list = [None] * len(blueprints)
+        executor = ThreadPoolExecutor(max_workers=min(4, sum(background))) if any(background) else None
+        try:
+            # NOTE [background builds]: child-process build steps start first and run while the other
+            # candidates are built and checked; their first-round figures only rank them, and the finalists
+            # are measured again once nothing runs in the background.
+            for index, blueprint in enumerate(blueprints):
+                if background[index]:
+                    results[index] = start(blueprint, context, settings, background=executor)
+            for index, blueprint in enumerate(blueprints):
+                if results[index] is None:
+                    results[index] = evaluate(blueprint, context, settings)
+                elif isinstance(results[index], Evaluation):
+                    results[index] = complete(results[index], context)
+                if results[index].backend is not None:
+                    results[index].backend.deactivate()
+        finally:
+            if executor is not None:
+                executor.shutdown(wait=True)
+        candidates = results
         if not halving:
             return candidates
         measured = [c for c in candidates if c.measurement is not None and self.selectable(c)]
