@@ -354,7 +354,8 @@ def _check_support(blueprint: Backend, context: GraphContext, row: CandidateResu
         raise _Stop(status, None, reason=support.reason)
 
 
-EXPENSIVE_MIN_S = 300.0  # time left below which expensive candidates (max-autotune) are not started
+# Time left of an explicit budget below which a candidate of each search tier is not started (tier 0: always).
+TIER_MIN_S = {1: 60.0, 2: 300.0}
 
 
 def _check_budget_and_crashes(blueprint: Backend, context: GraphContext) -> None:
@@ -369,10 +370,12 @@ def _check_budget_and_crashes(blueprint: Backend, context: GraphContext) -> None
     remaining = context.remaining_s()
     if remaining is not None and remaining <= 0:
         raise _Stop(SKIPPED, None, reason="time budget spent before this candidate could be built")
-    if blueprint.expensive and (remaining is None or remaining < EXPENSIVE_MIN_S):
+    tier = blueprint.search_tier
+    if tier and (remaining is None or remaining < TIER_MIN_S[min(tier, 2)]):
         left = "no time budget was given" if remaining is None else f"only {remaining:.0f} s of the budget left"
-        raise _Stop(SKIPPED, None, reason=f"expensive build (minutes), tried only with >= {EXPENSIVE_MIN_S:.0f} s of "
-                                          f"time budget left; {left} (ait.tune(..., time_budget_s=...))")
+        what = "expensive build (minutes)" if tier >= 2 else "extra search variant"
+        raise _Stop(SKIPPED, None, reason=f"{what}, tried only with >= {TIER_MIN_S[min(tier, 2)]:.0f} s of time "
+                                          f"budget left; {left} (ait.tune(..., time_budget_s=...))")
 
 
 def _build(blueprint: Backend, context: GraphContext, row: CandidateResult) -> Backend:

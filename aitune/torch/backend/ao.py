@@ -23,6 +23,7 @@ from aitune.torch.backend.base import (
 )
 from aitune.torch.backend.inductor_jit import (
     COMPILE_MODES,
+    allow_many_variants,
     clone_output,
     compile_arguments,
     graph_break_count,
@@ -352,6 +353,7 @@ class TorchAOBackend(Backend):
                 dynamic = self._resolved_dynamic(graph)
                 self.build_info["dynamic"] = dynamic
                 mode, options = compile_arguments(self.config.mode, None, self.config.freezing)
+                allow_many_variants()
                 self._callable = torch.compile(quantized, backend="inductor", mode=mode, options=options,
                                                fullgraph=self.config.fullgraph, dynamic=dynamic)
             else:

@@ -434,9 +434,16 @@ class Backend:
         return False
 
     @property
+    def search_tier(self) -> int:
+        """How much a search may spend on this candidate: 0 = always tried; 1 = an extra variant, tried only
+        with an explicit time budget and >= 60 s of it left; 2 = expensive (max-autotune: minutes of kernel
+        benchmarking), tried only with >= 300 s left (see ``aitune.torch.evaluation.TIER_MIN_S``)."""
+        return 0
+
+    @property
     def expensive(self) -> bool:
         """Builds that take far longer than usual (max-autotune): tried only when the time budget allows."""
-        return False
+        return self.search_tier >= 2
 
     @property
     def bakes_weights(self) -> bool:

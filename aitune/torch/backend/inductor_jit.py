@@ -38,6 +38,20 @@ def uses_cuda_graphs(mode: str | None, options: dict | None) -> bool:
 
 
 MEMORY_FORMATS = (None, "channels_last")
+RECOMPILE_LIMIT = 64
+
+
+def allow_many_variants() -> None:
+    """NOTE [recompile limit]: dynamo keeps at most ``recompile_limit`` (8) compiled entries per code object,
+    and every ``torch.compile`` variant of one module (mode, freezing, memory format, a quantized copy)
+    counts. A search compiles one module several ways, so beyond 8 the later variants — and new shapes of
+    the chosen one after tuning — would silently run eagerly. aitune raises the limit to 64 (never lowers
+    it) for the process."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if getattr(dynamo_config, name, RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
+            setattr(dynamo_config, name, RECOMPILE_LIMIT)
 
 
 def has_4d_convolution(module: torch.nn.Module, graph) -> bool:
@@ -118,6 +132,7 @@ def compile_arguments(mode: str | None, options: dict | None, freezing: bool) ->
 
 class TorchInductorJitBackend(AutocastMixin, Backend):
     _channels_last = False
+    _tier = 0  # search tier of a search-space variant (see search_tier)
     """``torch.compile(module, backend="inductor")``, warmed up on every recorded sample at build.
 
     Wraps: TorchInductor (CPU: C++/OpenMP; CUDA: Triton). Extra: none (torch only).
@@ -155,12 +170,21 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             configs = [dict(), dict(freezing=True)]
             if module is not None and graph is not None and has_4d_convolution(module, graph):
                 configs.append(dict(freezing=True, memory_format="channels_last"))
-        return [TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)) for kwargs in configs]
+        variants = [TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)) for kwargs in configs]
+        if device.type == "cuda":
+            for variant in variants:
+                if not variant.config.freezing:
+                    variant._tier = 1
+        return variants
 
     @property
-    def expensive(self) -> bool:
-        """max-autotune modes benchmark many kernels while compiling (minutes on a large model)."""
-        return (self.config.mode or "").startswith("max-autotune")
+    def search_tier(self) -> int:
+        """max-autotune modes benchmark many kernels while compiling (minutes on a large model): tier 2. On
+        CUDA, the variants dominated by reduce-overhead + freezing in our H200 measurements (plain
+        reduce-overhead, default mode) are extras: tier 1. See :meth:`Backend.search_tier`."""
+        if (self.config.mode or "").startswith("max-autotune"):
+            return 2
+        return getattr(self, "_tier", 0)
 
     def _supports(self, module, graph, device) -> Check:
         if uses_cuda_graphs(self.config.mode, self.config.options) and device.type != "cuda":
@@ -186,6 +210,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
 
             module = copy.deepcopy(module).to(memory_format=torch.channels_last)
         mode, options = self.config.compile_arguments()
+        allow_many_variants()
         self._compiled = torch.compile(module, backend="inductor", mode=mode, options=options,
                                        fullgraph=self.config.fullgraph, dynamic=dynamic)
         breaks_before = graph_break_count()
