@@ -522,7 +522,7 @@ class OnnxCallIO:
                    output_dtypes=list(flat_io.output_dtypes), output_spec=flat_io.output_spec,
                    output_constants=list(flat_io.output_constants),
                    accepted_shapes={tuple(map(tuple, export.example_shapes))} if export.shape_specialized else None,
-                   parameters=forward_parameters(module) if module is not None else None,
+                   parameters=recorded_parameters(graph, module),
                    output_is_tensor=list(flat_io.output_is_tensor))
 
     # ---- calls
@@ -664,6 +664,23 @@ def forward_parameters(module: torch.nn.Module) -> list[list] | None:
         signature = inspect.signature(module.forward)
     except (TypeError, ValueError):
         return None
+    return _parameters_of(signature)
+
+
+def recorded_parameters(graph, module: torch.nn.Module | None) -> list[list] | None:
+    """The parameters of the ``forward`` that ``graph``'s samples were recorded (so normalised) against.
+
+    The exported module may be a wrapper with ``forward(*args, **kwargs)`` (the kernel selector's
+    PlannedModule); its own signature would not normalise calls into the graph's input structure. Falls
+    back to ``module.forward`` when the graph has no signature.
+    """
+    call_signature = getattr(graph, "signature", None)
+    if call_signature is not None and call_signature.signature is not None:
+        return _parameters_of(call_signature.signature)
+    return forward_parameters(module) if module is not None else None
+
+
+def _parameters_of(signature: inspect.Signature) -> list[list]:
     return [[p.name, p.kind.name, p.default is not inspect.Parameter.empty] for p in signature.parameters.values()]
 
 
