@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from aitune.errors import CheckpointError, ConfigError
-from aitune.torch.backend.onnx_export import OnnxCallIO, export_onnx, specialized_axes
+from aitune.torch.backend.onnx_call_io import OnnxCallIO
+from aitune.torch.backend.onnx_export import export_onnx
+from aitune.torch.backend.onnx_graph import specialized_axes
 from aitune.torch.serialization import constant_from_json, constant_to_json
 from aitune.torch.serialization import tree_spec_from_json as spec_from_json
 from aitune.torch.serialization import tree_spec_to_json as spec_to_json
