@@ -36,8 +36,7 @@ from typing import Any, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from aitune.errors import ConfigError, CorrectnessError, ToleranceExceededError
-from aitune.torch.backend.base import one_line
+from aitune.errors import ConfigError, CorrectnessError, ToleranceExceededError, one_line
 from aitune.torch.correctness import OutputComparator, Tolerance, cosine_similarity
 from aitune.torch.kernel_forge.kernel_provider import ORIGINAL_SDPA, KernelProvider, SDPACall, family_to_dict
 from aitune.torch.kernel_forge.plan import KernelChoice, KernelOptimizationPlan
