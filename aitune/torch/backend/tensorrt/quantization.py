@@ -98,7 +98,7 @@ def autocast_onnx(*, onnx_path: str, output_path: str, precision: str = "fp16", 
 
     import modelopt
 
-    from aitune.torch.backend.base import _version_tuple
+    from aitune.torch.requirements import _version_tuple
 
     options = {}
     # Recorded samples are passed as calibration data only where ModelOpt reads a folder of .npz files
