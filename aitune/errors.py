@@ -129,3 +129,15 @@ class CheckpointVersionError(CheckpointError):
 
 class CheckpointIntegrityError(CheckpointError):
     """A checkpoint's contents do not match its digests, or its layout is unsafe or incomplete."""
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """First meaningful line of an exception, prefixed by its type, for report 'reason' columns.
+
+    Kept here, below every layer (backends, kernel forge, strategies), which import it from here.
+    """
+    text = str(exc).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return message if len(message) <= limit else message[: limit - 1] + "…"

@@ -350,7 +350,7 @@ def _check_support(blueprint: Backend, context: GraphContext, row: CandidateResu
     except Exception as exc:  # noqa: BLE001 - a crashing eligibility check is a row too
         raise _Stop(FAILED, exc, prefix="supports(): ") from exc
     if not support.ok:
-        status = UNAVAILABLE if not blueprint.availability().ok else UNSUPPORTED
+        status = UNAVAILABLE if not blueprint.availability().ok else (NO_OP if support.no_op else UNSUPPORTED)
         raise _Stop(status, None, reason=support.reason)
 
 

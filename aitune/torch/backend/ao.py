@@ -289,7 +289,7 @@ class TorchAOBackend(Backend):
         selected = self._selected_modules(module, preset)
         if not selected:
             what = "module selected by filter_fn" if self.config.filter_fn else "nn.Linear module"
-            return Check(False, f"nothing to quantize: no {what} in {type(module).__name__}")
+            return Check(False, f"nothing to quantize: no {what} in {type(module).__name__}", no_op=True)
         if preset == "int4wo":
             if device.type != "cuda" or capability < INT4_MIN_CAPABILITY:
                 return Check(False, "int4wo (tinygemm int4 kernel) needs a CUDA GPU of compute capability >= 8.0")

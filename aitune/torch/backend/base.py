@@ -10,10 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-import functools
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import logging
 import time
@@ -29,10 +26,19 @@ from aitune.errors import (
     BackendUnavailableError,
     ConfigError,
     UnknownBackendError,
+    one_line,
 )
 from aitune.torch.arguments import KnownFields
 from aitune.torch.build_log import into_build_log
 from aitune.torch.dtypes import dtype_from_name, dtype_name
+from aitune.torch.requirements import (  # noqa: F401 - re-exported: they lived here
+    Check,
+    Requirement,
+    check_requirements,
+    probe_requirement,
+    torch_version_at_least,
+    validate_flags,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,90 +61,6 @@ class BackendState(str, enum.Enum):
     ACTIVE = "active"
     INACTIVE = "inactive"
     CHECKPOINT_LOADED = "checkpoint_loaded"
-
-
-@dataclasses.dataclass(frozen=True)
-class Check:
-    """Result of :meth:`Backend.availability` / :meth:`Backend.supports`: ``ok`` and a one-line ``reason``."""
-
-    ok: bool
-    reason: str = ""
-    versions: dict = dataclasses.field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-
-@dataclasses.dataclass(frozen=True)
-class Requirement:
-    """An optional package a backend needs.
-
-    Args:
-        module: import name (``onnxruntime``).
-        distributions: distribution names that provide it (``onnxruntime``, ``onnxruntime-gpu``).
-        extra: the aitune pip extra that installs it. min_version: lowest supported version.
-    """
-
-    module: str
-    distributions: tuple[str, ...]
-    extra: str
-    min_version: str | None = None
-
-
-@functools.lru_cache(maxsize=None)
-def probe_requirement(requirement: Requirement) -> Check:
-    """Is ``requirement`` importable and new enough? Cheap and silent (find_spec + metadata only)."""
-    if importlib.util.find_spec(requirement.module) is None:
-        return Check(False, f"package '{requirement.distributions[0]}' not found — "
-                            f"pip install 'aitune[{requirement.extra}]'")
-    version = None
-    for distribution in requirement.distributions:
-        try:
-            version = importlib.metadata.version(distribution)
-            break
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    if requirement.min_version and version and _version_tuple(version) < _version_tuple(requirement.min_version):
-        return Check(False, f"package '{requirement.distributions[0]}' {version} is older than "
-                            f"{requirement.min_version} — pip install -U 'aitune[{requirement.extra}]'",
-                     {requirement.module: version})
-    return Check(True, "", {requirement.module: version or "unknown"})
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-def check_requirements(requirements) -> Check:
-    """All ``requirements`` importable and new enough? The first failing one's reason, else their versions."""
-    versions: dict[str, str] = {}
-    for requirement in requirements:
-        check = probe_requirement(requirement)
-        if not check.ok:
-            return Check(False, check.reason, versions)
-        versions.update(check.versions)
-    return Check(True, "", versions)
-
-
-def validate_flags(config, bool_fields: tuple[str, ...], optional_bool_fields: tuple[str, ...] = ("dynamic",)) -> None:
-    """Raise ConfigError unless each of ``bool_fields`` is a bool and each optional one is a bool or None."""
-    for name in bool_fields:
-        if not isinstance(getattr(config, name), bool):
-            raise ConfigError(f"{name} must be a bool, got {getattr(config, name)!r}")
-    for name in optional_bool_fields:
-        value = getattr(config, name)
-        if value is not None and not isinstance(value, bool):
-            raise ConfigError(f"{name} must be True, False or None, got {value!r}")
-
-
-def torch_version_at_least(version: str) -> bool:
-    return _version_tuple(torch.__version__) >= _version_tuple(version)
 
 
 # --------------------------------------------------------------------------------------------- configs
@@ -586,10 +508,3 @@ class Backend:
         raise NotImplementedError(f"{type(self).__name__} cannot be loaded from a checkpoint")
 
 
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    """First meaningful line of an exception, prefixed by its type, for report 'reason' columns."""
-    text = str(exc).strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    first = lines[0] if lines else ""
-    message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return message if len(message) <= limit else message[: limit - 1] + "…"
