@@ -36,7 +36,7 @@ import torch
 
 from aitune.errors import BackendBuildError, CheckpointError, ConfigError, IsolatedStepError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, torch_version_at_least
-from aitune.torch.backend.accepted import AcceptedInputs
+from aitune.torch.backend.accepted import AcceptedInputs, batch_axes
 from aitune.torch.backend.flat import FlatIO, eager_output
 from aitune.torch.dtypes import dtype_name
 from aitune.torch.samples import BATCH, STATIC
@@ -187,17 +187,6 @@ class _ExportPlan:
     batch_range: tuple[int, int] | None
 
 
-def _axis_multiplier(spec, axis: int) -> int:
-    multiplier = spec.multipliers[axis]
-    return 1 if math.isnan(multiplier) else int(multiplier)
-
-
-def _batch_axes(graph) -> list[tuple[int, int, int]]:
-    """(tensor index, axis, multiplier) of every batch axis of the graph."""
-    return [(index, axis, _axis_multiplier(spec, axis))
-            for index, spec in enumerate(graph.tensor_specs) for axis, kind in enumerate(spec.axes) if kind == BATCH]
-
-
 def _batch_range(graph, batch_axes) -> tuple[int, int] | None:
     if not batch_axes:
         return None
@@ -213,7 +202,7 @@ def _export_plan(graph, flat_io: FlatIO, use_auto: bool) -> _ExportPlan:
     """Choose the export example (batch >= 2, NOTE [batch 1 and export]) and build ``dynamic_shapes``."""
     from torch.export import Dim
 
-    batch_axes = _batch_axes(graph)
+    batch_axes = batch_axes(graph)
     batch_range = _batch_range(graph, batch_axes)
     batch_dim = None
     if batch_range is not None and not use_auto:
@@ -392,7 +381,7 @@ class TorchInductorAotBackend(Backend):
         exported, plan = self._export(flat_module, graph, flat_io)
         ranges, notes = _accepted_ranges(exported, graph)
         self._accepted = AcceptedInputs.from_graph(graph, device, [(r["low"], r["high"]) for r in ranges],
-                                                   _batch_axes(graph))
+                                                   batch_axes(graph))
         self.build_info.update({
             "export_example_shapes": [list(tensor.shape) for tensor in plan.example],
             "batch_range": list(plan.batch_range) if plan.batch_range else None,

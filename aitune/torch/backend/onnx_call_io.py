@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aitune.errors import CheckpointError, ConfigError
+from aitune.torch.backend.accepted import AcceptedInput, AcceptedInputs, batch_axes
+from aitune.torch.dtypes import dtype_from_name, dtype_name
 from aitune.torch.pytree import LEAF, TreeSpec, hashable_constant, tree_flatten, tree_unflatten
 from aitune.torch.samples import CallSignature
 from aitune.torch.serialization import output_template_from_json, outputs_to_json
@@ -31,10 +33,6 @@ def constant_key(value: Any) -> str:
 
 
 _PLAIN_LEAF_TYPES = (torch.Tensor, int, float, bool, str, type(None))
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclasses.dataclass
@@ -75,6 +73,7 @@ class OnnxCallIO:
     accepted_shapes: set[tuple] | None = None
     parameters: list[list] | None = None
     output_is_tensor: list[bool] | None = None
+    batch_axes: list | None = None  # (tensor position, axis, multiplier): sizes must agree (one batch per call)
 
     def __post_init__(self):
         if self.output_is_tensor is None:
@@ -87,6 +86,11 @@ class OnnxCallIO:
                 and spec.children[1].kind == "dict" and spec.children[1].node_type is None
                 and all(child.kind == LEAF for child in spec.children[1].children))
         self._flat_keys = tuple(spec.children[1].context) if flat else None
+        self._accepted = AcceptedInputs(
+            [AcceptedInput(index, dtype_name(dtype), list(low), list(high)) for index, dtype, low, high in
+             zip(self.tensor_indices, self.input_dtypes, self.input_low, self.input_high)],
+            device_type=None, batch_axes=[tuple(axis) for axis in self.batch_axes or []],
+            shapes=self.accepted_shapes)
 
     @classmethod
     def from_export(cls, export: OnnxExport, graph, module: torch.nn.Module | None = None) -> "OnnxCallIO":
@@ -107,7 +111,7 @@ class OnnxCallIO:
                    output_constants=list(flat_io.output_constants),
                    accepted_shapes={tuple(map(tuple, export.example_shapes))} if export.shape_specialized else None,
                    parameters=recorded_parameters(graph, module),
-                   output_is_tensor=list(flat_io.output_is_tensor))
+                   output_is_tensor=list(flat_io.output_is_tensor), batch_axes=batch_axes(graph))
 
     # ---- calls
     def leaves_of(self, args: tuple, kwargs: dict, signature=None) -> list[Any]:
@@ -155,26 +159,8 @@ class OnnxCallIO:
         for index, key in self.constant_keys.items():
             if isinstance(leaves[index], torch.Tensor) or constant_key(leaves[index]) != key:
                 return f"non-tensor input #{index} differs from the value the graph was exported with ({key})"
-        shapes = []
-        for position, index in enumerate(self.tensor_indices):
-            leaf = leaves[index]
-            if not isinstance(leaf, torch.Tensor):
-                return f"input #{index} must be a tensor"
-            if leaf.dtype != self.input_dtypes[position]:
-                return f"input #{index} has dtype {leaf.dtype}, the graph takes {self.input_dtypes[position]}"
-            if leaf.dim() != len(self.input_low[position]):
-                return f"input #{index} has rank {leaf.dim()}, the graph takes {len(self.input_low[position])}"
-            shapes.append(tuple(leaf.shape))
-        if self.accepted_shapes is not None:
-            if tuple(shapes) not in self.accepted_shapes:
-                return (f"the graph is shape-specialized: it runs only the shapes {sorted(self.accepted_shapes)}, "
-                        f"not {shapes}")
-            return None
-        for position, shape in enumerate(shapes):
-            low, high = self.input_low[position], self.input_high[position]
-            if any(not (lo <= size <= hi) for lo, size, hi in zip(low, shape, high)):
-                return f"input #{self.tensor_indices[position]} shape {list(shape)} is outside [{low}, {high}]"
-        return None
+        self._accepted.shapes = self.accepted_shapes  # a build may restrict it after validating the samples
+        return self._accepted.rejects(leaves)  # dtype, rank, range, batch agreement: the shared AOT check
 
     def flat_inputs(self, leaves: list[Any]) -> list[torch.Tensor]:
         """Tensors for the ONNX graph inputs, in ``input_names`` order."""
@@ -195,19 +181,20 @@ class OnnxCallIO:
             "input_spec": spec_to_json(self.input_spec),
             "num_leaves": self.num_leaves,
             "tensor_indices": self.tensor_indices,
-            "input_dtypes": [_dtype_name(d) for d in self.input_dtypes],
+            "input_dtypes": [dtype_name(d) for d in self.input_dtypes],
             "input_low": self.input_low,
             "input_high": self.input_high,
             "constant_keys": {str(k): v for k, v in self.constant_keys.items()},
             "input_names": self.input_names,
             "input_positions": self.input_positions,
             "output_names": self.output_names,
-            "output_dtypes": [_dtype_name(d) for d in self.output_dtypes],
+            "output_dtypes": [dtype_name(d) for d in self.output_dtypes],
             "outputs": outputs_to_json(self.output_spec, self.output_constants, self.output_is_tensor,
                                        self.output_dtypes),
             "accepted_shapes": None if self.accepted_shapes is None else sorted(
                 [list(map(list, shapes)) for shapes in self.accepted_shapes]),
             "parameters": self.parameters,
+            "batch_axes": [list(axis) for axis in self.batch_axes or []],
         }
 
     @classmethod
@@ -220,16 +207,17 @@ class OnnxCallIO:
         accepted = data.get("accepted_shapes")
         return cls(
             input_spec=input_spec, num_leaves=int(data["num_leaves"]), tensor_indices=list(data["tensor_indices"]),
-            input_dtypes=[getattr(torch, name) for name in data["input_dtypes"]],
+            input_dtypes=[dtype_from_name(name, CheckpointError) for name in data["input_dtypes"]],
             input_low=[list(x) for x in data["input_low"]], input_high=[list(x) for x in data["input_high"]],
             constant_keys={int(k): v for k, v in data["constant_keys"].items()},
             input_names=list(data["input_names"]), input_positions=list(data["input_positions"]),
             output_names=list(data["output_names"]),
-            output_dtypes=[getattr(torch, name) for name in data["output_dtypes"]], output_spec=output_spec,
+            output_dtypes=[dtype_from_name(name, CheckpointError) for name in data["output_dtypes"]],
+            output_spec=output_spec,
             output_constants=[None if tensor else leaf for leaf, tensor in zip(output_leaves, output_is_tensor)],
             output_is_tensor=output_is_tensor,
             accepted_shapes=None if accepted is None else {tuple(tuple(s) for s in shapes) for shapes in accepted},
-            parameters=data.get("parameters"))
+            parameters=data.get("parameters"), batch_axes=data.get("batch_axes"))
 
 
 def _spec_or_graph(data: dict, graph_spec: TreeSpec | None) -> TreeSpec:

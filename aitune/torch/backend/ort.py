@@ -217,13 +217,16 @@ class ONNXRuntimeBackend(Backend):
                                     f"not bind (supported: {', '.join(str(d) for d in _NUMPY_NAMES)})")
         return Check(True)
 
-    def accepts(self, leaves: list) -> bool:
-        """True when the built graph runs a call with these flattened canonical input leaves.
+    def rejects(self, leaves: list) -> str | None:
+        """Why the built graph cannot run a call with these flattened canonical input leaves (None: it can).
 
-        False for shapes outside the recorded/declared range (``GraphSpec.covers``), other dtypes or
-        constants, and — for a shape-specialized export — any shape that did not run at build.
+        Other constants than exported, other dtypes or ranks, sizes outside the recorded/declared range,
+        batch axes that disagree, and — for a shape-specialized export — any shape that did not run at build
+        (the shared check of :mod:`aitune.torch.backend.accepted`).
         """
-        return self._io is not None and self._io.check(list(leaves)) is None
+        if self._io is None:
+            return "the ONNX graph is not built"
+        return self._io.check(list(leaves))
 
     # ---- build
     def _build(self, module, graph, device, workdir: Path) -> None:
