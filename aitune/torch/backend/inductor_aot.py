@@ -202,8 +202,8 @@ def _export_plan(graph, flat_io: FlatIO, use_auto: bool) -> _ExportPlan:
     """Choose the export example (batch >= 2, NOTE [batch 1 and export]) and build ``dynamic_shapes``."""
     from torch.export import Dim
 
-    batch_axes = batch_axes(graph)
-    batch_range = _batch_range(graph, batch_axes)
+    graph_batch_axes = batch_axes(graph)
+    batch_range = _batch_range(graph, graph_batch_axes)
     batch_dim = None
     if batch_range is not None and not use_auto:
         batch_dim = Dim("batch", min=batch_range[0], max=batch_range[1])
@@ -217,12 +217,12 @@ def _export_plan(graph, flat_io: FlatIO, use_auto: bool) -> _ExportPlan:
     sample = min(candidates, key=lambda s: s.batch_size or 0) if candidates else graph.samples[0]
     example = [tensor.detach().clone() for tensor in flat_io.sample_inputs(sample.clone())]
     repeated_batch = None
-    if not candidates and batch_axes and batch_range[1] >= 2:
-        index, axis, multiplier = batch_axes[0]
+    if not candidates and graph_batch_axes and batch_range[1] >= 2:
+        index, axis, multiplier = graph_batch_axes[0]
         batch = example[index].shape[axis] // multiplier
         if batch == 1:  # case C02: repeat the sample along its batch axes to batch 2
             repeated_batch = 2
-            for index, axis, multiplier in batch_axes:
+            for index, axis, multiplier in graph_batch_axes:
                 example[index] = torch.cat([example[index]] * 2, dim=axis)
 
     named_dims: dict[str, Any] = {}
@@ -235,7 +235,7 @@ def _export_plan(graph, flat_io: FlatIO, use_auto: bool) -> _ExportPlan:
                 continue
             declared = spec.dims[axis]
             if kind == BATCH and batch_dim is not None:
-                multiplier = _axis_multiplier(spec, axis)
+                multiplier = 1 if math.isnan(spec.multipliers[axis]) else int(spec.multipliers[axis])
                 axes[axis] = batch_dim if multiplier == 1 else multiplier * batch_dim
             elif declared is not None and not use_auto:
                 if declared.name not in named_dims:
