@@ -14,7 +14,7 @@ from aitune import __version__
 from aitune.errors import ConfigError
 from aitune.torch.environment import environment  # noqa: F401 - re-exported (reports record it)
 from aitune.torch.jsonsafe import json_safe
-from aitune.torch.report_html import render_tune_report
+from aitune.torch.report_html import probes_text, render_tune_report
 
 # Candidate statuses.
 SELECTED = "selected"
@@ -262,19 +262,9 @@ def render_table(rows: list[CandidateResult]) -> str:
             row.status + (" (cached)" if row.cached else ""), reason,
             _fmt(row.build_s, ".1f"), _fmt(measurement.get("p50_ms"), ".3f"), _fmt(measurement.get("p90_ms"), ".3f"),
             _fmt(measurement.get("throughput"), ".1f"),
-            "" if row.speedup is None else f"{row.speedup:.2f}x", error_text, _probes_text(row.probes)])
+            "" if row.speedup is None else f"{row.speedup:.2f}x", error_text, probes_text(row.probes)])
     table = tabulate(body, headers=headers, tablefmt="github")
     return table + ("\n\n" + "\n".join(notes) if notes else "")
-
-
-def _probes_text(probes: dict | None) -> str:
-    """``passed/checked`` (``+n not accepted`` by the artifact, ``n not run`` for lack of time)."""
-    if not probes:
-        return ""
-    text = f"{probes.get('passed', 0)}/{probes.get('checked', 0)}"
-    if probes.get("not_run"):
-        text += f" ({probes['not_run']} not run)"
-    return text
 
 
 def _known_fields(cls, data: dict) -> dict:

@@ -203,7 +203,7 @@ def _candidates_table(rows: list[dict]) -> str:
         errors = " / ".join(_num(comparison.get(key), ".3g") for key in ("max_abs_error", "max_rel_error"))
         row_class = "selected" if status == "selected" else ""
         body.append({"class": row_class + (" has-reason" if row.get("reason") else ""), "cells": [
-            f'{_e(row.get("description") or row.get("backend"))}<br><span class="muted mono">{_e(row.get("backend"))}</span>',
+            f'{_e(_name(row))}<br><span class="muted mono">{_e(row.get("backend"))}</span>',
             _badge(status) + (' <span class="muted">cached</span>' if row.get("cached") else ""),
             ("", "num", _num(row.get("build_s"), ".1f")),
             ("", "num", latency if measurement else ""),
@@ -211,11 +211,12 @@ def _candidates_table(rows: list[dict]) -> str:
             ("", "num", _speedup_text(row.get("speedup"))),
             ("", "num", errors if comparison else ""),
             ("", "num", quality),
-            ("", "num", _probes_text(row.get("probes"))),
+            ("", "num", probes_text(row.get("probes"))),
         ]})
         if row.get("reason"):
             body.append({"class": row_class + " reason-row",
-                         "cells": [("", "reason", f'<span class="muted">reason:</span> {_e(row["reason"])}', len(headers))]})
+                         "cells": [("", "reason", f'<span class="muted">reason:</span> {_e(row["reason"])}',
+                                    len(headers))]})
     return _table(headers, body, css_class="candidates")
 
 
@@ -223,7 +224,7 @@ def _sample_table(rows: list[dict]) -> str:
     body = []
     for row in rows:
         for timing in row["measurement"]["samples"]:
-            body.append([_e(row.get("description") or row.get("backend")), ("", "num", str(timing.get("batch_size", ""))),
+            body.append([_e(_name(row)), ("", "num", str(timing.get("batch_size", ""))),
                          ("", "num", str(timing.get("calls", "")))]
                         + [("", "num", _num(timing.get(key), ".4g")) for key in
                            ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "std_ms")])
@@ -245,7 +246,7 @@ def _not_used_section(rows: list[dict], module_errors: dict, checkpoint: bool) -
             continue
         any_listed = True
         body = [[f'{_e(row.get("module"))}/{_e(row.get("graph"))}',
-                 f'{_e(row.get("description") or row.get("backend"))}',
+                 f'{_e(_name(row))}',
                  ("", "reason", _e(row.get("reason", "")) or '<span class="muted">(no reason recorded)</span>'),
                  ("", "path", f'<code>{_e(row["log_path"])}</code>' if row.get("log_path") else "")]
                 for row in members]
@@ -289,7 +290,8 @@ def render_inspection(modules: list[dict], total_ms: float, iterations: int,
     body = ["<h1>aitune inspect: where the time goes</h1>",
             f'<p class="meta">{len(modules)} top-most executed module(s); {_num(total_ms, ",.2f")} ms over '
             f"{iterations} iteration(s) ({_num(total_ms / iterations if iterations else 0.0, ',.3f')} ms per "
-            f"iteration); the listed modules account for {_num(100 * covered / total_ms if total_ms else 0.0, '.1f')} %."
+            f"iteration); the listed modules account for "
+            f"{_num(100 * covered / total_ms if total_ms else 0.0, '.1f')} %."
             "</p>"]
     if not figures.available:
         body.append(f'<p class="note" id="no-figures">Figures need matplotlib: <code>{_e(REPORT_EXTRA)}</code>. '
@@ -362,8 +364,10 @@ class _FigureMaker:
                     if _is_number(mid):
                         axes.plot([mid], [position], "|", color=colour, markersize=12)
         axes.set_yticks(range(len(measured)), [_label(row) for row in measured])
-        values = [value for row in measured for value in (row["measurement"].get("round_ms") or
-                  [row["measurement"].get("p50_ms"), row["measurement"].get("p99_ms")]) if _is_number(value) and value > 0]
+        values = [value for row in measured
+                  for value in (row["measurement"].get("round_ms")
+                                or [row["measurement"].get("p50_ms"), row["measurement"].get("p99_ms")])
+                  if _is_number(value) and value > 0]
         if values and max(values) / min(values) > 4:
             self._log_x(axes)
         axes.set_xlabel("ms per round (one call of each recorded sample)" if rounds_shown else "ms (p50 .. p99)")
@@ -381,7 +385,7 @@ class _FigureMaker:
             return ""
         shown.sort(key=lambda row: row.get("speedup") if _is_number(row.get("speedup")) else -1.0)
         figure = self._figure(len(shown), width=9.2)
-        speed_axes, error_axes = figure.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [1, 1], "wspace": 0.08})
+        speed_axes, error_axes = figure.subplots(1, 2, sharey=True, gridspec_kw={"wspace": 0.08})
         positions = list(range(len(shown)))
         colours = [_style(row.get("status"))[0] for row in shown]
         speedups = [row.get("speedup") if _is_number(row.get("speedup")) else 0.0 for row in shown]
@@ -576,9 +580,13 @@ def _row_order(row: dict) -> tuple:
     return (_style(row.get("status"))[1], -(throughput if _is_number(throughput) else 0.0))
 
 
+def _name(row: dict) -> str:
+    return row.get("description") or row.get("backend") or "?"
+
+
 def _label(row: dict) -> str:
     """A figure's label for a row: its description wrapped (never cut), ``$`` kept literal."""
-    text = row.get("description") or row.get("backend") or "?"
+    text = _name(row)
     return _escape_mathtext("\n".join(textwrap.wrap(text, 34, break_long_words=True)) or text)
 
 
@@ -598,7 +606,8 @@ def _inputs_text(spec: dict) -> str:
     return "; ".join(parts)
 
 
-def _probes_text(probes: dict | None) -> str:
+def probes_text(probes: dict | None) -> str:
+    """``passed/checked`` plus ``(n not accepted, n not run)`` where there are any; "" without probes."""
     if not probes:
         return ""
     text = f"{probes.get('passed', 0)}/{probes.get('checked', 0)}"
