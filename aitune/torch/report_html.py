@@ -45,7 +45,6 @@ _STATUS_STYLE = {
     "unavailable": ("#999999", 7),
     "skipped": ("#999999", 8),
 }
-_NOT_USED = [status for status in _STATUS_STYLE if status not in ("selected", "passed")]
 _UNKNOWN_STYLE = ("#777777", 9)
 
 _CSS = """
@@ -63,12 +62,15 @@ code, .mono { font-family: ui-monospace, "SFMono-Regular", "DejaVu Sans Mono", M
 .table-wrap { overflow-x: auto; margin: 6px 0 10px; }
 table { border-collapse: collapse; font-size: 13px; }
 th, td { border-bottom: 1px solid var(--line); padding: 5px 9px; text-align: left; vertical-align: top; }
-th { background: var(--soft); font-weight: 600; white-space: nowrap; }
+th { background: var(--soft); font-weight: 600; vertical-align: bottom; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 td.reason { min-width: 260px; max-width: 640px; white-space: pre-wrap; overflow-wrap: anywhere; }
 table.candidates td.reason { max-width: none; padding-top: 0; padding-left: 22px; }
 table.candidates tr.has-reason td { border-bottom: none; }
 td.path { overflow-wrap: anywhere; max-width: 360px; }
+td.backend { min-width: 210px; max-width: 340px; overflow-wrap: break-word; }
+td.probes { text-align: right; min-width: 90px; }
+table.not-used td { overflow-wrap: anywhere; }
 tr.selected td { background: #e9f7f1; }
 .badge { display: inline-block; padding: 1px 8px; border-radius: 10px; color: #fff; font-size: 12px;
          white-space: nowrap; font-weight: 600; }
@@ -189,29 +191,28 @@ def _graph_section(index: int, graph: dict, figures: "_FigureMaker", checkpoint:
 
 def _candidates_table(rows: list[dict]) -> str:
     """Every row; its reason, whole, on a line of its own below the figures (reasons are never cut)."""
-    headers = ["backend", "status", "build s", "p50 / p90 / p99 ms", "samples/s", "speed-up", "max abs / rel err",
-               "SQNR / cosine", "probes passed"]
+    headers = ["backend", "status", "build s", "p50 / p90 / p99 ms", "samples/s", "speed-up",
+               "max error vs eager: abs / rel", "probes passed"]
     body = []
     for row in rows:
         measurement = row.get("measurement") or {}
         comparison = row.get("comparison") or {}
         status = row.get("status", "?")
         sqnr, cosine = comparison.get("min_sqnr_db"), comparison.get("min_cosine")
-        quality = " / ".join(part for part in (f"{_num(sqnr, '.1f')} dB" if _is_number(sqnr) else "",
-                                               _num(cosine, ".5f")) if part)
-        latency = " / ".join(_num(measurement.get(key), ".4g") for key in ("p50_ms", "p90_ms", "p99_ms"))
+        quality = ", ".join(part for part in (f"SQNR {_num(sqnr, '.1f')} dB" if _is_number(sqnr) else "",
+                                              f"cos {_num(cosine, '.5f')}" if _is_number(cosine) else "") if part)
+        latency = " / ".join(_num(measurement.get(key), ".3g") for key in ("p50_ms", "p90_ms", "p99_ms"))
         errors = " / ".join(_num(comparison.get(key), ".3g") for key in ("max_abs_error", "max_rel_error"))
         row_class = "selected" if status == "selected" else ""
         body.append({"class": row_class + (" has-reason" if row.get("reason") else ""), "cells": [
-            f'{_e(_name(row))}<br><span class="muted mono">{_e(row.get("backend"))}</span>',
+            ("", "backend", f'{_e(_name(row))}<br><span class="muted mono">{_e(row.get("backend"))}</span>'),
             _badge(status) + (' <span class="muted">cached</span>' if row.get("cached") else ""),
             ("", "num", _num(row.get("build_s"), ".1f")),
             ("", "num", latency if measurement else ""),
             ("", "num", _num(measurement.get("throughput"), ",.1f")),
             ("", "num", _speedup_text(row.get("speedup"))),
-            ("", "num", errors if comparison else ""),
-            ("", "num", quality),
-            ("", "num", probes_text(row.get("probes"))),
+            ("", "num", (errors if comparison else "") + (f"<br>{quality}" if quality else "")),
+            ("", "probes", probes_text(row.get("probes"))),
         ]})
         if row.get("reason"):
             body.append({"class": row_class + " reason-row",
@@ -232,32 +233,30 @@ def _sample_table(rows: list[dict]) -> str:
 
 
 def _not_used_section(rows: list[dict], module_errors: dict, checkpoint: bool) -> str:
-    """Every failed/rejected/unavailable/unsupported/skipped/no-op row, grouped by status, whole reasons."""
+    """Every failed/rejected/unavailable/unsupported/skipped/no-op row in one table, by status, whole reasons."""
     parts = ['<h2 id="not-used">Not used, and why</h2>']
     if checkpoint:
         parts.append("<p>Not recorded in a checkpoint (see the tune report JSON).</p>")
         return "\n".join(parts)
-    groups = [(status, [row for row in rows if row.get("status") == status]) for status in _NOT_USED]
-    others = sorted({row.get("status") for row in rows} - set(_STATUS_STYLE))
-    groups += [(status, [row for row in rows if row.get("status") == status]) for status in others]
-    any_listed = False
-    for status, members in groups:
-        if not members:
-            continue
-        any_listed = True
-        body = [[f'{_e(row.get("module"))}/{_e(row.get("graph"))}',
-                 f'{_e(_name(row))}',
+    listed = sorted((row for row in rows if row.get("status") not in ("selected", "passed")),
+                    key=lambda row: (_style(row.get("status"))[1], str(row.get("status")), str(row.get("module")),
+                                     str(row.get("graph"))))
+    if listed:
+        counts: dict[str, int] = {}
+        for row in listed:
+            counts[row.get("status", "?")] = counts.get(row.get("status", "?"), 0) + 1
+        parts.append("<p>" + ", ".join(f"{count} {_e(status)}" for status, count in counts.items()) + ".</p>")
+        body = [[_badge(row.get("status")), f'{_e(row.get("module"))}/{_e(row.get("graph"))}', _e(_name(row)),
                  ("", "reason", _e(row.get("reason", "")) or '<span class="muted">(no reason recorded)</span>'),
                  ("", "path", f'<code>{_e(row["log_path"])}</code>' if row.get("log_path") else "")]
-                for row in members]
-        parts.append(f"<h3>{_badge(status)} {len(members)}</h3>"
-                     + _table(["graph", "backend", "reason", "build log"], body, css_class="not-used"))
+                for row in listed]
+        parts.append(_table(["status", "graph", "backend", "reason", "build log"], body, css_class="not-used",
+                            widths=["190px", "12%", "22%", "34%", "22%"]))
     if module_errors:
-        any_listed = True
         parts.append("<h3>Modules whose tuning failed (they run eager)</h3><ul class=\"reasons\">"
                      + "".join(f"<li><b>{_e(module)}</b>: {_e(error)}</li>" for module, error in module_errors.items())
                      + "</ul>")
-    if not any_listed:
+    if not listed and not module_errors:
         parts.append("<p>Every candidate passed.</p>")
     return "\n".join(parts)
 
@@ -340,7 +339,7 @@ class _FigureMaker:
             return ""
         measured.sort(key=lambda row: row["measurement"].get("median_round_ms") or row["measurement"].get("p50_ms")
                       or math.inf, reverse=True)
-        figure = self._figure(len(measured), width=6.0)
+        figure = self._figure(len(measured), width=6.2)
         axes = figure.subplots()
         rounds_shown = False
         for position, row in enumerate(measured):
@@ -363,7 +362,7 @@ class _FigureMaker:
                     axes.plot([low], [position], "o", color=colour)
                     if _is_number(mid):
                         axes.plot([mid], [position], "|", color=colour, markersize=12)
-        axes.set_yticks(range(len(measured)), [_label(row) for row in measured])
+        axes.set_yticks(range(len(measured)), _labels(measured))
         values = [value for row in measured
                   for value in (row["measurement"].get("round_ms")
                                 or [row["measurement"].get("p50_ms"), row["measurement"].get("p99_ms")])
@@ -397,7 +396,7 @@ class _FigureMaker:
             speed_axes.text(value + top * 0.02, position, text, va="center", fontsize=8.5, color="#333333")
         speed_axes.set_xlim(0, top * 1.28)
         speed_axes.set_xlabel("speed-up vs eager (throughput ratio; dashed: eager)")
-        speed_axes.set_yticks(positions, [_label(row) for row in shown])
+        speed_axes.set_yticks(positions, _labels(shown))
         errors = [(row.get("comparison") or {}).get("max_abs_error") for row in shown]
         positive = [value for value in errors if _is_number(value) and value > 0]
         tolerances = [((row.get("comparison") or {}).get("tolerance") or {}).get("atol") for row in shown]
@@ -438,7 +437,7 @@ class _FigureMaker:
         shown = [row for row in rows if row.get("probes")]
         if not shown:
             return ""
-        figure = self._figure(len(shown), width=4.8)
+        figure = self._figure(len(shown), width=5.4)
         axes = figure.subplots()
         positions = list(range(len(shown)))
         parts = [("passed", "#009E73"), ("failed", "#D55E00"), ("not accepted", "#BBBBBB"), ("not run", "#E5E5E5")]
@@ -457,11 +456,12 @@ class _FigureMaker:
         for position, row, end in zip(positions, shown, left):
             axes.text(end + 0.15, position, f"{row['probes'].get('passed', 0)}/{row['probes'].get('checked', 0)}",
                       va="center", fontsize=8.5, color="#333333")
-        axes.set_yticks(positions, [_label(row) for row in shown])
+        axes.set_yticks(positions, _labels(shown))
         axes.set_xlim(0, max(left + [1]) * 1.2 + 1)
         axes.set_ylim(-0.6, len(shown) - 0.4)
+        axes.xaxis.set_major_locator(self._ticker.MaxNLocator(integer=True))
         axes.set_xlabel("probes (inputs derived from the samples)")
-        axes.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, frameon=False, ncols=4)
+        figure.legend(loc="outside upper center", fontsize=8, frameon=False, ncols=4)
         self._tidy(axes)
         caption = ("Probes passed / checked per candidate. Failed: disagreed with eager (the candidate is rejected); "
                    "not accepted: outside the artifact's input range (such calls run eager); not run: out of time.")
@@ -545,10 +545,14 @@ def _page(title: str, body: Iterable[str]) -> str:
             + "\n".join(body) + "\n</main>\n</body>\n</html>\n")
 
 
-def _table(headers: list[str], rows: list, css_class: str = "", header: bool = True) -> str:
+def _table(headers: list[str], rows: list, css_class: str = "", header: bool = True,
+           widths: list[str] | None = None) -> str:
     """An HTML table; a cell is trusted HTML or ``(unused, css class, html[, colspan])``; a row is a list of
-    cells or ``{"class": ..., "cells": [...]}``."""
-    lines = [f'<div class="table-wrap"><table class="{css_class}">']
+    cells or ``{"class": ..., "cells": [...]}``; ``widths`` fixes the columns' widths (CSS lengths)."""
+    lines = [f'<div class="table-wrap"><table class="{css_class}"' + (' style="table-layout:fixed;width:100%"'
+                                                                     if widths else "") + ">"]
+    if widths:
+        lines.append("<colgroup>" + "".join(f'<col style="width:{width}">' for width in widths) + "</colgroup>")
     if header:
         lines.append("<thead><tr>" + "".join(f"<th>{_e(h)}</th>" for h in headers) + "</tr></thead>")
     lines.append("<tbody>")
@@ -584,10 +588,21 @@ def _name(row: dict) -> str:
     return row.get("description") or row.get("backend") or "?"
 
 
-def _label(row: dict) -> str:
-    """A figure's label for a row: its description wrapped (never cut), ``$`` kept literal."""
-    text = _name(row)
-    return _escape_mathtext("\n".join(textwrap.wrap(text, 34, break_long_words=True)) or text)
+def _labels(rows: list[dict]) -> list[str]:
+    """Figure labels: each row's description on at most two lines of 36 characters (longer ones end in "…"; the
+    tables carry them whole), numbered where two would read the same; ``$`` kept literal (no mathtext)."""
+    labels = []
+    for row in rows:
+        lines = textwrap.wrap(_name(row), 36, break_long_words=True)
+        if len(lines) > 2:
+            lines = [lines[0], lines[1][:35] + "…"]
+        labels.append("\n".join(lines))
+    for label in set(labels):
+        indices = [i for i, other in enumerate(labels) if other == label]
+        if len(indices) > 1:
+            for number, index in enumerate(indices, start=1):
+                labels[index] = f"{label} #{number}"
+    return [_escape_mathtext(label) for label in labels]
 
 
 def _escape_mathtext(text: str) -> str:
