@@ -104,7 +104,7 @@ class TuneReport:
         graphs: per graph, its candidate rows. module_errors: module name -> why its tuning failed.
         environment: versions and device (:func:`aitune.torch.environment.environment`).
         started_at: ISO time (for a report read from a checkpoint: when it was saved). duration_s: s.
-        path: the file it was written to or read from. from_checkpoint: read from a ``.ait`` manifest, which
+        path: the file it was written to or read from. checkpoint_rows_only: read from a ``.ait`` manifest, which
             keeps only the chosen backend's row per graph (:meth:`from_manifest`).
     """
 
@@ -114,7 +114,7 @@ class TuneReport:
     started_at: str = dataclasses.field(default_factory=lambda: datetime.datetime.now().isoformat(timespec="seconds"))
     duration_s: float = 0.0
     path: str | None = None
-    from_checkpoint: bool = False
+    checkpoint_rows_only: bool = False
 
     @property
     def rows(self) -> list[CandidateResult]:
@@ -198,7 +198,7 @@ class TuneReport:
             environment["capability"] = ".".join(map(str, device["capability"]))
         environment["checkpoint format"] = f"{manifest.get('format')} {manifest.get('format_version')}"
         return cls(graphs=graphs, environment=environment, started_at=str(manifest.get("created_at", "")),
-                   duration_s=0.0, path=None if path is None else str(path), from_checkpoint=True)
+                   duration_s=0.0, path=None if path is None else str(path), checkpoint_rows_only=True)
 
     def to_html(self, path: Path | str | None = None) -> str:
         """The report as one self-contained HTML page (:mod:`aitune.torch.report_html`): selected backends and
@@ -212,7 +212,7 @@ class TuneReport:
         Returns:
             The page's HTML text.
         """
-        page = render_tune_report(self.to_dict(), source=self.path, checkpoint=self.from_checkpoint)
+        page = render_tune_report(self.to_dict(), source=self.path, checkpoint=self.checkpoint_rows_only)
         if path is not None:
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
