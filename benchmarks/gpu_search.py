@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import aitune.torch as ait
-from aitune.torch.backend.inductor_jit import compile_arguments, to_channels_last
+from aitune.torch.backend.inductor_jit import compile_arguments
 from aitune.torch.profiling import Timer
 
 
@@ -98,12 +98,13 @@ def anchors(model, inputs, conv: bool) -> dict:
         mode, options = compile_arguments("reduce-overhead", None, True)
         if conv:
             composite_model = copy.deepcopy(model).to(memory_format=torch.channels_last)
-            composite_inputs = to_channels_last(inputs)
+            composite_inputs = inputs  # as aitune's variant: the compiled graph converts the input
             label = "hand-picked reduce-overhead + freezing + channels_last"
         else:
             composite_model, composite_inputs = model, inputs
             label = "hand-picked reduce-overhead + freezing"
         composite = torch.compile(composite_model, mode=mode, options=options)
+        anchors.compiled = composite
         call = run_compiled(composite, composite_inputs)
         results[label] = {"p50_ms": p50_ms(call), "max_abs_error": max_error(call(), expected)}
     return results
@@ -116,6 +117,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--time-budget-s", type=float, help="ait.tune(time_budget_s=...) (default: none)")
     parser.add_argument("--atol", type=float, help="fp16 tolerance (default: aitune's)")
+    parser.add_argument("--diagnose", action="store_true", help="time the chosen backend's layers separately")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     torch.backends.cudnn.benchmark = True
@@ -155,6 +157,41 @@ def main(argv=None) -> int:
         result["tuned_module_p50_ms"] = p50_ms(lambda: wrapped(**inputs))
         result["chosen_direct_p50_ms"] = p50_ms(lambda: chosen.run((), kwargs))
         result["eager_p50_ms"] = min(eager_ms, p50_ms(lambda: model(**inputs)))
+
+    if args.diagnose:  # where the time goes between a compiled callable and the wrapped module
+        from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
+
+        config = TorchInductorJitBackendConfig(mode="reduce-overhead", freezing=True,
+                                               memory_format="channels_last" if conv else None)
+        probe = ait.Module(model, f"{args.model}-diag", strategy=ait.OneBackendStrategy(
+            TorchInductorJitBackend(config)).enable_performance_validation(False))
+        ait.tune(lambda item: probe(**item), [inputs], progress=False)
+        backend = probe.backends["graph0"]
+        diag_kwargs = backend.graph.signature.normalize((), inputs)[1]
+        compiled = backend._compiled
+        raw_inputs = diag_kwargs
+        anchor = anchors.compiled  # the hand-picked composite, compiled by anchors()
+        with torch.no_grad():
+            def raw():
+                torch.compiler.cudagraph_mark_step_begin()
+                return compiled(**raw_inputs)
+
+            def hand_picked():
+                torch.compiler.cudagraph_mark_step_begin()
+                return anchor(**raw_inputs)
+            for round_ in range(2):  # A/B/A/B: the same clock conditions for both
+                result[f"diag{round_}_hand_picked_composite_p50_ms"] = p50_ms(hand_picked)
+                result[f"diag{round_}_our_compiled_raw_p50_ms"] = p50_ms(raw)
+            result["diag_backend_private_run_p50_ms"] = p50_ms(lambda: backend._run((), diag_kwargs))
+            result["diag_backend_run_p50_ms"] = p50_ms(lambda: backend.run((), diag_kwargs))
+            result["diag_module_p50_ms"] = p50_ms(lambda: probe(**inputs))
+        try:
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            result["diag_dynamo_cache_entries"] = len(_debug_get_cache_entry_list(type(model).forward.__code__))
+        except Exception as exc:  # noqa: BLE001 - diagnostics only
+            result["diag_dynamo_cache_entries"] = repr(exc)
+        print({key: value for key, value in result.items() if key.startswith("diag_")})
 
     second = ait.Module(model, f"{args.model}-b{args.batch}-again", strategy=copy.deepcopy(strategy))
     started = time.perf_counter()

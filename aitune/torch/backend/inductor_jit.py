@@ -28,6 +28,8 @@ def graph_break_count() -> int:
 
 def clone_output(output: Any) -> Any:
     """Clone every tensor of an output so later calls cannot overwrite it (CUDA-graph buffers, case C20)."""
+    if isinstance(output, torch.Tensor):  # the common case, without flattening
+        return output.clone()
     leaves, spec = tree_flatten(output)
     return tree_unflatten(spec, [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
 
@@ -61,16 +63,10 @@ def has_4d_convolution(module: torch.nn.Module, graph) -> bool:
     return any(len(spec.min_shape) == 4 and spec.dtype.is_floating_point for spec in graph.tensor_specs)
 
 
-def to_channels_last(value: Any) -> Any:
-    """4-D floating tensors of a call in channels-last memory format (other leaves unchanged)."""
-    leaves, spec = tree_flatten(value)
-    return tree_unflatten(spec, [leaf.contiguous(memory_format=torch.channels_last)
-                                 if isinstance(leaf, torch.Tensor) and leaf.dim() == 4 and leaf.is_floating_point()
-                                 else leaf for leaf in leaves])
-
-
 def to_contiguous(value: Any) -> Any:
     """Channels-last 4-D tensors of an output back to contiguous (eager's layout for contiguous inputs)."""
+    if isinstance(value, torch.Tensor):
+        return value.contiguous() if value.dim() == 4 and not value.is_contiguous() else value
     leaves, spec = tree_flatten(value)
     return tree_unflatten(spec, [leaf.contiguous() if isinstance(leaf, torch.Tensor) and leaf.dim() == 4
                                  and not leaf.is_contiguous() else leaf for leaf in leaves])
@@ -90,8 +86,9 @@ class TorchInductorJitBackendConfig(BackendConfig):
         freezing: Inductor's inference weight folding (``options["freezing"]``, combined with ``mode``'s own
             options): parameters become constants of the compiled graph, so the build bakes the weights in
             (weights changed later make it stale, see ``Backend.bakes_weights``).
-        memory_format: ``"channels_last"``: compile a channels-last copy of the module and feed it
-            channels-last 4-D inputs (outputs are returned contiguous, as eager's); None = as given.
+        memory_format: ``"channels_last"``: compile a channels-last copy of the module (inputs are passed as
+            given: the compiled graph converts them where the first convolution needs it; 4-D outputs are
+            returned contiguous, as eager's); None = as given.
     """
 
     mode: str | None = None
@@ -223,8 +220,6 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     def _run(self, args, kwargs):
         if self._clone_outputs:
             torch.compiler.cudagraph_mark_step_begin()
-        if self._channels_last:
-            args, kwargs = to_channels_last((args, kwargs))
         with torch.no_grad(), self._autocast():
             output = self._compiled(*args, **kwargs)
         if self._channels_last:
