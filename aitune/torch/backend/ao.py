@@ -249,15 +249,25 @@ class TorchAOBackend(Backend):
     requirements = (Requirement("torchao", ("torchao",), "torchao", "0.12"),)
 
     def search_space(self, module, graph, device) -> list["Backend"]:
-        """Issue "Search": at the default configuration, the device's preset compiled with and without
-        ``freezing``; on CUDA also with CUDA graphs (reduce-overhead). A configuration the user chose is
-        tried as given."""
+        """Issue "Search": at the default configuration, the device's preset compiled with ``freezing`` (on CUDA
+        also with CUDA graphs), then — with a time budget — without freezing. A configuration the user chose
+        is tried as given."""
         if self.config != TorchAOBackendConfig():
             return [self]
         configs = [dict(freezing=True), dict()]
         if torch.device(device).type == "cuda":
             configs.insert(0, dict(mode="reduce-overhead", freezing=True))
-        return [TorchAOBackend(TorchAOBackendConfig(**kwargs)) for kwargs in configs]
+        variants = [TorchAOBackend(TorchAOBackendConfig(**kwargs)) for kwargs in configs]
+        for variant in variants[1:]:  # the first is the likely best; the others only with a time budget
+            variant._tier = 1
+        return variants
+
+    _tier = 0
+
+    @property
+    def search_tier(self) -> int:
+        """0 for the first variant of the search space, 1 for the others (see ``Backend.search_tier``)."""
+        return self._tier
 
     # ---- eligibility
     @property

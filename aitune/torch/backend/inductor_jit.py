@@ -170,15 +170,15 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         variants = [TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)) for kwargs in configs]
         if device.type == "cuda":
             for variant in variants:
-                if not variant.config.freezing:
+                if variant.config.mode is None:  # default mode: no CUDA graphs, dominated at small batches
                     variant._tier = 1
         return variants
 
     @property
     def search_tier(self) -> int:
         """max-autotune modes benchmark many kernels while compiling (minutes on a large model): tier 2. On
-        CUDA, the variants dominated by reduce-overhead + freezing in our H200 measurements (plain
-        reduce-overhead, default mode) are extras: tier 1. See :meth:`Backend.search_tier`."""
+        CUDA the default mode (no CUDA graphs; dominated by reduce-overhead at small batches in our H200
+        measurements) is an extra: tier 1. See :meth:`Backend.search_tier`."""
         if (self.config.mode or "").startswith("max-autotune"):
             return 2
         return getattr(self, "_tier", 0)
