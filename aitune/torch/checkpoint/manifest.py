@@ -51,13 +51,18 @@ def check_state(entry: dict, module: torch.nn.Module, where: str) -> None:
 
     Raises:
         CheckpointError: naming the first difference (checkpoints that predate the stored signature are
-            checked for the class only).
+            checked for the class only). Classes are compared by name: the same class imported from another
+            module (a script's ``__main__``) loads with a warning.
     """
     saved_class = entry.get("class")
     current_class = f"{type(module).__module__}.{type(module).__qualname__}"
     if saved_class and saved_class != current_class:
-        raise CheckpointError(f"{where} was saved from a {saved_class} and cannot be loaded into a {current_class}: "
-                              "construct the same model that was saved")
+        # The class's name decides; its module may differ (a script's __main__ vs the same class imported).
+        if saved_class.rsplit(".", 1)[-1] != type(module).__qualname__.rsplit(".", 1)[-1]:
+            raise CheckpointError(f"{where} was saved from a {saved_class} and cannot be loaded into a "
+                                  f"{current_class}: construct the same model that was saved")
+        logger.warning("aitune.load: %s was saved from %s and is loaded into %s (same class name, other module)",
+                       where, saved_class, current_class)
     saved = entry.get("state")
     if saved is None:
         return
