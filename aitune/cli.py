@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import platform
+import shutil
 import sys
+from pathlib import Path
 
 
 def _env(_args) -> int:
@@ -89,7 +91,7 @@ def _serve(args) -> int:
     try:
         config = ServeConfig(
             builder=args.builder, checkpoint=args.checkpoint, module=args.module, device=args.device,
-            on_mismatch=args.on_mismatch, warmup=not args.no_warmup, ship_checkpoint=args.ship_checkpoint,
+            on_mismatch=args.on_mismatch, warmup=not args.no_warmup,
             max_batch_size=args.max_batch_size, batch_wait_timeout_ms=args.batch_wait_ms,
             pad_values=_key_values(args.pad, "--pad"), out_of_range=args.out_of_range,
             preprocessor=args.preprocessor, name=args.name, route_prefix=args.route_prefix,
@@ -106,16 +108,22 @@ def _serve(args) -> int:
     import ray
     from ray import serve
 
+    from aitune.serve.app import stage_checkpoint
+
+    runtime_env, checkpoint_on_replicas, staged = None, None, None
+    if args.ship_checkpoint:  # Ray Serve takes a local working_dir only as the deploying job's runtime_env
+        staged = stage_checkpoint(config.checkpoint)
+        runtime_env = {"working_dir": str(staged)}
+        checkpoint_on_replicas = Path(config.checkpoint).name
     started_here = not ray.is_initialized()
-    ray.init(address=args.address, num_cpus=args.ray_num_cpus, include_dashboard=False,
-             ignore_reinit_error=True)
+    ray.init(address=args.address, num_cpus=args.ray_num_cpus, include_dashboard=False, runtime_env=runtime_env)
 
     def stop(_signum, _frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        run(config, host=args.host, port=args.port)
+        run(config, host=args.host, port=args.port, checkpoint_on_replicas=checkpoint_on_replicas)
         url = f"http://{args.host}:{args.port}{config.route_prefix}"
         replicas = (f"autoscaling {config.autoscaling}" if config.autoscaling
                     else f"{config.num_replicas or 1} replica(s)")
@@ -136,6 +144,8 @@ def _serve(args) -> int:
         finally:
             if started_here:
                 ray.shutdown()
+            if staged is not None:
+                shutil.rmtree(staged, ignore_errors=True)
 
 
 def _add_serve_parser(commands) -> None:
@@ -156,7 +166,8 @@ def _add_serve_parser(commands) -> None:
                        help="checkpoint does not fit a replica's machine: refuse to start (default) or serve eagerly")
     model.add_argument("--no-warmup", action="store_true", help="report ready without running the tuned shapes")
     model.add_argument("--ship-checkpoint", action="store_true",
-                       help="send the checkpoint to every node through Ray (no shared disk needed)")
+                       help="send the checkpoint to every node in this job's Ray runtime_env (no shared disk needed; "
+                            "the builder must then be an installed package)")
     requests = serve.add_argument_group("requests and batching")
     requests.add_argument("--max-batch-size", type=int, help="rows per batch (default: the largest tuned batch)")
     requests.add_argument("--batch-wait-ms", type=float,

@@ -36,7 +36,7 @@ def _require_ray() -> None:
         raise BackendUnavailableError(f"aitune serve is unavailable: {check.reason}")
 
 
-def build_app(config: ServeConfig):
+def build_app(config: ServeConfig, *, checkpoint_on_replicas: str | None = None):
     """The Ray Serve application for ``config``; see :func:`aitune.serve.app.build_app`.
 
     Raises:
@@ -45,12 +45,13 @@ def build_app(config: ServeConfig):
     _require_ray()
     from aitune.serve import app  # optional dependency: imported only when Ray is there
 
-    return app.build_app(config)
+    return app.build_app(config, checkpoint_on_replicas=checkpoint_on_replicas)
 
 
-def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, blocking: bool = False):
+def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, blocking: bool = False,
+        checkpoint_on_replicas: str | None = None):
     """Deploy on the connected Ray cluster and return the handle; see :func:`aitune.serve.app.run`."""
     _require_ray()
     from aitune.serve import app
 
-    return app.run(config, host=host, port=port, blocking=blocking)
+    return app.run(config, host=host, port=port, blocking=blocking, checkpoint_on_replicas=checkpoint_on_replicas)

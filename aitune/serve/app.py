@@ -26,12 +26,19 @@ from aitune.torch.checkpoint import sums_path
 logger = logging.getLogger(__name__)
 
 
-def build_app(config: ServeConfig) -> Application:
+def build_app(config: ServeConfig, *, checkpoint_on_replicas: str | None = None) -> Application:
     """The Ray Serve application for ``config`` (``serve.run(build_app(config))`` deploys it).
 
     Reads the checkpoint's manifest here (its batch range sets ``max_ongoing_requests``); nothing is built or
-    loaded on the caller's side. With ``ship_checkpoint``, the checkpoint (and its sums file) is copied to a
-    staging folder that Ray ships to every replica as its ``working_dir``.
+    loaded on the caller's side.
+
+    Args:
+        config: the serve config; ``config.checkpoint`` is read here.
+        checkpoint_on_replicas: where the replicas read the checkpoint when that differs from
+            ``config.checkpoint`` — e.g. its file name when it travels in the job's ``runtime_env``
+            ``working_dir`` (:func:`stage_checkpoint`, then ``ray.init(runtime_env={"working_dir": folder})``:
+            Ray Serve gives deployments the runtime_env of the job that deploys them, and accepts a local
+            ``working_dir`` only there).
 
     Raises:
         CheckpointError: the checkpoint cannot be read, or has no module ``config.module``.
@@ -39,17 +46,18 @@ def build_app(config: ServeConfig) -> Application:
     """
     manifest = read_manifest(config.checkpoint)
     inputs = TunedInputs(served_module_entry(manifest, config.module), config.pad_values, config.out_of_range)
-    replica_config, runtime_env = config, None
-    if config.ship_checkpoint:
-        staged = stage_checkpoint(Path(config.checkpoint))
-        runtime_env = {"working_dir": str(staged)}
-        replica_config = dataclasses.replace(config, checkpoint=Path(config.checkpoint).name)
-    options = config.ray_options(config.max_batch_size or inputs.max_rows, runtime_env)
+    replica_config = config
+    if checkpoint_on_replicas is not None:
+        replica_config = dataclasses.replace(config, checkpoint=checkpoint_on_replicas)
+    options = config.ray_options(config.max_batch_size or inputs.max_rows)
     return TunedModelDeployment.options(**options).bind(replica_config.to_dict())
 
 
-def stage_checkpoint(checkpoint: Path) -> Path:
-    """A new folder holding only ``checkpoint`` and its ``<stem>_sha256_sums.txt`` (for Ray's ``working_dir``)."""
+def stage_checkpoint(checkpoint: str | Path) -> Path:
+    """A new folder holding only ``checkpoint`` and its ``<stem>_sha256_sums.txt``, to ship as a job's
+    ``runtime_env`` ``working_dir`` (Ray uploads it once and unpacks it on every node that runs a replica;
+    the replicas' working directory is then that folder, so the builder must be an installed package)."""
+    checkpoint = Path(checkpoint)
     staged = Path(tempfile.mkdtemp(prefix="aitune-serve-"))
     for file in (checkpoint, sums_path(checkpoint)):
         if file.exists():
@@ -57,15 +65,19 @@ def stage_checkpoint(checkpoint: Path) -> Path:
     return staged
 
 
-def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, blocking: bool = False):
+def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, blocking: bool = False,
+        checkpoint_on_replicas: str | None = None):
     """Deploy ``config`` on the connected Ray cluster (``ray.init`` first) and return its handle.
 
     Starts Ray Serve's HTTP proxy on ``host:port`` if it is not running; the application answers under
-    ``http://host:port{config.route_prefix}``. Waits until every replica has loaded and warmed up.
+    ``http://host:port{config.route_prefix}`` (on a cluster where Serve already runs, its proxy keeps its own
+    host and port). Waits until every replica has loaded and warmed up. ``checkpoint_on_replicas``: as
+    :func:`build_app`.
 
     Returns:
         The ``DeploymentHandle`` of the application (``handle.infer.remote(inputs)``, ``handle.stats.remote()``).
     """
     serve.start(http_options={"host": host, "port": port})
-    handle = serve.run(build_app(config), name=config.name, route_prefix=config.route_prefix, blocking=blocking)
+    application = build_app(config, checkpoint_on_replicas=checkpoint_on_replicas)
+    handle = serve.run(application, name=config.name, route_prefix=config.route_prefix, blocking=blocking)
     return handle

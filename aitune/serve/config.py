@@ -21,7 +21,8 @@ class ServeConfig:
             saved — e.g. ``aitune.serve.examples:minilm_encoder``. A builder with a ``device`` parameter gets
             the replica's device (``"cpu"``, ``"cuda:0"``) and must put the model there. It must be importable
             on every node.
-        checkpoint: path of the ``.ait`` file (on every node, unless ``ship_checkpoint``).
+        checkpoint: path of the ``.ait`` file, as the replicas read it: on every node (a shared disk), or
+            shipped in the Ray job's ``runtime_env`` (``aitune serve --ship-checkpoint``; :func:`aitune.serve.app.build_app`).
         module: name of the tuned module whose inputs requests carry, when the builder's object is not the
             tuned module itself (default: the tuned module at the root of the saved object).
         device: ``"auto"`` (the GPU Ray assigned to the replica when it has one and torch sees CUDA, else the
@@ -31,8 +32,6 @@ class ServeConfig:
             says why) or ``"eager"`` (serve the builder's model eagerly, with a warning and ``mode: eager`` in
             :meth:`stats`). A corrupted checkpoint (digest mismatch) is always refused.
         warmup: run every recorded (tuned) input shape through the replica before it reports ready.
-        ship_checkpoint: send the checkpoint to every replica's node through Ray's ``runtime_env``
-            (``working_dir``) instead of reading ``checkpoint`` there: for clusters without a shared disk.
 
     Requests and batching:
         max_batch_size: rows per model call (Ray Serve's ``max_batch_size``, counted in rows by its
@@ -69,7 +68,6 @@ class ServeConfig:
     device: str = "auto"
     on_mismatch: str = "refuse"
     warmup: bool = True
-    ship_checkpoint: bool = False
     max_batch_size: int | None = None
     batch_wait_timeout_ms: float | None = None
     pad_values: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -103,9 +101,8 @@ class ServeConfig:
             raise ConfigError(f"ServeConfig.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         _choice(self, "on_mismatch", ON_MISMATCH)
         _choice(self, "out_of_range", OUT_OF_RANGE)
-        for field in ("warmup", "ship_checkpoint"):
-            if not isinstance(getattr(self, field), bool):
-                raise ConfigError(f"ServeConfig.{field} must be a bool, got {getattr(self, field)!r}")
+        if not isinstance(self.warmup, bool):
+            raise ConfigError(f"ServeConfig.warmup must be a bool, got {self.warmup!r}")
         if not isinstance(self.route_prefix, str) or not self.route_prefix.startswith("/"):
             raise ConfigError(f"ServeConfig.route_prefix must start with '/', got {self.route_prefix!r}")
         for field in ("max_batch_size", "num_replicas", "max_ongoing_requests"):

@@ -46,8 +46,8 @@ def read_manifest(path: str | Path) -> dict:
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist (with ship_checkpoint off, every node reads it "
-                              "at this path)")
+        raise CheckpointError(f"checkpoint {path} does not exist here (cwd {Path.cwd()}); every node reads it at this "
+                              "path unless it is shipped in the job's runtime_env (aitune serve --ship-checkpoint)")
     try:
         with zipfile.ZipFile(path) as archive:
             manifest = json.loads(archive.read(MANIFEST))

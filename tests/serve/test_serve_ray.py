@@ -215,7 +215,8 @@ def test_the_cli_serves_the_documented_example_on_the_running_cluster(service, e
     command = [sys.executable, "-m", "aitune.cli", "serve", "aitune.serve.examples:minilm_encoder",
                str(service["checkpoint"]), "--pad", "input_ids=0", "attention_mask=0", "token_type_ids=0",
                "--preprocessor", "aitune.serve.examples:minilm_texts", "--address", service["address"],
-               "--port", str(service["port"]), "--name", "cli", "--route-prefix", "/cli", "--num-cpus", "0.5"]
+               "--port", str(service["port"]), "--name", "cli", "--route-prefix", "/cli", "--num-cpus", "0.5",
+               "--ship-checkpoint"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "RAY_LOG_TO_DRIVER": "0"})
     lines = []
