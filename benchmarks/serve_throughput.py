@@ -56,12 +56,14 @@ def tune_checkpoint(path: Path, backend: str, intra_op_threads: int | None) -> P
     return ait.save(encoder, path)
 
 
-def request_bodies() -> list[bytes]:
-    """One body per sentence: its own token ids, unpadded (5 to ~45 tokens)."""
+def request_bodies(fixed_tokens: int | None = None) -> list[bytes]:
+    """One body per sentence: its own token ids, unpadded (7 to ~45 tokens), or padded by the client to
+    ``fixed_tokens`` (one shape for every request, as fixed-shape serving does)."""
     tokenizer = minilm_tokenizer()
     bodies = []
     for sentence in SENTENCES:
-        tokens = tokenizer(sentence, truncation=True, max_length=128)
+        padding = "max_length" if fixed_tokens else False
+        tokens = tokenizer(sentence, truncation=True, max_length=fixed_tokens or 128, padding=padding)
         inputs = {name: [tokens[name]] for name in ("input_ids", "attention_mask", "token_type_ids")}
         bodies.append(json.dumps({"inputs": inputs}).encode())
     return bodies
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="onnxruntime", help="backend to tune with (default: onnxruntime)")
     parser.add_argument("--intra-op-threads", type=int,
                         help="ONNX Runtime threads per replica, baked into the tuned checkpoint (default: one per core)")
+    parser.add_argument("--fixed-tokens", type=int, help="clients pad every request to this many tokens")
     parser.add_argument("--clients", type=int, default=16, help="concurrent closed-loop clients (default: 16)")
     parser.add_argument("--seconds", type=float, default=15.0, help="measured seconds per configuration")
     parser.add_argument("--rounds", type=int, default=2, help="times each configuration is measured (default: 2)")
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     workdir = Path(tempfile.mkdtemp(prefix="aitune-serve-bench-"))
     checkpoint = args.checkpoint or tune_checkpoint(workdir / "minilm.ait", args.backend, args.intra_op_threads)
-    bodies = request_bodies()
+    bodies = request_bodies(args.fixed_tokens)
     port = free_port()
     load = os.getloadavg()[0]
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
@@ -176,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                      sum(r["errors"] for r in runs)])
     header = (f"MiniLM on Ray Serve, {args.clients} closed-loop HTTP clients, {args.seconds:g} s per configuration, "
               f"checkpoint {checkpoint.name} ({args.backend if not args.checkpoint else 'given'}, "
-              f"intra-op threads {args.intra_op_threads or 'default'}); "
+              f"intra-op threads {args.intra_op_threads or 'default'}); requests of "
+              f"{f'{args.fixed_tokens} tokens (client-padded)' if args.fixed_tokens else 'each sentence its own length'}; "
               f"{os.cpu_count()} CPUs, load average {load:.2f} at start; torch {torch.__version__}, ray {ray.__version__}")
     print("\n" + header)
     print(tabulate(rows, headers=["replicas", "batching", "max batch", "wait ms", "requests/s (median)",

@@ -20,7 +20,14 @@ from typing import Any, Callable
 import torch
 
 import aitune.torch as ait
-from aitune.errors import AITuneError, ConfigError, RequestError, ServeError
+from aitune.errors import (
+    CheckpointError,
+    CheckpointIntegrityError,
+    CheckpointVersionError,
+    ConfigError,
+    RequestError,
+    ServeError,
+)
 from aitune.serve.batching import ModelCall, OutputNotSplittable, plan_calls, split_outputs
 from aitune.serve.config import ServeConfig
 from aitune.serve.fit import FitProblem, fit_problems, read_manifest, served_module_entry
@@ -185,9 +192,10 @@ class ServedModel:
             describe_checkpoint(checkpoint, verify=True)  # a corrupted checkpoint is refused, even to run eagerly
             self.root, self.wrapper, self.mode = model, None, "eager"
         else:
-            self.root = ait.load(model, checkpoint, device=self.device)
-            self.wrapper = self._find_wrapper(entry)
-            if load_problems:
+            self.root, self.wrapper = self._load(model, checkpoint, entry)
+            if self.wrapper is None:
+                self.mode = "eager"
+            elif load_problems:
                 self.mode = "partly eager"
         self.counter = RoutingCounter(self.wrapper)
         self.max_batch_rows = config.max_batch_size or self.inputs.max_rows
@@ -223,13 +231,33 @@ class ServedModel:
         logger.warning("aitune serve: checkpoint %s does not fit this replica (device %s): %s. on_mismatch='eager': "
                        "the affected graphs run eagerly (slower than tuned)", checkpoint, self.device, text)
 
-    def _find_wrapper(self, entry: dict) -> Any:
-        found = find_wrappers(self.root)
+    def _load(self, model: Any, checkpoint: Path, entry: dict) -> tuple[Any, Any]:
+        """``ait.load`` the checkpoint into ``model``; returns (root, served wrapper).
+
+        A load that fails for a reason the fit check could not see beforehand (a backend's runtime that cannot
+        restore its artifact here) is a mismatch too: refused, or with ``on_mismatch="eager"`` the builder's
+        model is served eagerly (wrapper None). A corrupted or newer-format checkpoint is always refused.
+        """
+        try:
+            root = ait.load(model, checkpoint, device=self.device)
+        except (CheckpointIntegrityError, CheckpointVersionError):
+            raise
+        except CheckpointError as exc:
+            if self.config.on_mismatch == "refuse":
+                raise
+            self.problems = self.problems + [FitProblem("load", str(exc), "aot")]
+            logger.warning("aitune serve: ait.load failed here (%s); on_mismatch='eager': serving the builder's "
+                           "model eagerly", exc)
+            return model, None
+        return root, self._find_wrapper(root, entry)
+
+    def _find_wrapper(self, root: Any, entry: dict) -> Any:
+        found = find_wrappers(root)
         for candidate in found:
             if candidate.path == entry.get("path") or candidate.wrapper.name == entry.get("name"):
                 return candidate.wrapper
         raise ServeError(f"after ait.load, no tuned module {entry.get('name')!r} was found in the builder's "
-                         f"{type(self.root).__name__} (found: {[c.wrapper.name for c in found]})")
+                         f"{type(root).__name__} (found: {[c.wrapper.name for c in found]})")
 
     def _warm_up(self) -> None:
         """Every recorded shape once, alone, then batched; checks routing and that batching keeps the answers.

@@ -6,7 +6,7 @@ import zipfile
 import pytest
 import torch
 
-from aitune.errors import CheckpointIntegrityError, ConfigError, RequestError, ServeError
+from aitune.errors import CheckpointError, CheckpointIntegrityError, ConfigError, RequestError, ServeError
 from aitune.serve import ServeConfig
 from aitune.serve.model import ServedModel
 from serve_tiny import build_tiny, forge_manifest, tiny_batch
@@ -121,3 +121,15 @@ def test_a_corrupted_checkpoint_is_refused_even_to_serve_eagerly(tiny_checkpoint
 def test_a_builder_that_cannot_be_imported_says_where_it_must_be(tiny_checkpoint):
     with pytest.raises(ConfigError, match="importable on every node"):
         ServedModel(ServeConfig(builder="no_such_module:build", checkpoint=str(tiny_checkpoint)))
+
+
+def test_a_load_failure_the_fit_check_cannot_see_is_a_mismatch_too(tiny_checkpoint, tmp_path):
+    def bad_config(manifest):  # a stored config this aitune refuses: ait.load raises CheckpointError
+        manifest["modules"][0]["graphs"][0]["config"]["data"]["intra_op_num_threads"] = 0
+
+    forged = forge_manifest(tiny_checkpoint, tmp_path / "bad_config.ait", bad_config)
+    with pytest.raises(CheckpointError, match="invalid here"):
+        ServedModel(config(forged))
+    model = ServedModel(config(forged, on_mismatch="eager"))
+    assert model.mode == "eager" and "invalid here" in model.stats()["problems"][-1]
+    assert model.run_batch([model.prepare(body(tiny_batch(1, 4)))])[0].backend == "eager"

@@ -147,6 +147,19 @@ def embedding(payload: dict) -> torch.Tensor:
     return torch.tensor(outputs["data"], dtype=getattr(torch, outputs["dtype"])).reshape(outputs["shape"])
 
 
+def test_ray_serve_validates_the_options_aitune_passes(tiny_checkpoint):
+    """Autoscaling and GPU options go to Ray Serve as given: it accepts them, and its own checks still apply."""
+    from aitune.serve import build_app
+
+    base = {"builder": "serve_tiny:build_tiny", "checkpoint": str(tiny_checkpoint)}
+    assert not ray.is_initialized()
+    build_app(ServeConfig(**base, num_gpus=0.5, autoscaling={"min_replicas": 1, "max_replicas": 4,
+                                                              "target_ongoing_requests": 4}))
+    with pytest.raises(ValueError, match="max_replicas"):
+        build_app(ServeConfig(**base, autoscaling={"min_replicas": 3, "max_replicas": 1}))
+    assert not ray.is_initialized()  # building an application starts nothing
+
+
 def test_embeddings_match_eager_and_concurrent_requests_are_batched(service, eager_embeddings):
     tokens = minilm_tokenizer()(PROBE_SENTENCES, truncation=True, max_length=MAX_TOKENS)
     bodies = [{"texts": [sentence]} for sentence in PROBE_SENTENCES]  # the text path
