@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import socket
 import statistics
 import sys
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
     rows = []
     for replicas, batching in CONFIGURATIONS:
         runs = [r for r in results if r["replicas"] == replicas and r["batching"] == batching]

@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -94,6 +95,7 @@ def service(checkpoint):
     while _processes_of(session_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _processes_of(session_dir), f"Ray processes left running: {_processes_of(session_dir)}"
+    shutil.rmtree(session_dir, ignore_errors=True)  # this session's logs (about 40 MB); Ray keeps them otherwise
 
 
 def _processes_of(session_dir: str) -> list[str]:
