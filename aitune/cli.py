@@ -1,10 +1,11 @@
-"""The ``aitune`` command line: ``env``, ``demo``, ``report``, ``--version``."""
+"""The ``aitune`` command line: ``env``, ``demo``, ``report``, ``serve``, ``--version``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import platform
+import shutil
 import sys
 import zipfile
 from pathlib import Path
@@ -97,6 +98,144 @@ def _report(args) -> int:
     return 0
 
 
+def _key_values(pairs: list[str] | None, option: str) -> dict[str, float]:
+    values = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition("=")
+        try:
+            values[name] = float(value) if "." in value or "e" in value.lower() else int(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise SystemExit(f"aitune serve: {option} takes NAME=NUMBER, got {pair!r}")
+    return values
+
+
+def _serve(args) -> int:
+    import json
+    import signal
+    import time
+
+    from aitune.errors import AITuneError
+    from aitune.serve import ServeConfig, availability, run
+
+    autoscaling = json.loads(args.autoscaling) if args.autoscaling else None
+    if args.min_replicas is not None or args.max_replicas is not None:
+        autoscaling = dict(autoscaling or {})
+        for key, value in (("min_replicas", args.min_replicas), ("max_replicas", args.max_replicas)):
+            if value is not None:
+                autoscaling[key] = value
+    try:
+        config = ServeConfig(
+            builder=args.builder, checkpoint=args.checkpoint, module=args.module, device=args.device,
+            on_mismatch=args.on_mismatch, warmup=not args.no_warmup,
+            max_batch_size=args.max_batch_size, batch_wait_timeout_ms=args.batch_wait_ms,
+            pad_values=_key_values(args.pad, "--pad"), out_of_range=args.out_of_range,
+            preprocessor=args.preprocessor, name=args.name, route_prefix=args.route_prefix,
+            num_replicas=args.replicas, autoscaling=autoscaling, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+            resources=_key_values(args.resource, "--resource"), max_ongoing_requests=args.max_ongoing_requests,
+            health_check_period_s=args.health_check_period_s, health_min_calls=args.health_min_calls)
+    except AITuneError as exc:
+        print(f"aitune serve: {exc}", file=sys.stderr)
+        return 2
+    check = availability()
+    if not check.ok:
+        print(f"aitune serve: Ray Serve is unavailable: {check.reason}", file=sys.stderr)
+        return 2
+    import ray
+    from ray import serve
+
+    from aitune.serve.app import stage_checkpoint
+
+    runtime_env, checkpoint_on_replicas, staged = None, None, None
+    if args.ship_checkpoint:  # Ray Serve takes a local working_dir only as the deploying job's runtime_env
+        staged = stage_checkpoint(config.checkpoint)
+        runtime_env = {"working_dir": str(staged)}
+        checkpoint_on_replicas = Path(config.checkpoint).name
+    started_here = not ray.is_initialized()
+    ray.init(address=args.address, num_cpus=args.ray_num_cpus, include_dashboard=False, runtime_env=runtime_env)
+
+    def stop(_signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        run(config, host=args.host, port=args.port, checkpoint_on_replicas=checkpoint_on_replicas)
+        url = f"http://{args.host}:{args.port}{config.route_prefix}"
+        replicas = (f"autoscaling {config.autoscaling}" if config.autoscaling
+                    else f"{config.num_replicas or 1} replica(s)")
+        print(f"aitune serve: {config.name} ({replicas}, {config.num_cpus:g} CPU / {config.num_gpus:g} GPU each) "
+              f"answers at {url}\n  POST {{\"inputs\": {{input name: [[...]] | {{\"data\": [[...]], \"dtype\": "
+              f"\"int64\"}}}}}}; GET {url} shows the tuned inputs and replica stats. Ctrl-C stops.", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("aitune serve: stopping", flush=True)
+        return 0
+    except (AITuneError, RuntimeError) as exc:  # a replica that refused to start: Ray Serve reports it here
+        print(f"aitune serve: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        try:
+            serve.delete(config.name)
+        finally:
+            if started_here:
+                ray.shutdown()
+            if staged is not None:
+                shutil.rmtree(staged, ignore_errors=True)
+
+
+def _add_serve_parser(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve a tuned checkpoint on Ray Serve (pip install 'aitune[serve]')",
+        description="Serve BUILDER's model with CHECKPOINT loaded on Ray Serve: each replica builds the model, "
+                    "loads the checkpoint (never re-tunes), warms up on the tuned shapes and batches requests up to "
+                    "the tuned batch. Starts a local Ray instance unless --address (or RAY_ADDRESS) names a cluster. "
+                    "Requests: POST {\"inputs\": {name: tensor}} as JSON (README, section Serve).")
+    serve.add_argument("builder", help="package.module:function returning the model in the structure that was saved "
+                                       "(e.g. aitune.serve.examples:minilm_encoder)")
+    serve.add_argument("checkpoint", help="the .ait file (readable on every node, unless --ship-checkpoint)")
+    model = serve.add_argument_group("model")
+    model.add_argument("--module", help="the tuned module whose inputs requests carry (default: the saved root)")
+    model.add_argument("--device", default="auto", help="auto (default: the replica's GPU if Ray gave it one), cpu, "
+                                                        "cuda, cuda:N")
+    model.add_argument("--on-mismatch", choices=["refuse", "eager"], default="refuse",
+                       help="checkpoint does not fit a replica's machine: refuse to start (default) or serve eagerly")
+    model.add_argument("--no-warmup", action="store_true", help="report ready without running the tuned shapes")
+    model.add_argument("--ship-checkpoint", action="store_true",
+                       help="send the checkpoint to every node in this job's Ray runtime_env (no shared disk needed; "
+                            "the builder must then be an installed package)")
+    requests = serve.add_argument_group("requests and batching")
+    requests.add_argument("--max-batch-size", type=int, help="rows per batch (default: the largest tuned batch)")
+    requests.add_argument("--batch-wait-ms", type=float,
+                          help="wait to fill a batch (default: the tuned latency of the smallest batch, 1..50 ms)")
+    requests.add_argument("--pad", nargs="+", metavar="INPUT=VALUE",
+                          help="pad these inputs' dynamic axes with VALUE so requests of other lengths batch together")
+    requests.add_argument("--out-of-range", choices=["reject", "eager"], default="reject",
+                          help="sizes outside the tuned range: 422 (default) or run them eagerly")
+    requests.add_argument("--preprocessor", metavar="MODULE:FUNCTION",
+                          help="turns a JSON body without 'inputs' into tensors (e.g. aitune.serve.examples:minilm_texts)")
+    scaling = serve.add_argument_group("Ray Serve (what scales)")
+    scaling.add_argument("--name", default="aitune", help="application / deployment name (default: aitune)")
+    scaling.add_argument("--route-prefix", default="/", help="HTTP route (default: /)")
+    scaling.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1; 0.0.0.0 for all)")
+    scaling.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    scaling.add_argument("--replicas", type=int, help="fixed number of replicas (default: 1)")
+    scaling.add_argument("--min-replicas", type=int, help="autoscaling: fewest replicas")
+    scaling.add_argument("--max-replicas", type=int, help="autoscaling: most replicas")
+    scaling.add_argument("--autoscaling", metavar="JSON", help="Ray Serve autoscaling_config as JSON")
+    scaling.add_argument("--num-cpus", type=float, default=1.0, help="logical CPUs per replica (default: 1)")
+    scaling.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica (default: 0; fractions share)")
+    scaling.add_argument("--resource", nargs="+", metavar="NAME=AMOUNT", help="custom Ray resources per replica")
+    scaling.add_argument("--max-ongoing-requests", type=int, help="per replica (default: twice the batch, >= 8)")
+    scaling.add_argument("--health-check-period-s", type=float, help="Ray Serve's health check period")
+    scaling.add_argument("--health-min-calls", type=int, default=3,
+                         help="unhealthy when this many calls in a period all fell back to eager (default: 3)")
+    scaling.add_argument("--address", help="Ray cluster to join ('auto' for one started with 'ray start'); default: "
+                                           "RAY_ADDRESS, else a new local instance")
+    scaling.add_argument("--ray-num-cpus", type=int, help="CPUs of a new local Ray instance (default: all)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aitune", description="Tune PyTorch models for inference.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
@@ -115,14 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--html", nargs="?", const="", default=None, metavar="OUT",
                         help="write one self-contained HTML page (default: FILE with .html) and print its path; "
                              "figures need matplotlib: pip install 'aitune[report]'")
+    _add_serve_parser(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("torch", "onnxscript", "onnx_ir", "torchao", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    handlers = {"env": _env, "demo": _demo, "report": _report}
+    handlers = {"env": _env, "demo": _demo, "report": _report, "serve": _serve}
     return handlers[args.command](args)
 
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -131,6 +131,32 @@ class CheckpointIntegrityError(CheckpointError):
     """A checkpoint's contents do not match its digests, or its layout is unsafe or incomplete."""
 
 
+class ServeError(AITuneError):
+    """A served model cannot start or run (``aitune.serve``): the message says which step and why."""
+
+
+class RequestError(ServeError, ValueError):
+    """A request to a served model is malformed or does not fit the tuned inputs; the replica lives on.
+
+    Attributes:
+        status: the HTTP status it is answered with (400: not the documented JSON form; 422: well formed but
+            it does not fit the tuned module's inputs, or the model raised on it).
+        field: the request field at fault (``inputs.input_ids``), or ``""``.
+    """
+
+    def __init__(self, message: str, *, status: int = 422, field: str = ""):
+        super().__init__(message)
+        self.status = status
+        self.field = field
+
+    def __reduce__(self):  # keeps status and field across Ray's process boundary (pickled with the message)
+        return (_rebuild_request_error, (str(self), self.status, self.field))
+
+
+def _rebuild_request_error(message: str, status: int, field: str) -> "RequestError":
+    return RequestError(message, status=status, field=field)
+
+
 def one_line(exc: BaseException, limit: int = 300) -> str:
     """First meaningful line of an exception, prefixed by its type, for report 'reason' columns.
 
