@@ -217,6 +217,18 @@ def test_fixed_shapes_wait_for_a_varying_axis_unless_told_otherwise():
     assert node.state is JitState.TUNED
 
 
+def test_recording_stops_cloning_calls_that_teach_nothing_new():
+    jit.enable(strategy=cheap_strategy(), min_samples=2)
+    model = Top().eval()
+    with torch.no_grad():
+        for _ in range(jit.patched_module.RECORDED_ENOUGH + 5):
+            model(torch.randn(3, 16))
+        node = jit.patched_modules()[0]
+        assert node.state is JitState.RECORDING and node.recorded_calls == jit.patched_module.RECORDED_ENOUGH
+        model(torch.randn(5, 16))  # a new size: recorded, the batch axis shows, the module is tuned
+    assert node.state is JitState.TUNED and node.recorded_calls == jit.patched_module.RECORDED_ENOUGH + 1
+
+
 # ---- top down
 def test_a_module_that_cannot_be_tuned_has_its_children_tuned():
     model = Top(branch=True).eval()
@@ -248,6 +260,21 @@ def test_max_depth_level_one_tries_no_children():
     assert node.state is JitState.EAGER and not node.children and "max_depth_level=1" in node.note
 
 
+def test_no_backend_beating_eager_counts_as_not_tuned():
+    strategy = cheap_strategy().enable_performance_validation(True, min_speedup_ratio=1000.0)
+    jit.enable(strategy=strategy, min_samples=2, max_depth_level=2)
+    model = Top().eval()
+    with torch.no_grad():
+        for x in _batches((2, 3, 4)):
+            model(x)
+    top = jit.patched_modules()[0]
+    assert top.state is JitState.EAGER and "no backend passed the checks and beat eager" in top.reason
+    assert "rejected (performance)" in top.reason
+    assert [child.state for child in top.children] == [JitState.EAGER] * 3
+    assert all("children not tried" in child.note for child in top.children)
+    json.dumps(jit.hierarchy())
+
+
 # ---- deferred mode
 def test_deferred_mode_tunes_only_when_asked():
     jit.enable(strategy=cheap_strategy(), mode="tune_deferred")
@@ -261,6 +288,16 @@ def test_deferred_mode_tunes_only_when_asked():
         assert jit.tune_now() == []
         x = torch.randn(6, 16)
         torch.testing.assert_close(model(x), node.twin(x))
+
+
+def test_deferred_mode_tunes_what_is_pending_at_exit():
+    jit.enable(strategy=cheap_strategy(), mode="tune_deferred")
+    model = Top().eval()
+    with torch.no_grad():
+        for x in _batches((2, 3)):
+            model(x)
+    jit.runtime._at_exit()  # what the interpreter runs at exit
+    assert jit.patched_modules()[0].state is JitState.TUNED
 
 
 # ---- the decorator and the imports

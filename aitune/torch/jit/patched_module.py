@@ -21,6 +21,7 @@ from aitune.torch.jit import patching, state
 from aitune.torch.jit.config import JITMode, jit_config
 from aitune.torch.module import Module, ModuleState, registered_modules, unregister
 from aitune.torch.pytree import tree_flatten
+from aitune.torch.samples import make_graph_key
 from aitune.torch.tuning import tune_modules
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 # modules are what backends produce, and aitune's own modules are its business.
 BUILTIN_EXCLUDED_PACKAGES = ("torch.jit", "torch._dynamo", "torch._inductor", "torch.fx", "torch.export",
                              "torch.ao.quantization", "torch_tensorrt", "aitune")
+RECORDED_ENOUGH = 16  # NOTE [recording stops paying]
 # Containers are never called: their entries are the children tried.
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 
@@ -214,11 +216,14 @@ class PatchedModule:
                 return twin(*args, **kwargs)
             if status is JitState.TUNED:
                 return self.wrapper(*args, **kwargs)
-            try:
-                output = self.wrapper(*args, **kwargs)
-            except AITuneError as exc:  # the recorder's own failure, never the module's
-                self._give_up(f"recording its calls failed: {exc}")
-                return twin(*args, **kwargs)
+            if self._adds_nothing(args, kwargs):
+                output = twin(*args, **kwargs)
+            else:
+                try:
+                    output = self.wrapper(*args, **kwargs)
+                except AITuneError as exc:  # the recorder's own failure, never the module's
+                    self._give_up(f"recording its calls failed: {exc}")
+                    return twin(*args, **kwargs)
             if (not thread.replaying and jit_config.mode is JITMode.TUNE_EAGER
                     and self.waiting_for() is None):
                 self.tune()
@@ -238,6 +243,22 @@ class PatchedModule:
             if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_flatten((args, kwargs))[0]):
                 return "autograd needed (inputs require grad)"
         return None
+
+    def _adds_nothing(self, args: tuple, kwargs: dict) -> bool:
+        # NOTE [recording stops paying]: recording clones every call's inputs. A module still waiting after
+        # RECORDED_ENOUGH calls (fixed shapes with batch_axis_required, or deferred mode) records only calls
+        # that bring a new input structure or a size outside the recorded ranges; the others run eager.
+        if self.recorded_calls < max(RECORDED_ENOUGH, jit_config.min_samples):
+            return False
+        graphs = [graph for graph in self.wrapper.graphs if graph.samples and graph.signature is not None]
+        if not graphs:
+            return False
+        try:
+            leaves, spec = tree_flatten(graphs[0].signature.normalize(args, kwargs))
+        except TypeError:  # a call Python would refuse: let the recorder (and the module) say so
+            return False
+        key = make_graph_key(leaves, spec)
+        return any(graph.key == key and graph.covers(leaves) for graph in graphs)
 
     def _count_eager(self, why: str) -> None:
         self.eager_calls[why] = self.eager_calls.get(why, 0) + 1
