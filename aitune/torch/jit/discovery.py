@@ -33,6 +33,7 @@ _hooks: list = []
 _global = {"enabled": False}  # tuning enabled for every module of the process (import / env / enable())
 _construction = {"depth": 0, "init": None}
 _construction_lock = threading.Lock()
+_discovery_lock = threading.Lock()
 # torch.compile warns that global hooks fire for OptimizedModule; ours ignore it (built-in exclusion).
 _COMPILE_HOOK_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
 
@@ -65,6 +66,7 @@ def uninstall() -> None:
     warnings.filters[:] = [entry for entry in warnings.filters
                            if not (entry[0] == "ignore" and entry[1] is not None
                                    and entry[1].pattern == _COMPILE_HOOK_WARNING)]
+    getattr(warnings, "_filters_mutated", lambda: None)()  # what filterwarnings() does after a change
     for node in list(state.seen.values()):
         node.release()
     state.clear()
@@ -77,7 +79,8 @@ def _pre_hook(module: torch.nn.Module, args: Any) -> None:
     thread = state.thread
     depth = thread.depth
     thread.depth = depth + 1
-    if depth == 0 and not thread.active and not thread.suspended and module not in state.seen:
+    if (depth == 0 and not thread.active and not thread.suspended and module not in state.seen
+            and module not in state.ignored):
         try:
             _discover(module)
         except Exception:  # noqa: BLE001 - discovery never breaks the user's call
@@ -99,8 +102,11 @@ def _discover(module: torch.nn.Module) -> None:
     if not _global["enabled"] and module not in state.candidates:
         state.ignored.add(module)
         return
-    name = state.unique_name(patching.original_class(module).__qualname__)
-    node = track(module, name, level=0)
+    with _discovery_lock:  # two threads making the same first call track it once
+        if module in state.seen:
+            return
+        name = state.unique_name(patching.original_class(module).__qualname__)
+        node = track(module, name, level=0)
     if node.state is JitState.RECORDING:
         node.calls += 1  # this discovering call, which runs eager and unrecorded
     logger.info("aitune jit: discovered top-level module %s (%s)", node.name,

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # torch.compile'd (OptimizedModule) and scripted modules already belong to a compiler, FX/export graph
 # modules are what backends produce, and aitune's own modules are its business.
 BUILTIN_EXCLUDED_PACKAGES = ("torch.jit", "torch._dynamo", "torch._inductor", "torch.fx", "torch.export",
-                             "torch.ao.quantization", "torch_tensorrt", "aitune")
+                             "torch.ao.quantization", "torch_tensorrt", "aitune.torch")
 RECORDED_ENOUGH = 16  # NOTE [recording stops paying]
 # Containers are never called: their entries are the children tried.
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -379,19 +379,19 @@ class PatchedModule:
 
 def _why_not_tuned(wrapper: Module, report) -> str | None:
     """None when some graph got a backend other than plain eager; else the reason, from the report."""
-    if wrapper.state is ModuleState.TUNED:
-        chosen = [backend for _, backend in wrapper.tuned_graphs()]
-        if any(not getattr(backend, "passthrough", False) for backend in chosen):
-            return None
-        reasons = []
-        for entry in (report.graphs if report is not None else []):
-            rejected = [f"{row.backend} {row.status}: {row.reason}" for row in entry.candidates
-                        if row.backend != "eager" and row.reason]
-            reasons.append(f"{entry.graph}: {entry.selection_reason}" + (f" ({'; '.join(rejected)})" if rejected
-                                                                          else ""))
-        return "no backend passed the checks and beat eager — " + " | ".join(reasons) if reasons else \
-            "no backend passed the checks and beat eager"
-    return f"tuning failed: {wrapper.tuning_error or 'no graph was recorded'}"
+    if wrapper.state is not ModuleState.TUNED:
+        return f"tuning failed: {wrapper.tuning_error}"
+    chosen = [backend for _, backend in wrapper.tuned_graphs()]
+    if not chosen:
+        return "no recorded call completed (every one raised), so there was nothing to tune"
+    if any(not getattr(backend, "passthrough", False) for backend in chosen):
+        return None
+    reasons = []
+    for entry in report.graphs if report is not None else []:
+        rejected = "; ".join(f"{row.backend} {row.status}: {row.reason}" for row in entry.candidates
+                             if row.backend != "eager" and row.reason)
+        reasons.append(f"{entry.graph}: {entry.selection_reason}" + (f" ({rejected})" if rejected else ""))
+    return "no backend passed the checks and beat eager" + (" — " + " | ".join(reasons) if reasons else "")
 
 
 def track(module: torch.nn.Module, name: str, level: int, parent: PatchedModule | None = None) -> PatchedModule | None:
