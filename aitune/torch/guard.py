@@ -35,12 +35,13 @@ from typing import Any, Callable
 import torch
 
 from aitune.errors import ConfigError
+from aitune.torch.arguments import KnownFields
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True)
-class GuardConfig:
+class GuardConfig(KnownFields):
     """Run-time checks of a tuned module against eager.
 
     Args:
