@@ -201,6 +201,9 @@ def test_module_inside_a_tracked_one_is_not_tracked_twice():
     nodes = {node.name: node for node in jit.patched_modules()}
     assert nodes["Linear"].state is JitState.SKIPPED and "part of Top" in nodes["Linear"].reason
     assert type(model.head) is torch.nn.Linear
+    nodes["Top"].descend()  # as when Top cannot be tuned: the head is now tried as Top's child
+    assert [node.name for node in jit.patched_modules()] == ["Top", "Top.blocks.0", "Top.blocks.1", "Top.head"]
+    assert jit.patched_modules()[-1].state is JitState.RECORDING and type(model.head) is not torch.nn.Linear
 
 
 def test_fixed_shapes_wait_for_a_varying_axis_unless_told_otherwise():

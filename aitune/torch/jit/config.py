@@ -68,16 +68,16 @@ class JitConfig:
             (when its parent cannot be tuned) only at level < ``max_depth_level``. 1 = top-level modules only.
         min_parameters: modules with fewer parameters (elements) are never tuned, nor is anything below them
             (default 1: losses, activations and other weightless helpers are left alone).
-        skip_modules: never tuned, and nothing below them either: class names (``"BertPooler"``),
-            qualified class names, or module paths as shown by :func:`aitune.torch.jit.describe`
-            (``"SentenceEncoder.bert.pooler"``).
-        patch_exclude: never tuned themselves, but their children are tried: class names, qualified class
-            names or package prefixes (``"transformers.models.bert"``). Added to the built-in exclusions
-            (torch internals, ``torch.compile``'d and scripted modules, aitune's own).
+        skip_modules: never tuned, and nothing below them either. Each entry names modules by class name
+            (``"BertPooler"``), qualified class name, package (``"transformers.models.bert"`` and below) or
+            module path as :func:`aitune.torch.jit.describe` shows it (``"SentenceEncoder.bert.pooler"``).
+        patch_exclude: never tuned themselves, but their children are tried; entries as for
+            ``skip_modules``. Added to the built-in exclusions (torch internals, ``torch.compile``'d and
+            scripted modules, aitune's own).
         device: where to build and measure (None: the module's own device, as in :func:`aitune.torch.tune`).
         strategy: a :class:`~aitune.torch.tune_strategy.TuneStrategy`, cloned per module (None:
             ``FirstWinsStrategy()`` over the default backends: the first that builds, matches eager and beats
-            it; the pause stays short).
+            it, which keeps the pause shorter than measuring them all).
         max_samples: distinct input shapes kept per graph (as ``aitune.torch.Module``'s ``max_samples``).
         guard: run-time checks after tuning (:class:`~aitune.torch.GuardConfig`; None: its defaults).
         replay_samples: when a module cannot be tuned, run its recorded samples through it once more (under

@@ -133,6 +133,7 @@ class PatchedModule:
         self._module = weakref.ref(module)
         self._parent = weakref.ref(parent) if parent is not None else None
         self._warned: set[str] = set()
+        self.part_of_tracked = False  # a top-level call of a module inside a tracked one (see track())
 
     # ---- accessors
     @property
@@ -397,8 +398,11 @@ def _why_not_tuned(wrapper: Module, report) -> str | None:
 def track(module: torch.nn.Module, name: str, level: int, parent: PatchedModule | None = None) -> PatchedModule | None:
     """Look at ``module`` once: patch it for recording, or mark it skipped (trying its children when the
     rule allows). Returns its PatchedModule (None for a module tracked elsewhere already)."""
-    if module in state.seen:
-        return None
+    existing = state.seen.get(module)
+    if existing is not None:
+        if not (parent is not None and existing.part_of_tracked):
+            return None
+        del state.seen[module]  # called on its own earlier, now tried as the child it is
     node = PatchedModule(module, name, level, parent)
     conflict = _conflict(module) if parent is None else None
     excluded = exclusion(module, name, node.num_parameters)
@@ -407,6 +411,7 @@ def track(module: torch.nn.Module, name: str, level: int, parent: PatchedModule 
         parent.children.append(node)
     if conflict is not None:
         node.skip(conflict)
+        node.part_of_tracked = conflict.startswith("part of")
     elif excluded is not None:
         reason, children_tried = excluded
         node.skip(reason)
