@@ -23,6 +23,9 @@ from aitune.torch.tune_strategy import (
 from aitune.torch.tuning import cache_dir as aitune_cache_dir
 from aitune.torch.tuning import tune
 
+# Last: just-in-time tuning builds on everything above. Importing it enables nothing.
+from aitune.torch.jit import PatchedModule, jit_config, patch_for_jit_tuning  # noqa: E402
+
 __all__ = [
     "BatchDim",
     "DynamicDim",
@@ -36,6 +39,7 @@ __all__ = [
     "ModuleInfo",
     "ModuleState",
     "OneBackendStrategy",
+    "PatchedModule",
     "ProbeConfig",
     "ProfilingConfig",
     "Tolerance",
@@ -43,7 +47,9 @@ __all__ = [
     "TuneStrategy",
     "aitune_cache_dir",
     "inspect",
+    "jit_config",
     "load",
+    "patch_for_jit_tuning",
     "save",
     "tune",
     "wrap",

@@ -43,6 +43,12 @@ def registered_modules() -> list["Module"]:
     return [module for _, module in sorted(_REGISTRY.items())]
 
 
+def unregister(module: "Module") -> None:
+    """Drop a wrapper from :func:`registered_modules`: ``ait.tune()`` and ``ait.save()`` no longer see it
+    (just-in-time tuning keeps its internal wrappers to itself this way)."""
+    _REGISTRY.pop(module._self_id, None)
+
+
 class Module(wrapt.ObjectProxy):
     """Wrap ``module`` so :func:`aitune.torch.tune` can tune it.
 

@@ -17,8 +17,8 @@ def test_public_surface_is_exactly_all():
     assert set(ait.__all__) == {"GuardConfig",
         "BatchDim", "DynamicDim", "FirstWinsStrategy", "InspectedModulesInfo", "LatencyBudgetStrategy",
         "MaxThroughputStrategy", "MinLatencyStrategy", "Module", "ModuleInfo", "ModuleState", "OneBackendStrategy",
-        "ProbeConfig", "ProfilingConfig", "Tolerance", "TuneReport", "TuneStrategy", "aitune_cache_dir", "inspect", "load", "save",
-        "tune", "wrap"}
+        "PatchedModule", "ProbeConfig", "ProfilingConfig", "Tolerance", "TuneReport", "TuneStrategy", "aitune_cache_dir",
+        "inspect", "jit_config", "load", "patch_for_jit_tuning", "save", "tune", "wrap"}
     assert set(tune_strategy.__all__) == {"FirstWinsStrategy", "LatencyBudgetStrategy", "MaxThroughputStrategy",
                                           "MinLatencyStrategy", "OneBackendStrategy", "TuneStrategy"}
     assert BRIEF_BACKEND_NAMES <= set(backend.__all__)
