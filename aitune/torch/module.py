@@ -229,12 +229,9 @@ class Module(wrapt.ObjectProxy):
             True when moved; False when a tuned graph runs the module itself (JIT backend, eager) or the
             module is not tuned.
         """
-        from aitune.torch.backend.base import BuildMode
-
         entries = list(self._self_dispatch.values())
         if self._self_state is not ModuleState.TUNED or not entries or any(
-                getattr(backend, "passthrough", False) or backend.build_mode is not BuildMode.AOT
-                for _, backend in entries):
+                getattr(backend, "passthrough", False) or backend.is_jit for _, backend in entries):
             return False
         device = torch.device(device)
         self.__wrapped__.to(device)

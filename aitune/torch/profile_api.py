@@ -356,7 +356,7 @@ def _assemble(prof, regions: list[_Region], walls: list[float], args: tuple, kwa
 
 
 def _device_time(event) -> float:
-    return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0) or 0.0
+    return float(getattr(event, "device_time_total", 0.0) or 0.0)
 
 
 def _top(averages, key: str) -> list[dict]:

@@ -302,9 +302,10 @@ class _Snapshot:
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
+        # Tensors on "meta" hold no values (a module offloaded by config.device_after_tuning): nothing to restore.
         self.tensors = {name: value.detach().clone() for name, value in
                         list(module.named_parameters(remove_duplicate=False)) +
-                        list(module.named_buffers(remove_duplicate=False))}
+                        list(module.named_buffers(remove_duplicate=False)) if value.device.type != "meta"}
         self.training = {name: sub.training for name, sub in module.named_modules(remove_duplicate=False)}
 
     def restore(self) -> None:
@@ -312,7 +313,8 @@ class _Snapshot:
             for name, value in list(self.module.named_parameters(remove_duplicate=False)) + list(
                     self.module.named_buffers(remove_duplicate=False)):
                 saved = self.tensors.get(name)
-                if saved is not None and (saved.shape != value.shape or not torch.equal(saved, value)):
+                if saved is not None and value.device.type != "meta" and (
+                        saved.shape != value.shape or saved.device != value.device or not torch.equal(saved, value)):
                     logger.debug("restoring %s changed during tuning", name)
                     value.copy_(saved)
         for name, sub in self.module.named_modules(remove_duplicate=False):

@@ -8,6 +8,7 @@ one call (the reference calls it inside ``tune``/``load``/``inspect``; aitune le
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import sys
@@ -134,7 +135,17 @@ def control_output(log_file: str | os.PathLike) -> Iterator[None]:
         os.dup2(target, 2)
         if tee_thread is not None:
             os.close(target)
-        yield
+        # Python-level streams too: sys.stdout may not be descriptor 1 (a test runner's capture, a notebook).
+        streams = (sys.stdout, sys.stderr)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+        try:
+            yield
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            sys.stdout, sys.stderr = streams
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
