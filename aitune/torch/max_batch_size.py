@@ -102,11 +102,15 @@ class _PeakTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         output = func(*args, **(kwargs or {}))
+        # An output sharing storage with one of the op's inputs (a view such as weight.t(), an in-place op)
+        # allocated nothing.
+        inputs = {leaf.untyped_storage().data_ptr() for leaf in tree_flatten((args, kwargs or {}))[0]
+                  if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"}
         for leaf in tree_flatten(output)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
                 storage = leaf.untyped_storage()
                 key = storage.data_ptr()
-                if not key:
+                if not key or key in inputs:
                     continue
                 if key not in self._owners:
                     self._owners[key] = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from aitune.torch.evaluation import GraphContext
 from aitune.torch.guard import guard_for
 from aitune.torch.planning import plan_modules
 from aitune.utils.logging import libraries_logging
+from aitune.utils.monitoring import annotate
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +96,8 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
                 isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in batch_sizes):
             raise ConfigError(f"batch_sizes must be a non-empty list of ints >= 1, got {batch_sizes!r}")
     root = Path(cache_dir_path).expanduser() if cache_dir_path else cache_dir()
-    with libraries_logging(disable_external_logging):
+    _warn_low_disk(root)
+    with libraries_logging(disable_external_logging), annotate("tune", color="yellow"):
         calls = _calls(dataset, ready, list(batch_sizes or dataloader.DEFAULT_BATCH_SIZES),
                        max_num_batches_per_batch_size)
         before = {id(m): m for m in registered_modules()}
@@ -372,6 +375,29 @@ def _describe_item(index: int, args: list, kwargs: dict, batch_size: int | None)
     else:
         what = type(item).__name__
     return f"dataset item #{index} ({what})"
+
+
+LOW_DISK_BYTES = 50 * 2**30  # the reference system's default of AITUNE_CACHE_MIN_FREE_BYTES
+_warned_low_disk: set[str] = set()
+
+
+def _warn_low_disk(root: Path) -> None:
+    """One warning per cache root when it has less free space than ``$AITUNE_CACHE_MIN_FREE_BYTES`` (50 GiB)."""
+    try:
+        threshold = int(os.environ.get("AITUNE_CACHE_MIN_FREE_BYTES", LOW_DISK_BYTES))
+    except ValueError:
+        threshold = LOW_DISK_BYTES
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return
+    if free < threshold and str(root) not in _warned_low_disk:
+        _warned_low_disk.add(str(root))
+        logger.warning("aitune: %.1f GiB free under %s (below AITUNE_CACHE_MIN_FREE_BYTES = %.1f GiB): engine "
+                       "builds and artifacts may run out of space", free / 2**30, root, threshold / 2**30)
 
 
 def _clear_cache(root: Path, modules: list[Module]) -> None:

@@ -743,11 +743,14 @@ def test_env_tuning_data_path(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "aitune-report.json").read_text())["graphs"][0]["module"] == "linear"
 
 
-def test_env_cache_dir(tmp_path, monkeypatch):
+def test_env_cache_dir(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("AITUNE_CACHE_DIR", str(tmp_path / "mycache"))
+    monkeypatch.setenv("AITUNE_CACHE_MIN_FREE_BYTES", str(2**62))  # more than any disk: the low-space warning
     assert ait.aitune_cache_dir() == tmp_path / "mycache"
-    ait.tune(ait.Module(nn.Linear(4, 4), "linear", strategy=quick()), [torch.randn(4)])
+    with caplog.at_level(logging.WARNING):
+        ait.tune(ait.Module(nn.Linear(4, 4), "linear", strategy=quick()), [torch.randn(4)])
     assert (tmp_path / "mycache" / "linear" / "graph0").is_dir()
+    assert "AITUNE_CACHE_MIN_FREE_BYTES" in caplog.text
 
 
 class PrintingBackend(TorchEagerBackend):
