@@ -17,6 +17,11 @@ class ConfigError(AITuneError, ValueError):
     """A configuration value, argument or dataset is invalid; the message says which and how to fix it."""
 
 
+class UnknownArgumentError(ConfigError, TypeError):
+    """A misspelled or unknown keyword argument; the message lists the valid ones (also a ``TypeError``, as
+    Python raises for unexpected keywords)."""
+
+
 class UnknownBackendError(AITuneError, KeyError):
     """A backend name is not registered; the message lists every registered name."""
 
@@ -124,3 +129,15 @@ class CheckpointVersionError(CheckpointError):
 
 class CheckpointIntegrityError(CheckpointError):
     """A checkpoint's contents do not match its digests, or its layout is unsafe or incomplete."""
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """First meaningful line of an exception, prefixed by its type, for report 'reason' columns.
+
+    Kept here, below every layer (backends, kernel forge, strategies), which import it from here.
+    """
+    text = str(exc).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return message if len(message) <= limit else message[: limit - 1] + "…"

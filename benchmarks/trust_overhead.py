@@ -86,6 +86,7 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, MiniLM 8 x 128 (CPU)")
     print("1. tuning time, probes off vs on (same forced candidate):")
     for backend_name in ("inductor_jit", args.backend):
+        tune(model, backend_name, data, "warm_up", probes=False)  # compiler caches warm for both timed runs
         _, off_s, _ = tune(model, backend_name, data, "probes_off", probes=False)
         _, on_s, row = tune(model, backend_name, data, "probes_on", probes=True)
         print(f"  {backend_name:12s} probes off {off_s:6.1f} s   on {on_s:6.1f} s   extra {on_s - off_s:+6.1f} s "

@@ -136,3 +136,41 @@ class TwoTowers(nn.Module):
 
     def forward(self, x, y, mask):
         return self.a(x), self.b(y, mask)
+
+
+
+@dataclasses.dataclass
+class Attended:
+    """AttentionPool's output: tensors, a dict holding a nested tuple, and a float constant."""
+
+    logits: torch.Tensor
+    features: torch.Tensor
+    extra: dict
+    temperature: float
+
+
+class AttentionPool(nn.Module):
+    """The backend contract suite's model (tests/contract/test_backend_contract.py).
+
+    tokens [B, T, 8] float32 and mask [B, T] float32 (1 = keep) -> Attended(logits [B, 4], features [B, T, 16],
+    extra={"pooled": [B, 16], "stats": ([B, T], [B])}, temperature=0.5). Linear layers (something to
+    quantize), one SDPA call over 2 heads of 8 (something for a kernel selector to choose), a buffer, masked
+    mean pooling; batch and length are dynamic axes.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.encode = nn.Linear(8, 16)
+        self.qkv = nn.Linear(16, 48)
+        self.classify = nn.Linear(16, 4)
+        self.register_buffer("feature_scale", torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, tokens, mask):
+        hidden = torch.relu(self.encode(tokens))
+        batch, length, width = hidden.shape
+        q, k, v = self.qkv(hidden).view(batch, length, 3, 2, width // 2).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, length, width)
+        features = (hidden + attended) * self.feature_scale * mask.unsqueeze(-1)
+        pooled = features.sum(1) / mask.sum(1, keepdim=True).clamp_min(1.0)
+        return Attended(logits=self.classify(pooled), features=features,
+                        extra={"pooled": pooled, "stats": (features.amax(-1), mask.sum(1))}, temperature=0.5)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from aitune import __version__
-from aitune.torch.backend.base import Backend, BuildMode
+from aitune.torch.backend.base import Backend, BackendState, BuildMode
 from aitune.torch.checkpoint.archive import check_files, digest_files
 from aitune.torch.environment import cpu_model_name
 
@@ -92,8 +92,19 @@ class BuildCache:
             if restored is not None:
                 return restored, True
         backend = blueprint.copy().build(module, graph, device, workdir)
-        self._store(entry, key, backend)
+        if backend.state is BackendState.ACTIVE:  # a background build is stored by store() once it finished
+            self._store(entry, key, backend)
         return backend, False
+
+    def store(self, blueprint: Backend, module: torch.nn.Module, graph, device, backend: Backend) -> None:
+        """Store a build that finished later (a background build, see ``Backend.finish_build``); never raises."""
+        if BuildMode(blueprint.build_mode) is not BuildMode.AOT:
+            return
+        try:
+            key = self.key(blueprint, module, graph, device)
+        except Exception:  # noqa: BLE001 - an unkeyable build is just not cached
+            return
+        self._store(self.entry_path(key), key, backend)
 
     def entry_path(self, key: str) -> Path:
         return self.root / key[:2] / key

@@ -28,13 +28,14 @@ from typing import Any
 import torch
 
 from aitune.errors import ConfigError, ShapeMismatchError, ToleranceExceededError
+from aitune.torch.arguments import KnownFields
 from aitune.torch.pytree import leaf_paths, path_to_str, tree_flatten
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass(kw_only=True)
-class Tolerance:
+class Tolerance(KnownFields):
     """Thresholds used to compare with eager.
 
     Args:

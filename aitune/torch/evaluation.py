@@ -27,8 +27,10 @@ from aitune.errors import (
     ToleranceExceededError,
     TuningError,
 )
-from aitune.torch.backend.base import Backend, BuildMode, one_line
+from aitune.torch.backend.base import Backend, BackendState, BuildMode, one_line
 from aitune.torch.correctness import ComparisonResult, OutputComparator, Tolerance
+from aitune.torch.crashes import crash_signal
+from aitune.torch.isolation import BACKGROUND_BUILDS, BUILD_DEADLINE
 from aitune.torch.probes import Probe, ProbeConfig, make_probes, run_probes
 from aitune.torch.profiling import Measurement, ProfilingConfig, measure
 from aitune.torch.pytree import tree_flatten, tree_unflatten
@@ -37,6 +39,7 @@ from aitune.torch.report import (
     NO_OP,
     PASSED,
     REJECTED_CORRECTNESS,
+    SKIPPED,
     UNAVAILABLE,
     UNSUPPORTED,
     CandidateResult,
@@ -63,7 +66,19 @@ class GraphContext:
         restore_state: for a module that changes its own parameters/buffers in ``forward`` (a stateful
             graph), puts them back to where tuning started; eager's references and every candidate's check
             start from that state. None for stateless graphs.
+        progress: where phases are shown (:class:`~aitune.torch.progress.TuneProgress`), or None.
+        crashes: candidates that crashed this environment before (:class:`~aitune.torch.crashes.CrashRegistry`).
+        deadline: ``time.perf_counter()`` by which this graph should be done (from the time budget), or None.
     """
+
+    def remaining_s(self) -> float | None:
+        """Seconds left of this graph's time budget (None: no budget)."""
+        return None if self.deadline is None else self.deadline - time.perf_counter()
+
+    def show(self, candidate: str, phase: str) -> None:
+        """Tell the progress display which candidate is in which phase."""
+        if self.progress is not None:
+            self.progress.phase(candidate, phase)
 
     module: torch.nn.Module
     module_name: str
@@ -75,6 +90,9 @@ class GraphContext:
     cache: Any = None
     eager_measurement: Measurement | None = None
     restore_state: Any = None
+    progress: Any = None  # a TuneProgress (aitune/torch/progress.py); None: nothing shown
+    crashes: Any = None  # a CrashRegistry (aitune/torch/crashes.py); None: crashes are not remembered
+    deadline: float | None = None  # perf_counter() by which this graph's evaluations should end (time budget)
     _probes: dict = dataclasses.field(default_factory=dict)
     _fp32_outputs: dict = dataclasses.field(default_factory=dict)
     _fp32_unavailable: bool = False
@@ -194,28 +212,81 @@ def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSett
 
     Returns:
         A :class:`Candidate`: ``passed`` with an ACTIVE backend and (with ``settings.measure``) its
-        measurement, or a row with status failed / rejected (correctness) / unavailable / unsupported.
+        measurement, or a row with status failed / rejected (correctness) / unavailable / unsupported /
+        skipped / no-op.
 
     Raises:
         Only with ``raise_errors``: the original error (BackendBuildError, CorrectnessError, ...), or
-        BackendUnavailableError when the backend cannot run here.
+        BackendUnavailableError when the backend cannot run here, TuningError when it was skipped.
+    """
+    started = start(blueprint, context, settings, raise_errors=raise_errors)
+    return started if isinstance(started, Candidate) else complete(started, context)
+
+
+@dataclasses.dataclass
+class Evaluation:
+    """A candidate whose build started (possibly still running in the background): what :func:`complete`
+    needs to finish its evaluation."""
+
+    blueprint: Backend
+    backend: Backend
+    row: CandidateResult
+    settings: EvaluationSettings
+    raise_errors: bool = False
+
+
+def start(blueprint: Backend, context: GraphContext, settings: EvaluationSettings, *, raise_errors: bool = False,
+          background=None) -> Evaluation | Candidate:
+    """The first half of :func:`evaluate`: support, budget and crash checks, then the build. With
+    ``background`` (an executor), a backend whose heavy step runs in a child process starts it there and
+    returns at once (NOTE [background builds] in :mod:`aitune.torch.isolation`).
+
+    Returns:
+        An :class:`Evaluation` for :func:`complete`, or the finished :class:`Candidate` when the path ended.
     """
     row = CandidateResult(module=context.module_name, graph=context.graph.name, backend=blueprint.name,
                           description=blueprint.describe())
-    label = blueprint.describe()[:28]
-    backend: Backend | None = None
     try:
+        context.show(blueprint.describe(), "supports")
         _check_support(blueprint, context, row)
-        backend = _build(blueprint, context, row)
+        _check_budget_and_crashes(blueprint, context)
+        context.show(blueprint.describe(), "build")
+        token = BACKGROUND_BUILDS.set(background)
+        try:
+            backend = _build(blueprint, context, row)
+        finally:
+            BACKGROUND_BUILDS.reset(token)
+    except _Stop as stop:
+        return _failed(stop, blueprint, context, row, None, raise_errors)
+    return Evaluation(blueprint, backend, row, settings, raise_errors)
+
+
+def complete(evaluation: Evaluation, context: GraphContext) -> Candidate:
+    """The second half of :func:`evaluate`: wait for a background build, then check against eager, probes,
+    round trip, measure — ending in the one failure exit when a step fails."""
+    blueprint, backend, row, settings = evaluation.blueprint, evaluation.backend, evaluation.row, evaluation.settings
+    show = lambda phase: context.show(blueprint.describe(), phase)  # noqa: E731
+    try:
+        if backend.state is BackendState.BUILDING:
+            show("build")
+            try:
+                backend.finish_build()
+            except Exception as exc:  # noqa: BLE001 - a failed background build is a failed build
+                _build_failed(exc, blueprint, context, row)
+            row.build_s = backend.build_info.get("build_s", row.build_s)
+            if context.cache is not None:
+                context.cache.store(blueprint, context.module, context.graph, context.device, backend)
         if backend.is_quantizing and backend.build_info.get("quantized_modules") == 0:
             raise _Stop(NO_OP, None, reason="quantized nothing: no layer matched its quantization config, so it would "
                                             "only run the original model under another name; never selected")
         if settings.correctness_check:
             comparator = comparator_for(backend, settings.tolerance)
+            show("check")
             try:
                 check_against_eager(backend, context, settings.tolerance, comparator)
             except Exception as exc:  # noqa: BLE001 - any failure of the check is a row
                 raise _Stop(REJECTED_CORRECTNESS if isinstance(exc, CorrectnessError) else FAILED, exc) from exc
+            show("probes")
             try:
                 row.probes = check_probes(backend, context, settings, comparator)
             except Exception as exc:  # noqa: BLE001
@@ -226,12 +297,14 @@ def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSett
                             prefix=prefix) from exc
             row.comparison = comparator.result().to_dict()
         if backend.build_mode is BuildMode.AOT and not row.cached:
+            show("round_trip")
             try:
                 verify_round_trip(backend, context, settings.tolerance)
             except Exception as exc:  # noqa: BLE001 - case C23: not saveable means not selectable
                 raise _Stop(FAILED, exc, prefix="not saveable: ") from exc
         measurement = None
         if settings.measure:
+            show("measure")
             try:
                 measurement = measure_backend(backend, context, settings.profiling)
             except Exception as exc:  # noqa: BLE001
@@ -240,23 +313,35 @@ def evaluate(blueprint: Backend, context: GraphContext, settings: EvaluationSett
             eager = eager_candidate(context, settings.profiling).measurement
             if eager.throughput > 0:
                 row.speedup = measurement.throughput / eager.throughput
-    except _Stop as stop:  # the one failure exit
-        row.status = stop.status
-        row.reason = stop.reason or stop.prefix + failure_reason(stop.cause)
-        logger.info("  %-28s %s: %s", label, row.status, row.reason)
-        if backend is not None:
-            backend.deactivate()
-        if raise_errors:
-            if stop.cause is not None:
-                stop.cause.candidate_row = row  # tune() still reports the row of the error it re-raises
-                raise stop.cause
-            if stop.status == NO_OP:
-                raise TuningError(f"Backend '{blueprint.name}' {row.reason}") from None
-            raise BackendUnavailableError(f"Backend '{blueprint.name}' cannot run here: {row.reason}") from None
-        return Candidate(None, row)
+    except _Stop as stop:
+        return _failed(stop, blueprint, context, row, backend, evaluation.raise_errors)
+    if context.progress is not None:
+        context.progress.candidate_done()
     row.reason = "; ".join(filter(None, [build_notes(row.details), noise_note(measurement)]))
-    logger.info("  %-28s passed%s", label, f" ({row.speedup:.2f}x eager)" if row.speedup is not None else "")
+    logger.info("  %-28s passed%s", blueprint.describe()[:28],
+                f" ({row.speedup:.2f}x eager)" if row.speedup is not None else "")
     return Candidate(backend, row, measurement)
+
+
+def _failed(stop: "_Stop", blueprint: Backend, context: GraphContext, row: CandidateResult, backend: Backend | None,
+            raise_errors: bool) -> Candidate:
+    """The one failure exit: the row gets the status and a one-line reason, the backend is released, and with
+    ``raise_errors`` the original error is raised (the row attached to it)."""
+    if context.progress is not None:
+        context.progress.candidate_done()
+    row.status = stop.status
+    row.reason = stop.reason or stop.prefix + failure_reason(stop.cause)
+    logger.info("  %-28s %s: %s", blueprint.describe()[:28], row.status, row.reason)
+    if backend is not None:
+        backend.deactivate()
+    if raise_errors:
+        if stop.cause is not None:
+            stop.cause.candidate_row = row  # tune() still reports the row of the error it re-raises
+            raise stop.cause
+        if stop.status in (NO_OP, SKIPPED):
+            raise TuningError(f"Backend '{blueprint.name}' {row.reason}") from None
+        raise BackendUnavailableError(f"Backend '{blueprint.name}' cannot run here: {row.reason}") from None
+    return Candidate(None, row)
 
 
 def _check_support(blueprint: Backend, context: GraphContext, row: CandidateResult) -> None:
@@ -265,8 +350,32 @@ def _check_support(blueprint: Backend, context: GraphContext, row: CandidateResu
     except Exception as exc:  # noqa: BLE001 - a crashing eligibility check is a row too
         raise _Stop(FAILED, exc, prefix="supports(): ") from exc
     if not support.ok:
-        status = UNAVAILABLE if not blueprint.availability().ok else UNSUPPORTED
+        status = UNAVAILABLE if not blueprint.availability().ok else (NO_OP if support.no_op else UNSUPPORTED)
         raise _Stop(status, None, reason=support.reason)
+
+
+# Time left of an explicit budget below which a candidate of each search tier is not started (tier 0: always).
+TIER_MIN_S = {1: 60.0, 2: 300.0}
+
+
+def _check_budget_and_crashes(blueprint: Backend, context: GraphContext) -> None:
+    """Skip a candidate that crashed this environment before, an expensive one the budget does not allow,
+    and any once the budget is spent."""
+    if context.crashes is not None:
+        crash = context.crashes.lookup(blueprint, context.device)
+        if crash is not None:
+            raise _Stop(SKIPPED, None, reason=f"crashed this environment before ({crash['signal']}, {crash['when']}: "
+                                              f"{crash['reason']}; log {crash['log']}) — `aitune env --clear-crashes` "
+                                              "retries it")
+    remaining = context.remaining_s()
+    if remaining is not None and remaining <= 0:
+        raise _Stop(SKIPPED, None, reason="time budget spent before this candidate could be built")
+    tier = blueprint.search_tier
+    if tier and (remaining is None or remaining < TIER_MIN_S[min(tier, 2)]):
+        left = "no time budget was given" if remaining is None else f"only {remaining:.0f} s of the budget left"
+        what = "expensive build (minutes)" if tier >= 2 else "extra search variant"
+        raise _Stop(SKIPPED, None, reason=f"{what}, tried only with >= {TIER_MIN_S[min(tier, 2)]:.0f} s of time "
+                                          f"budget left; {left} (ait.tune(..., time_budget_s=...))")
 
 
 def _build(blueprint: Backend, context: GraphContext, row: CandidateResult) -> Backend:
@@ -274,6 +383,7 @@ def _build(blueprint: Backend, context: GraphContext, row: CandidateResult) -> B
     logger.info("  %-28s building…", blueprint.describe()[:28])
     started = time.perf_counter()
     row.log_path = str(workdir / "build.log")
+    deadline = BUILD_DEADLINE.set(context.deadline)
     try:
         if context.cache is not None:
             backend, row.cached = context.cache.build(blueprint, context.module, context.graph, context.device,
@@ -282,11 +392,21 @@ def _build(blueprint: Backend, context: GraphContext, row: CandidateResult) -> B
             backend = blueprint.copy().build(context.module, context.graph, context.device, workdir)
     except Exception as exc:  # noqa: BLE001 - any candidate failure is a row, never a crash
         row.build_s = time.perf_counter() - started
-        row.log_path = str(getattr(exc, "log_path", None) or row.log_path)
-        raise _Stop(FAILED, exc) from exc
+        _build_failed(exc, blueprint, context, row)
+    finally:
+        BUILD_DEADLINE.reset(deadline)
     row.build_s = backend.build_info.get("build_s", time.perf_counter() - started)
     row.details = {k: v for k, v in backend.build_info.items() if k != "build_s"}
     return backend
+
+
+def _build_failed(exc: BaseException, blueprint: Backend, context: GraphContext, row: CandidateResult) -> None:
+    """A failed build: its log, a crash remembered for this environment; raises the failure exit."""
+    row.log_path = str(getattr(exc, "log_path", None) or row.log_path)
+    signal_name = crash_signal(exc)
+    if signal_name is not None and context.crashes is not None:
+        context.crashes.record(blueprint, context.device, signal_name, failure_reason(exc), row.log_path)
+    raise _Stop(FAILED, exc) from exc
 
 
 def eager_candidate(context: GraphContext, profiling: ProfilingConfig) -> Candidate:
@@ -301,7 +421,10 @@ def eager_candidate(context: GraphContext, profiling: ProfilingConfig) -> Candid
     blueprint = TorchEagerBackend()
     backend = blueprint.copy().build(context.module, context.graph, context.device, context.workdir / blueprint.key())
     if context.eager_measurement is None:
+        context.show("eager (baseline)", "measure")
         context.eager_measurement = measure_backend(backend, context, profiling)
+        if context.progress is not None:
+            context.progress.candidate_done()
     measurement = context.eager_measurement
     row = CandidateResult(module=context.module_name, graph=context.graph.name, backend=blueprint.name,
                           description=blueprint.describe(), build_s=backend.build_info.get("build_s"),

@@ -19,9 +19,13 @@ Two mechanisms protect a tuned module once it serves calls:
     notices parameters or buffers replaced or changed after tuning — ``load_state_dict`` (in place and
     ``assign=True``), ``.to()``/``.half()``/``.cuda()``, in-place edits — before the next call reaches a
     backend that baked the old values in (Inductor AOT, ONNX Runtime, TensorRT, TorchAO's quantized copy).
-    Per call it sums the tensors' version counters (in-place writes, ``copy_`` in ``load_state_dict``) and
-    data pointers (``.half()``/``.to()`` replace ``.data`` without touching the version), and reads a global
-    counter bumped by PyTorch's parameter/buffer registration hooks (``assign=True``): no hashing.
+    Per call it sums the tensors' version counters (in-place writes, ``copy_`` in ``load_state_dict``), reads
+    the first tensor's data pointer, dtype and device (``.half()``/``.to()``/``.cuda()`` of the model replace
+    every tensor's ``.data`` without touching the versions) and a global counter bumped by PyTorch's
+    parameter/buffer registration hooks (``assign=True``); every ``FULL_SCAN_EVERY`` (16) calls it also sums
+    all data pointers, which catches a ``.data`` replaced on one tensor or a ``.to()`` of one submodule within
+    16 calls. No hashing. Cost: about 45 ns per parameter/buffer per call (ResNet-50's 320: ~14 µs),
+    measured in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -35,12 +39,13 @@ from typing import Any, Callable
 import torch
 
 from aitune.errors import ConfigError
+from aitune.torch.arguments import KnownFields
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True)
-class GuardConfig:
+class GuardConfig(KnownFields):
     """Run-time checks of a tuned module against eager.
 
     Args:
@@ -213,6 +218,7 @@ def guard_for(config: GuardConfig, graph, backend, tolerance, row: dict | None, 
 
 # ------------------------------------------------------------------------------------------ stale weights
 
+FULL_SCAN_EVERY = 16  # calls between full data-pointer scans (see StateWatch)
 _REGISTRATIONS = [0]  # bumped by PyTorch's global parameter/buffer/module registration hooks
 _HOOKS: list = []
 _VERSION = operator.attrgetter("_version")
@@ -258,6 +264,9 @@ class StateWatch:
         self.version_sum = sum(self.versions)
         self.pointer_sum = sum(self.pointers)
         self.registrations = _REGISTRATIONS[0]
+        self.first = self.tensors[0] if self.tensors else None
+        self.first_facts = (self.pointers[0], self.dtypes[0]) if self.tensors else None
+        self.calls = 0
 
     def changed(self) -> str | None:
         """None while the state is as tuned; else (and from then on) what changed, e.g.
@@ -265,8 +274,11 @@ class StateWatch:
         if self.reason is not None:
             return self.reason
         tensors = self.tensors
-        if (sum(map(_VERSION, tensors)) == self.version_sum and sum(map(_DATA_PTR, tensors)) == self.pointer_sum
-                and _REGISTRATIONS[0] == self.registrations):
+        self.calls += 1
+        first = self.first
+        if (sum(map(_VERSION, tensors)) == self.version_sum and _REGISTRATIONS[0] == self.registrations
+                and (first is None or (first.data_ptr(), (first.dtype, first.device)) == self.first_facts)
+                and (self.calls % FULL_SCAN_EVERY or sum(map(_DATA_PTR, tensors)) == self.pointer_sum)):
             return None
         self.reason = self._what_changed()
         if self.reason is None:  # a registration elsewhere (another module was built): nothing changed here

@@ -6,13 +6,16 @@ import dataclasses
 import itertools
 import logging
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from aitune.errors import ConfigError
 from aitune.torch import dataloader
+from aitune.torch.environment import environment
 from aitune.torch.locate import walk
+from aitune.torch.report_html import render_inspection
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,28 @@ class InspectedModulesInfo:
                  f"{info.num_parameters:,}", ",".join(info.precisions)] for info in self.get_modules()]
         return tabulate(rows, headers=["module", "class", "calls", "total ms", "avg ms", "% of total", "params",
                                        "precisions"], tablefmt="github")
+
+    def to_html(self, path: Path | str | None = None) -> str:
+        """Which modules take the time, as one self-contained HTML page (:mod:`aitune.torch.report_html`): a bar
+        chart of each module's share of the timed run (needs matplotlib: ``pip install 'aitune[report]'``) and
+        the table (calls, total/avg ms, share, parameters, precisions).
+
+        Args:
+            path: also write the page there (UTF-8), creating folders.
+
+        Returns:
+            The page's HTML text.
+        """
+        modules = [{"name": info.name, "class": type(info.module).__name__, "calls": info.execution_count,
+                    "total_ms": info.total_execution_time * 1e3, "avg_ms": info.average_execution_time * 1e3,
+                    "share": info.total_execution_time / self.total_time if self.total_time else 0.0,
+                    "params": info.num_parameters, "precisions": info.precisions} for info in self.get_modules()]
+        page = render_inspection(modules, self.total_time * 1e3, self.iterations, environment())
+        if path is not None:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(page, encoding="utf-8")
+        return page
 
     def describe(self) -> str:
         """Print the table plus totals (as the reference does) and return the text."""
@@ -202,10 +227,22 @@ def wrap(obj: Any, modules: list[ModuleInfo], strategy=None, strategies=None) ->
     (or the wrapper when the root itself is selected). ``strategy``/``strategies`` go to every wrapper."""
     from aitune.torch.module import Module
 
+    from aitune.torch.checkpoint.wrappers import find_wrappers
+    from aitune.torch.module import check_unique_names
+
     result = obj
     for info in modules:
         if not isinstance(info, ModuleInfo):
             raise ConfigError("wrap takes ModuleInfo entries from ait.inspect(...).get_modules()")
+    existing = [entry.wrapper for entry in find_wrappers(obj)]
+    names = [wrapper.name for wrapper in existing]
+    for info in modules:
+        name = (info.name or f"{type(info.module).__module__}.{type(info.module).__qualname__}").replace("/", "_")
+        if name in names:
+            raise ConfigError(f"ait.wrap: two wrapped modules would be named {name!r}; names identify modules in "
+                              "reports, caches and checkpoints — wrap each module once, under a distinct name")
+        names.append(name)
+    for info in modules:
         wrapped = Module(info.module, name=info.name or None, strategy=strategy, strategies=strategies)
         if info.parent is None:
             result = wrapped

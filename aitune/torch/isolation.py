@@ -29,6 +29,7 @@ and returns a JSON-able dict. The request is written next to the log as ``<log s
 
 from __future__ import annotations
 
+import contextvars
 import faulthandler
 import importlib
 import json
@@ -68,6 +69,27 @@ def resolve_target(target: str) -> Callable[..., Any]:
     return value
 
 
+# The ``time.perf_counter()`` by which the current candidate's build must end (set by the tuner from the
+# time budget); child steps get at most the time left.
+BUILD_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("aitune_build_deadline", default=None)
+
+
+# NOTE [background builds]: while a strategy evaluates other candidates, the child step of an isolated build
+# can run at the same time (issue "Search", point 4). A backend that supports it submits its step with
+# :func:`submit_isolated` when ``BACKGROUND_BUILDS`` holds an executor, and waits in ``finish_build``.
+BACKGROUND_BUILDS: contextvars.ContextVar = contextvars.ContextVar("aitune_background_builds", default=None)
+
+
+def submit_isolated(target: str, kwargs: dict, *, timeout_s: float, log_path: Path | str):
+    """:func:`run_isolated` on the executor in ``BACKGROUND_BUILDS`` (a ``Future`` of its result), or None
+    when no executor is set (the caller then runs the step itself). The time budget in force now applies."""
+    executor = BACKGROUND_BUILDS.get()
+    if executor is None:
+        return None
+    context = contextvars.copy_context()  # carries BUILD_DEADLINE into the worker thread
+    return executor.submit(context.run, run_isolated, target, kwargs, timeout_s=timeout_s, log_path=log_path)
+
+
 def run_isolated(target: str, kwargs: dict, *, timeout_s: float, log_path: Path | str,
                  env: dict[str, str] | None = None) -> dict:
     """Run ``target(**kwargs)`` in a fresh Python process and return its result.
@@ -93,6 +115,9 @@ def run_isolated(target: str, kwargs: dict, *, timeout_s: float, log_path: Path 
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0 \
             or math.isnan(timeout_s):
         raise ConfigError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    deadline = BUILD_DEADLINE.get()
+    if deadline is not None:  # the tune's time budget caps every child step (issue "Search")
+        timeout_s = max(1.0, min(timeout_s, deadline - time.perf_counter()))
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     request_path = log_path.with_name(log_path.stem + ".request.json")

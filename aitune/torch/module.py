@@ -542,6 +542,23 @@ def _flat_call_key(args: tuple, kwargs: dict):
     return len(args), tuple(parts)
 
 
+def check_unique_names(wrappers, where: str) -> None:
+    """Wrapper names key reports, build caches and checkpoints: two different wrappers of one model (or one
+    tune run) may not share one.
+
+    Raises:
+        ConfigError: naming the duplicated name and the two wrapped classes.
+    """
+    seen: dict[str, Any] = {}
+    for wrapper in wrappers:
+        other = seen.get(wrapper.name)
+        if other is not None and other is not wrapper:
+            raise ConfigError(f"{where}: two wrapped modules are named {wrapper.name!r} ({type(other.module).__name__} "
+                              f"and {type(wrapper.module).__name__}); names identify modules in reports, caches and "
+                              "checkpoints — give each ait.Module a distinct name")
+        seen[wrapper.name] = wrapper
+
+
 def graph_device(graph) -> torch.device:
     """The device of a graph's first recorded tensor input (CPU when it has none)."""
     for sample in graph.samples[:1]:

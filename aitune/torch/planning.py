@@ -60,7 +60,7 @@ def plan_modules(modules: Iterable, device_for: Callable, root: Path, report_pat
                 entry.max_batch_size = {"enabled": True, "status": "planned", "max_batch_size_cap": search.max_batch_size,
                                         "reason": "would search before tuning" if graph.has_batch_axis
                                         else "would be skipped: no batch axis recorded"}
-            for blueprint in strategy.candidates(device):
+            for blueprint in strategy.candidates(device, module.module, graph):
                 entry.candidates.append(_plan_row(blueprint, module, graph, device))
             report.graphs.append(entry)
             logger.info("aitune: dry run %s/%s — %d parameter(s) (%s), %d sample(s), inputs %s, device %s, "

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from aitune.errors import ConfigError
+from aitune.torch.arguments import KnownFields
 from aitune.torch.pytree import tree_flatten, tree_unflatten
 from aitune.torch.samples import BATCH, STATIC, Sample, clone_tree
 
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True)
-class ProbeConfig:
+class ProbeConfig(KnownFields):
     """How far beyond the recorded samples every candidate is checked.
 
     Args:

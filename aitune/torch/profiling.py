@@ -18,10 +18,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from aitune.errors import ConfigError
+from aitune.torch.arguments import KnownFields
 
 
 @dataclasses.dataclass(kw_only=True)
-class ProfilingConfig:
+class ProfilingConfig(KnownFields):
     """How long and how carefully to measure.
 
     Args:
@@ -134,9 +135,12 @@ class Measurement:
         return None
 
     def to_dict(self) -> dict:
+        """JSON figures: throughput (samples/s), p50/p90/p99 (ms, reference sample), the median round, the
+        number of rounds, their durations ``round_ms`` (ms, in timing order: the distribution reports draw),
+        the noise and the per-sample timings."""
         return {"throughput": self.throughput, "p50_ms": self.p50_ms, "p90_ms": self.p90_ms, "p99_ms": self.p99_ms,
-                "median_round_ms": self.median_round_ms, "rounds": self.rounds, "noise": self.noise,
-                "samples": [dataclasses.asdict(timing) for timing in self.samples]}
+                "median_round_ms": self.median_round_ms, "rounds": self.rounds, "round_ms": list(self.round_ms),
+                "noise": self.noise, "samples": [dataclasses.asdict(timing) for timing in self.samples]}
 
 
 def beats(challenger: Measurement, incumbent: Measurement, *, by_latency: bool = False,

@@ -1,4 +1,5 @@
-"""Tuning reports: one row per candidate per graph, as JSON and as a readable table (DESIGN.md §9)."""
+"""Tuning reports: one row per candidate per graph, as JSON, as a readable table and as an HTML page
+(DESIGN.md §9; the page: :mod:`aitune.torch.report_html`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from aitune import __version__
+from aitune.errors import ConfigError
 from aitune.torch.environment import environment  # noqa: F401 - re-exported (reports record it)
 from aitune.torch.jsonsafe import json_safe
+from aitune.torch.report_html import probes_text, render_tune_report
 
 # Candidate statuses.
 SELECTED = "selected"
@@ -64,6 +67,11 @@ class CandidateResult:
     def to_dict(self) -> dict:
         return json_safe(dataclasses.asdict(self))
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "CandidateResult":
+        """A row from its JSON form; keys this version does not know are ignored."""
+        return cls(**_known_fields(cls, data))
+
 
 @dataclasses.dataclass
 class GraphReport:
@@ -87,10 +95,24 @@ class GraphReport:
         data["candidates"] = [row.to_dict() for row in self.candidates]
         return json_safe(data)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "GraphReport":
+        fields = _known_fields(cls, data)
+        fields["candidates"] = [CandidateResult.from_dict(row) for row in data.get("candidates") or []]
+        return cls(**fields)
+
 
 @dataclasses.dataclass
 class TuneReport:
-    """Everything one :func:`aitune.torch.tune` call did."""
+    """Everything one :func:`aitune.torch.tune` call did.
+
+    Attributes:
+        graphs: per graph, its candidate rows. module_errors: module name -> why its tuning failed.
+        environment: versions and device (:func:`aitune.torch.environment.environment`).
+        started_at: ISO time (for a report read from a checkpoint: when it was saved). duration_s: s.
+        path: the file it was written to or read from. checkpoint_rows_only: read from a ``.ait`` manifest, which
+            keeps only the chosen backend's row per graph (:meth:`from_manifest`).
+    """
 
     graphs: list[GraphReport] = dataclasses.field(default_factory=list)
     module_errors: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -99,6 +121,7 @@ class TuneReport:
     duration_s: float = 0.0
     path: str | None = None
     dry_run: bool = False
+    checkpoint_rows_only: bool = False
 
     @property
     def rows(self) -> list[CandidateResult]:
@@ -121,6 +144,87 @@ class TuneReport:
         path.write_text(json.dumps(self.to_dict(), indent=2))
         self.path = str(path)
         return path
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str | None = None) -> "TuneReport":
+        """A report from its JSON form (:meth:`to_dict`).
+
+        Raises:
+            ConfigError: ``data`` is not a tune report (no ``graphs`` list).
+        """
+        if not isinstance(data, dict) or not isinstance(data.get("graphs"), list):
+            raise ConfigError("not an aitune tune report: expected a JSON object with a 'graphs' list "
+                              "(what ait.tune writes to <cache>/reports/tune-*.json)")
+        return cls(graphs=[GraphReport.from_dict(graph) for graph in data["graphs"]],
+                   module_errors=dict(data.get("module_errors") or {}), environment=dict(data.get("environment") or {}),
+                   started_at=str(data.get("started_at", "")), duration_s=float(data.get("duration_s") or 0.0),
+                   path=path)
+
+    @classmethod
+    def from_json(cls, path: Path | str) -> "TuneReport":
+        """Read a report written by :meth:`write_json` (``ait.tune`` writes ``<cache>/reports/tune-*.json``).
+
+        Raises:
+            ConfigError: the file is not JSON or not a tune report. OSError: it cannot be read.
+        """
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not a JSON tune report: {exc}") from exc
+        return cls.from_dict(data, path=str(path))
+
+    @classmethod
+    def from_manifest(cls, manifest: dict, path: Path | str | None = None) -> "TuneReport":
+        """The tune rows a checkpoint keeps, as a report: per graph only the chosen backend's row.
+
+        Args:
+            manifest: a ``.ait`` checkpoint's manifest, as
+                :func:`aitune.torch.checkpoint.manifest.read_manifest` returns it (JSON only: reading it
+                loads no code from the checkpoint).
+            path: the checkpoint, shown in the page.
+        """
+        graphs = []
+        for module in manifest.get("modules") or []:
+            for graph in module.get("graphs") or []:
+                row = graph.get("tune_row")
+                description = graph.get("description") or graph.get("backend") or "?"
+                candidate = (CandidateResult.from_dict(row) if row else
+                             CandidateResult(module=module.get("name", "?"), graph=graph.get("name", "?"),
+                                             backend=graph.get("backend", "?"), description=description,
+                                             status=SELECTED, reason="no tune row stored in the checkpoint"))
+                graphs.append(GraphReport(module=module.get("name", "?"), graph=graph.get("name", "?"),
+                                          spec=graph.get("spec") or {}, strategy=module.get("strategy") or "",
+                                          selected=description,
+                                          selection_reason="chosen when tuning (the checkpoint keeps this row only)",
+                                          candidates=[candidate]))
+        environment = {key: value for key, value in (manifest.get("versions") or {}).items() if value is not None}
+        environment["platform"] = manifest.get("platform")
+        device = manifest.get("device") or {}
+        environment["device"] = " ".join(str(part) for part in (device.get("type"), device.get("name")) if part)
+        if device.get("capability"):
+            environment["capability"] = ".".join(map(str, device["capability"]))
+        environment["checkpoint format"] = f"{manifest.get('format')} {manifest.get('format_version')}"
+        return cls(graphs=graphs, environment=environment, started_at=str(manifest.get("created_at", "")),
+                   duration_s=0.0, path=None if path is None else str(path), checkpoint_rows_only=True)
+
+    def to_html(self, path: Path | str | None = None) -> str:
+        """The report as one self-contained HTML page (:mod:`aitune.torch.report_html`): selected backends and
+        why, per graph the latency distribution, speed-up vs error and probes of every candidate (figures need
+        matplotlib: ``pip install 'aitune[report]'``), the full candidates table, what failed, was rejected,
+        skipped or unavailable and why, and the environment.
+
+        Args:
+            path: also write the page there (UTF-8), creating folders.
+
+        Returns:
+            The page's HTML text.
+        """
+        page = render_tune_report(self.to_dict(), source=self.path, checkpoint=self.checkpoint_rows_only)
+        if path is not None:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(page, encoding="utf-8")
+        return page
 
     def table(self) -> str:
         """Markdown table: module, graph, backend, status, reason, build s, p50/p90 ms, samples/s, speed-up, error."""
@@ -150,8 +254,8 @@ def render_table(rows: list[CandidateResult]) -> str:
     """The candidates as a markdown table; reasons longer than ``REASON_WIDTH`` are numbered notes below it."""
     from tabulate import tabulate
 
-    headers = ["module", "graph", "backend", "status", "reason", "build s", "p50 ms", "p90 ms", "samples/s",
-               "speed-up", "max abs err", "probes"]
+    headers = ["module", "graph", "backend", "config", "status", "reason", "build s", "p50 ms", "p90 ms",
+               "samples/s", "speed-up", "max abs err", "probes"]
     body, notes = [], []
     for row in rows:
         measurement = row.measurement or {}
@@ -166,23 +270,24 @@ def render_table(rows: list[CandidateResult]) -> str:
             notes.append(f"[{len(notes) + 1}] {row.module}/{row.graph} {row.description}: {reason}")
             reason = f"see [{len(notes)}] below"
         body.append([
-            row.module, row.graph, row.description if len(row.description) <= 50 else row.backend,
+            row.module, row.graph, row.backend, _config_text(row.description),
             row.status + (" (cached)" if row.cached else ""), reason,
             _fmt(row.build_s, ".1f"), _fmt(measurement.get("p50_ms"), ".3f"), _fmt(measurement.get("p90_ms"), ".3f"),
             _fmt(measurement.get("throughput"), ".1f"),
-            "" if row.speedup is None else f"{row.speedup:.2f}x", error_text, _probes_text(row.probes)])
+            "" if row.speedup is None else f"{row.speedup:.2f}x", error_text, probes_text(row.probes)])
     table = tabulate(body, headers=headers, tablefmt="github")
     return table + ("\n\n" + "\n".join(notes) if notes else "")
 
 
-def _probes_text(probes: dict | None) -> str:
-    """``passed/checked`` (``+n not accepted`` by the artifact, ``n not run`` for lack of time)."""
-    if not probes:
-        return ""
-    text = f"{probes.get('passed', 0)}/{probes.get('checked', 0)}"
-    if probes.get("not_run"):
-        text += f" ({probes['not_run']} not run)"
-    return text
+def _config_text(description: str) -> str:
+    """``Class(a=b,c=d)`` -> ``a=b, c=d`` (the fields that differ from the defaults; empty for defaults)."""
+    inner = description.partition("(")[2].rpartition(")")[0]
+    return inner.replace(",", ", ") if inner else "default"
+
+
+def _known_fields(cls, data: dict) -> dict:
+    names = {field.name for field in dataclasses.fields(cls)}
+    return {key: value for key, value in data.items() if key in names}
 
 
 def _fmt(value: Any, spec: str) -> str:

@@ -24,8 +24,25 @@ def type_name(node_type: type) -> str:
     return f"{node_type.__module__}:{node_type.__qualname__}"
 
 
+# NOTE [importable structure modules]: library modules that only define output containers (no side effects
+# a checkpoint could trigger beyond what importing the library does anyway); a checkpoint naming one of them
+# may have it imported. Any other module must already be imported by the user.
+IMPORTABLE_MODULES = frozenset({"transformers.modeling_outputs", "transformers.cache_utils",
+                                "transformers.utils.generic", "collections", "torch.return_types"})
+
+
+def _import_allowed(module_name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module_name)
+    except ImportError:
+        return None
+
+
 def resolve_type(name: str, kind: str) -> type:
-    """The class named ``"module:qualname"``, looked up in ``sys.modules`` only (never imported).
+    """The class named ``"module:qualname"``, looked up in ``sys.modules`` (a module of the allow-list
+    :data:`IMPORTABLE_MODULES`, e.g. ``transformers.modeling_outputs``, is imported when needed; nothing else is).
 
     Raises:
         CheckpointError: the module is not imported, the name is not found, or it is not a class of ``kind``.
@@ -34,6 +51,8 @@ def resolve_type(name: str, kind: str) -> type:
     if not sep or not module_name or not qualname:
         raise CheckpointError(f"malformed type name {name!r} in the checkpoint (expected 'module:qualname')")
     module = sys.modules.get(module_name)
+    if module is None and module_name in IMPORTABLE_MODULES:
+        module = _import_allowed(module_name)
     if module is None:
         raise CheckpointError(
             f"the checkpoint's input/output structure uses the type {qualname!r} from module {module_name!r}, which "

@@ -17,13 +17,14 @@ from aitune.torch import dataloader, telemetry
 from aitune.torch.config import config
 from aitune.torch.environment import environment
 from aitune.torch.max_batch_size import search_for_graph
-from aitune.torch.module import Module, ModuleState, _recording_context, registered_modules
+from aitune.torch.module import Module, ModuleState, check_unique_names, _recording_context, registered_modules
 from aitune.torch.report import GraphReport, TuneReport
 from aitune.torch.samples import clone_tree
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
 from aitune.torch.evaluation import GraphContext
 from aitune.torch.guard import guard_for
 from aitune.torch.planning import plan_modules
+from aitune.torch.progress import TuneProgress
 from aitune.utils.logging import libraries_logging
 from aitune.utils.monitoring import annotate
 
@@ -41,7 +42,7 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
          dry_run: bool = False, disable_external_logging: bool = False, clear_cache: bool = False,
          ignore_failing_modules: bool = True, *, ready_batches: bool = False, modules: Iterable[Module] | None = None,
          cache_dir_path: str | Path | None = None, report_path: str | Path | None = None,
-         use_cache: bool = True) -> TuneReport:
+         use_cache: bool = True, progress: bool | None = None, time_budget_s: float | None = None) -> TuneReport:
     """Record, build, check, measure and choose a backend for every wrapped module ``func`` calls.
 
     The arguments up to ``ignore_failing_modules`` are the reference system's, in its order.
@@ -76,6 +77,14 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
         report_path: JSON report path (default ``<cache>/reports/tune-<time>.json``); the report is also
             written to ``config.tuning_data_output_path``.
         use_cache: reuse earlier AOT builds from the tuning cache when nothing that matters changed.
+        progress: show progress on the terminal (module/graph, candidate, phase, elapsed, left); None (default)
+            = when standard error is a terminal, unless ``AITUNE_PROGRESS=0`` (see :mod:`aitune.torch.progress`).
+        time_budget_s: seconds for the whole run (recording excluded), shared out evenly among the graphs left;
+            a candidate is not started once its graph's share is spent (its row says "skipped"), child build
+            steps get at most the time left, and expensive candidates (max-autotune) are tried only with
+            >= 300 s left. None (default): no limit, and no expensive candidates. Builds running in this process
+            (Inductor JIT, TorchAO) cannot be interrupted: a budget can be overrun by the one build in flight.
+
 
     Returns:
         The :class:`~aitune.torch.report.TuneReport` (also written as JSON and logged as a table).
@@ -146,7 +155,8 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
             _clear_cache(root, targets)
         report = tune_modules(targets, device=device, cache_dir_path=root, report_path=report_path,
                               ignore_failing_modules=ignore_failing_modules, use_cache=use_cache,
-                              snapshots=snapshots, started=started)
+                              snapshots=snapshots, started=started, progress=progress,
+                              time_budget_s=time_budget_s)
         _offload_after_tuning(targets)
         telemetry.end_run(report)
         return report
@@ -163,7 +173,8 @@ def plan(modules: Iterable[Module], *, device: str | torch.device | None = None,
 def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None = None,
                  cache_dir_path: str | Path | None = None, report_path: str | Path | None = None,
                  ignore_failing_modules: bool = True, use_cache: bool = True, snapshots: dict | None = None,
-                 started: float | None = None) -> TuneReport:
+                 started: float | None = None, progress: bool | None = None,
+                 time_budget_s: float | None = None) -> TuneReport:
     """Tune wrappers that have already recorded calls (their graphs hold samples), graph by graph.
 
     This is what :func:`tune` does after its recording pass; just-in-time tuning calls it for modules
@@ -182,67 +193,29 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
     for module in targets:
         if not isinstance(module, Module):
             raise ConfigError(f"modules must hold aitune.torch.Module wrappers, got {type(module).__name__}")
+    check_unique_names(targets, "ait.tune")
+    if time_budget_s is not None and (isinstance(time_budget_s, bool) or not isinstance(time_budget_s, (int, float))
+                                      or not time_budget_s > 0):
+        raise ConfigError(f"time_budget_s must be a number of seconds > 0 or None, got {time_budget_s!r}")
+    deadline = None if time_budget_s is None else started + float(time_budget_s)
     snapshots = snapshots or {}
     root = Path(cache_dir_path).expanduser() if cache_dir_path else cache_dir()
     report = TuneReport(environment=environment())
     telemetry.begin_run(report)
-    cache = None
+    cache = crashes = None
     if use_cache:
-        try:
-            from aitune.torch.cache import BuildCache
+        from aitune.torch.cache import BuildCache
+        from aitune.torch.crashes import FILE_NAME, CrashRegistry
 
-            cache = BuildCache(root / "builds")
-        except ImportError:
-            cache = None
+        cache = BuildCache(root / "builds")
+        crashes = CrashRegistry(root / FILE_NAME)
+    budget = _Budget(deadline, sum(1 for module in targets for graph in module.graphs if graph.samples))
 
     # 2. Tune each module, graph by graph.
-    for module in targets:
-        snapshot = snapshots.get(id(module)) or _Snapshot(module.__wrapped__)
-        target_device = _resolve_device(module, device)
-        logger.info("aitune: tuning %s (%d graph(s)) on %s", module.name, len(module.graphs), target_device)
-        strategy_template: TuneStrategy = module.strategy or MaxThroughputStrategy()
-        entries = []
-        selected_rows = {}
-        guards = {}
-        try:
-            for graph in module.graphs:
-                if not graph.samples:
-                    continue
-                strategy = (module.strategy_for(graph) or strategy_template).clone()
-                search = search_for_graph(strategy, module.__wrapped__, graph, target_device, snapshot.restore)
-                context = _graph_context(module, graph, target_device, root, cache,
-                                         snapshot.restore if graph.stateful else None)
-                entry = GraphReport(module=module.name, graph=graph.name, spec=graph.describe(),
-                                    strategy=strategy.describe(), max_batch_size=search)
-                report.graphs.append(entry)
-                logger.info(" %s/%s: %d sample(s), strategy %s", module.name, graph.name, len(graph.samples),
-                            strategy.describe())
-                backend, rows, why = strategy.tune(context)
-                entry.candidates.extend(rows)
-                entry.selected, entry.selection_reason = backend.describe(), why
-                entries.append((graph, backend))
-                selected_rows[graph.name] = next((row.to_dict() for row in rows if row.status == "selected"), None)
-                guards[graph.key] = guard_for(module.guard_config, graph, backend, strategy.tolerance,
-                                              selected_rows[graph.name], context.checked_signatures(),
-                                              list(strategy.runners_up))
-                snapshot.restore()
-            module.install_tuned(entries, tune_rows=selected_rows)  # the rows are kept by ait.save
-            for graph, _ in entries:
-                module.arm_guard(graph, guards.get(graph.key))
-            module.watch_state()
-        except Exception as exc:
-            snapshot.restore()
-            failed_row = getattr(exc, "candidate_row", None)
-            if failed_row is not None and report.graphs and failed_row not in report.graphs[-1].candidates:
-                report.graphs[-1].candidates.append(failed_row)
-            reason = f"{type(exc).__name__}: {exc}"
-            report.module_errors[module.name] = reason
-            module.mark_failed(reason)
-            logger.warning("aitune: tuning %s failed, it runs eager: %s", module.name, reason)
-            if not ignore_failing_modules:
-                raise
-        finally:
-            snapshot.restore()
+    with TuneProgress(progress) as bar:
+        for module in targets:
+            _tune_module(module, report, snapshots.get(id(module)) or _Snapshot(module.__wrapped__), device, root,
+                         cache, ignore_failing_modules, bar, crashes, budget)
 
     for module in targets:
         snapshot = snapshots.get(id(module))
@@ -253,6 +226,77 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
     report.write_json(report_path or root / "reports" / f"tune-{stamp}.json")
     logger.info("aitune: tuning report\n%s", report.describe())
     return report
+
+
+class _Budget:
+    """The run's deadline shared out evenly among the graphs still to tune."""
+
+    def __init__(self, deadline: float | None, graphs: int):
+        self.deadline, self.graphs_left = deadline, max(graphs, 1)
+
+    def next_graph(self) -> float | None:
+        """The deadline of the next graph: now + (time left) / (graphs left)."""
+        if self.deadline is None:
+            return None
+        now = time.perf_counter()
+        share = (self.deadline - now) / self.graphs_left
+        self.graphs_left = max(self.graphs_left - 1, 1)
+        return now + share
+
+
+def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", device, root: Path, cache,
+                 ignore_failing_modules: bool, bar: TuneProgress, crashes=None, budget: _Budget | None = None) -> None:
+    """Tune every graph of one wrapper with its strategy; on success it becomes TUNED (guards armed), else it
+    runs eager (PASSTHROUGH) and ``report.module_errors`` says why. The module's state is restored after."""
+    target_device = _resolve_device(module, device)
+    logger.info("aitune: tuning %s (%d graph(s)) on %s", module.name, len(module.graphs), target_device)
+    strategy_template: TuneStrategy = module.strategy or MaxThroughputStrategy()
+    entries = []
+    selected_rows = {}
+    guards = {}
+    try:
+        for graph in module.graphs:
+            if not graph.samples:
+                continue
+            strategy = (module.strategy_for(graph) or strategy_template).clone()
+            search = search_for_graph(strategy, module.__wrapped__, graph, target_device, snapshot.restore)
+            context = _graph_context(module, graph, target_device, root, cache,
+                                     snapshot.restore if graph.stateful else None)
+            entry = GraphReport(module=module.name, graph=graph.name, spec=graph.describe(),
+                                strategy=strategy.describe(), max_batch_size=search)
+            report.graphs.append(entry)
+            logger.info(" %s/%s: %d sample(s), strategy %s", module.name, graph.name, len(graph.samples),
+                        strategy.describe())
+            bar.start_graph(f"{module.name}/{graph.name}", len(strategy.candidates(target_device, module.module, graph)) + 1)
+            context.progress, context.crashes = bar, crashes
+            context.deadline = budget.next_graph() if budget is not None else None
+            backend, rows, why = strategy.tune(context)
+            bar.graph_done(backend.describe())
+            entry.candidates.extend(rows)
+            entry.selected, entry.selection_reason = backend.describe(), why
+            entries.append((graph, backend))
+            selected_rows[graph.name] = next((row.to_dict() for row in rows if row.status == "selected"), None)
+            guards[graph.key] = guard_for(module.guard_config, graph, backend, strategy.tolerance,
+                                          selected_rows[graph.name], context.checked_signatures(),
+                                          list(strategy.runners_up))
+            snapshot.restore()
+        module.install_tuned(entries, tune_rows=selected_rows)  # the rows are kept by ait.save
+        for graph, _ in entries:
+            module.arm_guard(graph, guards.get(graph.key))
+        module.watch_state()
+    except Exception as exc:
+        snapshot.restore()
+        failed_row = getattr(exc, "candidate_row", None)
+        if failed_row is not None and report.graphs and failed_row not in report.graphs[-1].candidates:
+            report.graphs[-1].candidates.append(failed_row)
+        reason = f"{type(exc).__name__}: {exc}"
+        report.module_errors[module.name] = reason
+        module.mark_failed(reason)
+        logger.warning("aitune: tuning %s failed, it runs eager: %s", module.name, reason)
+        if not ignore_failing_modules:
+            raise
+    finally:
+        snapshot.restore()
 
 
 def _graph_context(module: Module, graph, device: torch.device, root: Path, cache, restore_state=None) -> GraphContext:

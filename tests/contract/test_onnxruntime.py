@@ -2,17 +2,15 @@
 
 Builds are shared through module-scoped fixtures (each dynamo export takes a second or two here).
 Cases: C03 (SplitHeads), C04 (dataclass output), C05 (keyword-only forward, **extra), C11 (training mode
-refused), C28 sub-check A (CUDA EP requested on a CPU-only onnxruntime), save -> load in a fresh process.
+refused), C28 sub-check A (CUDA EP requested on a CPU-only onnxruntime), what a checkpoint holds, the
+IOBinding path. The generic checks (outputs match eager on samples and unseen shapes, the module unchanged,
+deactivate/reactivate, save -> load in a fresh process with and without graph) run in
+test_backend_contract.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,8 +30,6 @@ from aitune.torch.pytree import tree_flatten
 from aitune.torch.samples import record_graphs
 from case_models import Detector, HeadOut, Ranker, SplitHeads
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TESTS = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(not ONNXRuntimeBackend.availability().ok,
                                 reason=ONNXRuntimeBackend.availability().reason)
@@ -122,22 +118,13 @@ def test_config_defaults_coercion_and_validation():
 # ---------------------------------------------------------------------------------------------- values
 
 
-def test_matches_eager_on_samples_and_unseen_shapes_in_range(mlp_build):
+def test_build_info_and_calls_outside_the_recorded_range(mlp_build):
     module, graph, backend = mlp_build
     assert backend.state is BackendState.ACTIVE
     assert backend.build_info["exporter"] == "dynamo" and backend.build_info["providers"][0] == "CPUExecutionProvider"
     assert backend.build_info["shape_specialized"] is False
-    comparator = OutputComparator()
-    for sample in graph.samples:
-        sample = sample.clone()
-        comparator.compare(module(*sample.args, **sample.kwargs), backend(*sample.args, **sample.kwargs))
-    for batch in (3, 7):  # never recorded, inside [2, 9]
-        x = torch.randn(batch, 16)
-        assert backend.accepts(canonical_leaves(module, (x,)))
-        output = backend(x)
-        assert output.dtype == torch.float32 and output.device.type == "cpu"
-        assert_matches_eager(module, output, x)
-    assert comparator.result().max_abs_error < 1e-4
+    output = backend(torch.randn(7, 16))
+    assert output.dtype == torch.float32 and output.device.type == "cpu"
     assert not backend.accepts(canonical_leaves(module, (torch.randn(10, 16),)))   # beyond the recorded max
     assert not backend.accepts(canonical_leaves(module, (torch.randn(4, 15),)))    # static axis differs
     assert not backend.accepts(canonical_leaves(module, (torch.randn(4, 16).double(),)))
@@ -159,15 +146,12 @@ def test_outputs_stay_valid_after_later_calls_and_inputs_are_untouched(mlp_build
     assert_matches_eager(module, backend(non_contiguous), non_contiguous)
 
 
-def test_deactivate_then_activate(mlp_build):
-    module, _, backend = mlp_build
-    x = torch.randn(5, 16)
-    before = backend(x)
+def test_deactivate_releases_the_session(mlp_build):
+    _, _, backend = mlp_build
     backend.deactivate()
     assert backend.state is BackendState.INACTIVE and backend._session is None
-    after = backend(x)  # infer() reactivates
-    assert backend.state is BackendState.ACTIVE
-    torch.testing.assert_close(before, after)
+    backend(torch.randn(5, 16))  # infer() reactivates
+    assert backend.state is BackendState.ACTIVE and backend._session is not None
 
 
 # ---------------------------------------------------------------------------------------------- C03
@@ -297,58 +281,11 @@ def test_c28_requested_cuda_ep_not_active_fails_the_build(tmp_path):
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
-FRESH_PROCESS_SCRIPT = textwrap.dedent("""
-    import json, sys
-    from pathlib import Path
-    import torch
-    from safetensors.torch import load_file, save_file
-    from aitune.torch.backend import BackendConfig, ONNXRuntimeBackend
-
-    directory = Path(sys.argv[1])
-    import importlib
-    importlib.import_module(sys.argv[2])  # the user's code defines HeadOut; aitune never imports it by name
-    saved = json.loads((directory / "saved.json").read_text())
-    config = BackendConfig.from_dict(saved["config"])
-    backend = ONNXRuntimeBackend.from_checkpoint(directory, config, saved["metadata"], None, None, "cpu")
-    out = backend(load_file(str(directory / "inputs.safetensors"))["x"])
-    save_file({"boxes": out.boxes.contiguous(), "scores": out.scores, "logits": out.extra["logits"],
-               "stats0": out.extra["stats"][0], "stats1": out.extra["stats"][1]},
-              str(directory / "outputs.safetensors"))
-    (directory / "result.json").write_text(json.dumps({
-        "type": f"{type(out).__module__}.{type(out).__qualname__}",
-        "extra_keys": sorted(out.extra), "stats_type": type(out.extra["stats"]).__name__,
-        "accepts_out_of_range": backend.accepts([torch.zeros(9, 32)]),
-        "accepts_in_range": backend.accepts([torch.zeros(3, 32)]),
-    }))
-""")
-
-
-def test_save_then_load_in_fresh_process(detector_build, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    module, _, backend = detector_build
-    directory = tmp_path / "checkpoint"
-    metadata = backend.save(directory)
-    saved_files = sorted(p.name for p in directory.iterdir())
+def test_save_writes_the_model_and_its_external_data(detector_build, tmp_path):
+    _, _, backend = detector_build
+    metadata = backend.save(tmp_path)
+    saved_files = sorted(p.name for p in tmp_path.iterdir())
     assert saved_files[0] == "model.onnx" and set(saved_files[1:]) == set(metadata["external_data_files"])
-    (directory / "saved.json").write_text(json.dumps({"config": backend.config.to_dict(), "metadata": metadata}))
-    x = torch.randn(3, 32)
-    save_file({"x": x}, str(directory / "inputs.safetensors"))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO_ROOT), str(TESTS)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                                       if p]))
-    completed = subprocess.run([sys.executable, "-c", FRESH_PROCESS_SCRIPT, str(directory), HeadOut.__module__], env=env,
-                               capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    result = json.loads((directory / "result.json").read_text())
-    assert result["type"] == f"{HeadOut.__module__}.HeadOut"
-    assert result["extra_keys"] == ["logits", "stats"] and result["stats_type"] == "tuple"
-    assert result["accepts_out_of_range"] is False and result["accepts_in_range"] is True
-    outputs = load_file(str(directory / "outputs.safetensors"))
-    loaded = HeadOut(boxes=outputs["boxes"], scores=outputs["scores"],
-                     extra={"logits": outputs["logits"], "stats": (outputs["stats0"], outputs["stats1"])})
-    assert_matches_eager(module, loaded, x)
-    OutputComparator().compare(backend(x), loaded)
 
 
 class WithConstants(nn.Module):

@@ -58,3 +58,22 @@ def test_torch_tensorrt_refuses_other_dtypes_and_devices():
         ids, mask = ids.cuda(), mask.cuda()
         assert backend.rejects([ids, mask]) is None
         assert "dtype float64" in backend.rejects([ids, mask.double()])
+
+
+class TwoInputs(torch.nn.Module):
+    def forward(self, x, y):
+        return x * 2 + y.mean(0)
+
+
+def test_onnxruntime_refuses_batch_axes_that_disagree(tmp_path):
+    """Before, ONNX Runtime's check took each input's range alone; now the batch axes must agree too."""
+    import pytest
+
+    pytest.importorskip("onnxruntime")
+    from aitune.torch.backend import ONNXRuntimeBackend
+
+    module = TwoInputs().eval()
+    graph = record_graphs(module, [((torch.randn(b, 4), torch.randn(b, 4)), {}) for b in (2, 6)])[0]
+    backend = ONNXRuntimeBackend().build(module, graph, "cpu", tmp_path)
+    assert backend.rejects([torch.randn(3, 4), torch.randn(3, 4)]) is None
+    assert "disagree" in backend.rejects([torch.randn(3, 4), torch.randn(5, 4)])

@@ -11,7 +11,7 @@ import torch.nn as nn
 import aitune.torch as ait
 from aitune.errors import ConfigError
 from aitune.torch.backend import TorchEagerBackend, TorchInductorAotBackend
-from aitune.torch.guard import GuardConfig, StateWatch
+from aitune.torch.guard import FULL_SCAN_EVERY, GuardConfig, StateWatch
 
 PAUSE_S = 0.002
 
@@ -180,8 +180,13 @@ def test_state_watch_ignores_other_modules_being_built():
     watch = StateWatch(net)
     nn.Linear(3, 3)  # registers parameters elsewhere: a full scan, then nothing changed here
     assert watch.changed() is None
-    net[2].bias.data = net[2].bias.data.clone()
-    assert "holds new data" in watch.changed()
+    net[2].bias.data = net[2].bias.data.clone()  # one tensor's .data replaced (not the first): the periodic
+    reasons = [watch.changed() for _ in range(FULL_SCAN_EVERY)]  # full scan catches it within 16 calls
+    assert reasons[-1] is not None and "holds new data" in reasons[-1]
+    net.half()  # the whole model converted: the first tensor shows it at once
+    fresh = StateWatch(_net())
+    fresh.module.half()
+    assert "is now float16" in fresh.changed()
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -346,3 +346,26 @@ def test_optimizer_rejects_bad_arguments():
         KernelOptimizer(["flash"])
     with pytest.raises(ConfigError, match="min_cosine"):
         KernelOptimizer(TorchSDPAKernelProvider("math"), min_cosine=2.0)
+
+
+def test_kernel_forge_does_not_import_the_backend_layer():
+    """kernel_forge sits below the backends (the kernel selector builds on it): no import from backend/."""
+    import ast
+    from pathlib import Path
+
+    import aitune.torch.kernel_forge as kernel_forge
+
+    for path in Path(kernel_forge.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(name.startswith("aitune.torch.backend") for name in names), f"{path.name}: {names}"
+
+
+def test_requirements_are_still_importable_from_the_backend_base():
+    import aitune.torch.backend.base as base
+    import aitune.torch.requirements as requirements
+
+    for name in ("Requirement", "Check", "probe_requirement", "check_requirements", "validate_flags",
+                 "torch_version_at_least"):
+        assert getattr(base, name) is getattr(requirements, name)

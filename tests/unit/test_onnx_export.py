@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from aitune.errors import CheckpointError, ConfigError
-from aitune.torch.backend.onnx_export import OnnxCallIO, export_onnx, specialized_axes
+from aitune.torch.backend.onnx_call_io import OnnxCallIO
+from aitune.torch.backend.onnx_export import export_onnx
+from aitune.torch.backend.onnx_graph import specialized_axes
 from aitune.torch.serialization import constant_from_json, constant_to_json
 from aitune.torch.serialization import tree_spec_from_json as spec_from_json
 from aitune.torch.serialization import tree_spec_to_json as spec_to_json
@@ -202,6 +204,30 @@ def test_call_io_json_round_trip_rebuilds_structure_without_the_graph(pool_expor
         restored.leaves_of((tokens, mask, mask), {})
     with pytest.raises(ValueError, match="structure"):
         restored.leaves_of(((tokens,),), {"mask": mask})  # nested where a tensor was recorded
+
+
+
+class ForwardsAnything(nn.Module):
+    """A wrapper whose forward takes ``*args, **kwargs`` (as the kernel selector's PlannedModule does)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def test_call_io_stores_the_recorded_forward_signature_not_a_wrappers(pool_export):
+    """Found by the contract suite (kernel selector + ONNX Runtime delegate, loaded without the graph): the
+    samples were recorded, so normalised, against MaskedPool.forward; an export of a ``*args, **kwargs``
+    wrapper stored the wrapper's signature and a loaded graph refused positional calls."""
+    module, graph, export = pool_export
+    restored = OnnxCallIO.from_json(OnnxCallIO.from_export(export, graph, ForwardsAnything(module)).to_json())
+    tokens, mask = pool_inputs(3, 6)
+    for args, kwargs in (((tokens, mask), {}), ((tokens,), {"mask": mask}), ((), {"mask": mask, "tokens": tokens})):
+        leaves = restored.leaves_of(args, kwargs)
+        assert leaves[0] is tokens and leaves[1] is mask
 
 
 def test_spec_and_constant_json_helpers():

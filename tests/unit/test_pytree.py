@@ -51,3 +51,28 @@ def test_unflatten_rejects_wrong_leaf_count():
         tree_unflatten(spec, [1])
     with pytest.raises(ValueError):
         tree_unflatten(spec, [1, 2, 3])
+
+
+def test_checkpoint_types_from_the_allow_list_are_imported_others_never():
+    """ait.load of a checkpoint with transformers ModelOutputs works without the user importing
+    transformers.modeling_outputs first; a module outside the allow-list is never imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from aitune.errors import CheckpointError\n"
+        "from aitune.torch.serialization import resolve_type\n"
+        "assert 'transformers.modeling_outputs' not in sys.modules\n"
+        "cls = resolve_type('transformers.modeling_outputs:BaseModelOutput', 'model_output')\n"
+        "assert cls.__name__ == 'BaseModelOutput'\n"
+        "try:\n"
+        "    resolve_type('xml.dom.minidom:Document', 'dataclass')\n"
+        "except CheckpointError as exc:\n"
+        "    assert 'not imported' in str(exc)\n"
+        "else:\n"
+        "    raise SystemExit('imported a module outside the allow-list')\n"
+        "assert 'xml.dom.minidom' not in sys.modules\n"
+        "print('ok')\n")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert completed.stdout.strip().endswith("ok"), completed.stderr[-2000:]

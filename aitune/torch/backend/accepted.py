@@ -9,6 +9,7 @@ which input fell outside which range (:meth:`AcceptedInputs.rejects` returns tha
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -131,6 +132,20 @@ class AcceptedInputs:
         return cls([AcceptedInput.from_json(entry) for entry in data["inputs"]], data.get("device_type"),
                    [tuple(int(v) for v in axis) for axis in data.get("batch_axes", [])],
                    None if shapes is None else {tuple(tuple(s) for s in entry) for entry in shapes})
+
+
+def batch_axes(graph) -> list[tuple[int, int, int]]:
+    """``(tensor spec position, axis, multiplier)`` of every batch axis of a graph (multiplier: the axis' size
+    per batch item, 1 for a plain batch axis)."""
+    from aitune.torch.samples import BATCH
+
+    axes = []
+    for position, spec in enumerate(graph.tensor_specs):
+        for axis, kind in enumerate(spec.axes):
+            if kind == BATCH:
+                multiplier = spec.multipliers[axis]
+                axes.append((position, axis, 1 if math.isnan(multiplier) else int(multiplier)))
+    return axes
 
 
 def _name(entry: AcceptedInput) -> str:

@@ -10,10 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-import functools
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import logging
 import time
@@ -29,8 +26,19 @@ from aitune.errors import (
     BackendUnavailableError,
     ConfigError,
     UnknownBackendError,
+    one_line,
 )
+from aitune.torch.arguments import KnownFields
+from aitune.torch.build_log import into_build_log
 from aitune.torch.dtypes import dtype_from_name, dtype_name
+from aitune.torch.requirements import (  # noqa: F401 - re-exported: they lived here
+    Check,
+    Requirement,
+    check_requirements,
+    probe_requirement,
+    torch_version_at_least,
+    validate_flags,
+)
 from aitune.utils.logging import control_output
 from aitune.utils.monitoring import annotate
 
@@ -47,94 +55,14 @@ class BuildMode(str, enum.Enum):
 
 
 class BackendState(str, enum.Enum):
+    """INIT -> (build) ACTIVE <-> INACTIVE; BUILDING while a background build step runs (finish_build ends
+    it); CHECKPOINT_LOADED for a restored backend not yet activated."""
+
     INIT = "init"
+    BUILDING = "building"
     ACTIVE = "active"
     INACTIVE = "inactive"
     CHECKPOINT_LOADED = "checkpoint_loaded"
-
-
-@dataclasses.dataclass(frozen=True)
-class Check:
-    """Result of :meth:`Backend.availability` / :meth:`Backend.supports`: ``ok`` and a one-line ``reason``."""
-
-    ok: bool
-    reason: str = ""
-    versions: dict = dataclasses.field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-
-@dataclasses.dataclass(frozen=True)
-class Requirement:
-    """An optional package a backend needs.
-
-    Args:
-        module: import name (``onnxruntime``).
-        distributions: distribution names that provide it (``onnxruntime``, ``onnxruntime-gpu``).
-        extra: the aitune pip extra that installs it. min_version: lowest supported version.
-    """
-
-    module: str
-    distributions: tuple[str, ...]
-    extra: str
-    min_version: str | None = None
-
-
-@functools.lru_cache(maxsize=None)
-def probe_requirement(requirement: Requirement) -> Check:
-    """Is ``requirement`` importable and new enough? Cheap and silent (find_spec + metadata only)."""
-    if importlib.util.find_spec(requirement.module) is None:
-        return Check(False, f"package '{requirement.distributions[0]}' not found — "
-                            f"pip install 'aitune[{requirement.extra}]'")
-    version = None
-    for distribution in requirement.distributions:
-        try:
-            version = importlib.metadata.version(distribution)
-            break
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    if requirement.min_version and version and _version_tuple(version) < _version_tuple(requirement.min_version):
-        return Check(False, f"package '{requirement.distributions[0]}' {version} is older than "
-                            f"{requirement.min_version} — pip install -U 'aitune[{requirement.extra}]'",
-                     {requirement.module: version})
-    return Check(True, "", {requirement.module: version or "unknown"})
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-def check_requirements(requirements) -> Check:
-    """All ``requirements`` importable and new enough? The first failing one's reason, else their versions."""
-    versions: dict[str, str] = {}
-    for requirement in requirements:
-        check = probe_requirement(requirement)
-        if not check.ok:
-            return Check(False, check.reason, versions)
-        versions.update(check.versions)
-    return Check(True, "", versions)
-
-
-def validate_flags(config, bool_fields: tuple[str, ...], optional_bool_fields: tuple[str, ...] = ("dynamic",)) -> None:
-    """Raise ConfigError unless each of ``bool_fields`` is a bool and each optional one is a bool or None."""
-    for name in bool_fields:
-        if not isinstance(getattr(config, name), bool):
-            raise ConfigError(f"{name} must be a bool, got {getattr(config, name)!r}")
-    for name in optional_bool_fields:
-        value = getattr(config, name)
-        if value is not None and not isinstance(value, bool):
-            raise ConfigError(f"{name} must be True, False or None, got {value!r}")
-
-
-def torch_version_at_least(version: str) -> bool:
-    return _version_tuple(torch.__version__) >= _version_tuple(version)
 
 
 # --------------------------------------------------------------------------------------------- configs
@@ -171,7 +99,7 @@ _CONFIG_CLASSES: dict[str, type["BackendConfig"]] = {}
 
 
 @dataclasses.dataclass(kw_only=True)
-class BackendConfig:
+class BackendConfig(KnownFields):
     """Base of every ``<Backend>Config``: keyword-only plain data, validated in ``__post_init__``.
 
     Serialised as ``{"type": <class name>, "version": 1, "data": {...}}``; :meth:`from_dict` resolves the
@@ -315,6 +243,7 @@ class Backend:
         self.module: torch.nn.Module | None = None
         self.workdir: Path | None = None
         self.build_info: dict[str, Any] = {}
+        self._pending = None  # a Future of a background build step (see finish_build)
 
     # ---- identity
     def key(self) -> str:
@@ -398,9 +327,43 @@ class Backend:
         started = time.perf_counter()
         handler.stream.write(f"aitune: building {self.describe()} for {getattr(graph, 'name', '?')} on "
                              f"{self.device} (torch {torch.__version__})\n")
+        self._build_started = started
+        self._run_build_step(lambda: self._build(module, graph, self.device, self.workdir), handler, log_path)
+        if getattr(self, "_pending", None) is not None:
+            self.state = BackendState.BUILDING  # a background step runs: finish_build() completes it
+            return self
+        self.build_info["build_s"] = time.perf_counter() - started
+        self.state = BackendState.ACTIVE
+        return self
+
+    def finish_build(self) -> "Backend":
+        """Wait for a build step started in the background (NOTE [background builds] in
+        :mod:`aitune.torch.isolation`) and complete the build: BUILDING -> ACTIVE. No-op in other states.
+
+        Raises:
+            BackendBuildError: when the background step failed (the cause chained, build.log appended).
+        """
+        if self.state is not BackendState.BUILDING:
+            return self
+        log_path = self.workdir / "build.log"
+        handler = logging.FileHandler(log_path, mode="a")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         try:
-            with torch.no_grad(), annotate(f"build: {self.name}", color="orange"), control_output(log_path):
-                self._build(module, graph, self.device, self.workdir)
+            self._run_build_step(self._finish_build, handler, log_path)
+        finally:
+            self._pending = None
+        self.build_info["build_s"] = time.perf_counter() - self._build_started
+        self.state = BackendState.ACTIVE
+        return self
+
+    def _run_build_step(self, step, handler: logging.FileHandler, log_path: Path) -> None:
+        """Run a build step with its log in build.log and errors translated at the boundary."""
+        package_logger = logging.getLogger("aitune")
+        package_logger.addHandler(handler)
+        try:
+            with torch.no_grad(), annotate(f"build: {self.name}", color="orange"), into_build_log(handler), \
+                    control_output(log_path):
+                step()
         except BackendBuildError as exc:
             exc.log_path = exc.log_path or log_path
             handler.stream.write("aitune: build failed\n" + traceback.format_exc())
@@ -413,9 +376,30 @@ class Backend:
         finally:
             package_logger.removeHandler(handler)
             handler.close()
-        self.build_info["build_s"] = time.perf_counter() - started
-        self.state = BackendState.ACTIVE
-        return self
+
+    def search_space(self, module: torch.nn.Module | None, graph, device: torch.device | str) -> list["Backend"]:
+        """The configurations of this backend worth trying for ``module``/``graph`` on ``device`` (issue
+        "Search"): each one is a candidate and a report row. Default: this blueprint as configured.
+        Backends override it to offer variants when they are at their default configuration."""
+        return [self]
+
+    @property
+    def builds_in_background(self) -> bool:
+        """True when this backend's heavy build step runs in a child process and can be started while other
+        candidates are evaluated (NOTE [background builds] in :mod:`aitune.torch.isolation`)."""
+        return False
+
+    @property
+    def search_tier(self) -> int:
+        """How much a search may spend on this candidate: 0 = always tried; 1 = an extra variant, tried only
+        with an explicit time budget and >= 60 s of it left; 2 = expensive (max-autotune: minutes of kernel
+        benchmarking), tried only with >= 300 s left (see ``aitune.torch.evaluation.TIER_MIN_S``)."""
+        return 0
+
+    @property
+    def expensive(self) -> bool:
+        """Builds that take far longer than usual (max-autotune): tried only when the time budget allows."""
+        return self.search_tier >= 2
 
     @property
     def is_jit(self) -> bool:
@@ -473,12 +457,17 @@ class Backend:
             if self.state is BackendState.INIT:
                 raise BackendStateError(f"{self.describe()}: inference needs a built backend (state: init); call "
                                         "build() or load it from a checkpoint first")
+            if self.state is BackendState.BUILDING:
+                self.finish_build()
             self.activate()
         return self._infer(args, kwargs)
 
     def activate(self) -> None:
         """INACTIVE/CHECKPOINT_LOADED -> ACTIVE (reacquire device memory, reload or recompile)."""
         if self.state is BackendState.ACTIVE:
+            return
+        if self.state is BackendState.BUILDING:
+            self.finish_build()
             return
         if self.state is BackendState.INIT:
             raise BackendStateError(f"{self.describe()}: activate() before build()")
@@ -542,6 +531,9 @@ class Backend:
     def _infer(self, args: tuple, kwargs: dict):
         raise NotImplementedError
 
+    def _finish_build(self) -> None:
+        """Complete a build whose background step ``self._pending`` (a Future) was started by ``_build``."""
+
     def _activate(self) -> None:
         pass
 
@@ -555,10 +547,3 @@ class Backend:
         raise NotImplementedError(f"{type(self).__name__} cannot be loaded from a checkpoint")
 
 
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    """First meaningful line of an exception, prefixed by its type, for report 'reason' columns."""
-    text = str(exc).strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    first = lines[0] if lines else ""
-    message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return message if len(message) <= limit else message[: limit - 1] + "…"

@@ -36,7 +36,7 @@ import torch
 
 from aitune.errors import BackendBuildError, CheckpointError, ConfigError, IsolatedStepError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, torch_version_at_least
-from aitune.torch.backend.accepted import AcceptedInputs
+from aitune.torch.backend.accepted import AcceptedInputs, batch_axes
 from aitune.torch.backend.flat import FlatIO, eager_output
 from aitune.torch.dtypes import dtype_name
 from aitune.torch.samples import BATCH, STATIC
@@ -187,17 +187,6 @@ class _ExportPlan:
     batch_range: tuple[int, int] | None
 
 
-def _axis_multiplier(spec, axis: int) -> int:
-    multiplier = spec.multipliers[axis]
-    return 1 if math.isnan(multiplier) else int(multiplier)
-
-
-def _batch_axes(graph) -> list[tuple[int, int, int]]:
-    """(tensor index, axis, multiplier) of every batch axis of the graph."""
-    return [(index, axis, _axis_multiplier(spec, axis))
-            for index, spec in enumerate(graph.tensor_specs) for axis, kind in enumerate(spec.axes) if kind == BATCH]
-
-
 def _batch_range(graph, batch_axes) -> tuple[int, int] | None:
     if not batch_axes:
         return None
@@ -213,8 +202,8 @@ def _export_plan(graph, flat_io: FlatIO, use_auto: bool) -> _ExportPlan:
     """Choose the export example (batch >= 2, NOTE [batch 1 and export]) and build ``dynamic_shapes``."""
     from torch.export import Dim
 
-    batch_axes = _batch_axes(graph)
-    batch_range = _batch_range(graph, batch_axes)
+    graph_batch_axes = batch_axes(graph)
+    batch_range = _batch_range(graph, graph_batch_axes)
     batch_dim = None
     if batch_range is not None and not use_auto:
         batch_dim = Dim("batch", min=batch_range[0], max=batch_range[1])
@@ -228,12 +217,12 @@ def _export_plan(graph, flat_io: FlatIO, use_auto: bool) -> _ExportPlan:
     sample = min(candidates, key=lambda s: s.batch_size or 0) if candidates else graph.samples[0]
     example = [tensor.detach().clone() for tensor in flat_io.sample_inputs(sample.clone())]
     repeated_batch = None
-    if not candidates and batch_axes and batch_range[1] >= 2:
-        index, axis, multiplier = batch_axes[0]
+    if not candidates and graph_batch_axes and batch_range[1] >= 2:
+        index, axis, multiplier = graph_batch_axes[0]
         batch = example[index].shape[axis] // multiplier
         if batch == 1:  # case C02: repeat the sample along its batch axes to batch 2
             repeated_batch = 2
-            for index, axis, multiplier in batch_axes:
+            for index, axis, multiplier in graph_batch_axes:
                 example[index] = torch.cat([example[index]] * 2, dim=axis)
 
     named_dims: dict[str, Any] = {}
@@ -246,7 +235,7 @@ def _export_plan(graph, flat_io: FlatIO, use_auto: bool) -> _ExportPlan:
                 continue
             declared = spec.dims[axis]
             if kind == BATCH and batch_dim is not None:
-                multiplier = _axis_multiplier(spec, axis)
+                multiplier = 1 if math.isnan(spec.multipliers[axis]) else int(spec.multipliers[axis])
                 axes[axis] = batch_dim if multiplier == 1 else multiplier * batch_dim
             elif declared is not None and not use_auto:
                 if declared.name not in named_dims:
@@ -361,6 +350,11 @@ class TorchInductorAotBackend(Backend):
         self._package_path: Path | None = None
         self._accepted: AcceptedInputs | None = None
 
+    @property
+    def builds_in_background(self) -> bool:
+        """The AOTInductor compile + first load run in a child process (``isolate``): it can overlap other work."""
+        return bool(self.config.isolate)
+
     @classmethod
     def availability(cls) -> Check:
         if not torch_version_at_least(MIN_TORCH_VERSION):
@@ -387,7 +381,7 @@ class TorchInductorAotBackend(Backend):
         exported, plan = self._export(flat_module, graph, flat_io)
         ranges, notes = _accepted_ranges(exported, graph)
         self._accepted = AcceptedInputs.from_graph(graph, device, [(r["low"], r["high"]) for r in ranges],
-                                                   _batch_axes(graph))
+                                                   batch_axes(graph))
         self.build_info.update({
             "export_example_shapes": [list(tensor.shape) for tensor in plan.example],
             "batch_range": list(plan.batch_range) if plan.batch_range else None,
@@ -418,25 +412,42 @@ class TorchInductorAotBackend(Backend):
             "inductor_configs": self.config.inductor_configs, "device": str(device),
         }
         self.build_info["isolated"] = self.config.isolate
+        self._io = flat_io
+        self._package_path = package_path
         if self.config.isolate:
-            from aitune.torch.isolation import run_isolated
+            from aitune.torch.isolation import submit_isolated
 
-            log_path = workdir / CHILD_LOG_FILE
-            try:
-                result = run_isolated(self.compile_step, step_kwargs, timeout_s=self.config.build_timeout_s,
-                                      log_path=log_path)
-            except IsolatedStepError as exc:
-                raise BackendBuildError(
-                    f"{self.name}: AOTInductor compile/load/check in a child process failed: {exc.args[0]}",
-                    backend=self.name, config_key=self.config.key(), log_path=log_path) from exc
+            # NOTE [background builds]: with an executor set, the child compile runs while other candidates
+            # are evaluated; finish_build() waits for it.
+            self._pending = submit_isolated(self.compile_step, step_kwargs, timeout_s=self.config.build_timeout_s,
+                                            log_path=workdir / CHILD_LOG_FILE)
+            if self._pending is None:
+                self._finish_compile(lambda: self._run_compile_step(step_kwargs))
         else:
             from aitune.torch.isolation import resolve_target
 
-            result = resolve_target(self.compile_step)(**step_kwargs)
+            self._finish_compile(lambda: resolve_target(self.compile_step)(**step_kwargs))
+
+    def _run_compile_step(self, step_kwargs: dict) -> dict:
+        from aitune.torch.isolation import run_isolated
+
+        return run_isolated(self.compile_step, step_kwargs, timeout_s=self.config.build_timeout_s,
+                            log_path=self.workdir / CHILD_LOG_FILE)
+
+    def _finish_build(self) -> None:
+        self._finish_compile(self._pending.result)
+
+    def _finish_compile(self, compile_result) -> None:
+        """The child's result (or its failure, as a BackendBuildError), then the package loaded here."""
+        log_path = self.workdir / CHILD_LOG_FILE
+        try:
+            result = compile_result()
+        except IsolatedStepError as exc:
+            raise BackendBuildError(
+                f"{self.name}: AOTInductor compile/load/check in a child process failed: {exc.args[0]}",
+                backend=self.name, config_key=self.config.key(), log_path=log_path) from exc
         self.build_info.update({key: result[key] for key in ("compile_s", "package_bytes") if key in result})
-        self._io = flat_io
-        self._package_path = package_path
-        self._runner = load_package(package_path, device)
+        self._runner = load_package(self._package_path, self.device)
 
     def _export(self, flat_module, graph, flat_io):
         plan = _export_plan(graph, flat_io, use_auto=False)

@@ -28,12 +28,48 @@ def graph_break_count() -> int:
 
 def clone_output(output: Any) -> Any:
     """Clone every tensor of an output so later calls cannot overwrite it (CUDA-graph buffers, case C20)."""
+    if isinstance(output, torch.Tensor):  # the common case, without flattening
+        return output.clone()
     leaves, spec = tree_flatten(output)
     return tree_unflatten(spec, [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
 
 
 def uses_cuda_graphs(mode: str | None, options: dict | None) -> bool:
-    return mode == "reduce-overhead" or bool((options or {}).get("triton.cudagraphs"))
+    """Does ``torch.compile(mode=..., options=...)`` capture CUDA graphs (reduce-overhead, max-autotune)?"""
+    return mode in ("reduce-overhead", "max-autotune") or bool((options or {}).get("triton.cudagraphs"))
+
+
+MEMORY_FORMATS = (None, "channels_last")
+RECOMPILE_LIMIT = 64
+
+
+def allow_many_variants() -> None:
+    """NOTE [recompile limit]: dynamo keeps at most ``recompile_limit`` (8) compiled entries per code object,
+    and every ``torch.compile`` variant of one module (mode, freezing, memory format, a quantized copy)
+    counts. A search compiles one module several ways, so beyond 8 the later variants — and new shapes of
+    the chosen one after tuning — would silently run eagerly. aitune raises the limit to 64 (never lowers
+    it) for the process."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if getattr(dynamo_config, name, RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
+            setattr(dynamo_config, name, RECOMPILE_LIMIT)
+
+
+def has_4d_convolution(module: torch.nn.Module, graph) -> bool:
+    """A model for which ``channels_last`` is worth trying: a 2-D convolution and a 4-D floating input."""
+    if not any(isinstance(sub, torch.nn.Conv2d) for sub in module.modules()):
+        return False
+    return any(len(spec.min_shape) == 4 and spec.dtype.is_floating_point for spec in graph.tensor_specs)
+
+
+def to_contiguous(value: Any) -> Any:
+    """Channels-last 4-D tensors of an output back to contiguous (eager's layout for contiguous inputs)."""
+    if isinstance(value, torch.Tensor):
+        return value.contiguous() if value.dim() == 4 and not value.is_contiguous() else value
+    leaves, spec = tree_flatten(value)
+    return tree_unflatten(spec, [leaf.contiguous() if isinstance(leaf, torch.Tensor) and leaf.dim() == 4
+                                 and not leaf.is_contiguous() else leaf for leaf in leaves])
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -47,6 +83,12 @@ class TorchInductorJitBackendConfig(BackendConfig):
         fullgraph: fail on any graph break instead of falling back to Python.
         dynamic: True/False as in ``torch.compile``; None = True when the graph has dynamic axes.
         autocast_enabled / autocast_dtype: as in :class:`TorchEagerBackendConfig`.
+        freezing: Inductor's inference weight folding (``options["freezing"]``, combined with ``mode``'s own
+            options): parameters become constants of the compiled graph, so the build bakes the weights in
+            (weights changed later make it stale, see ``Backend.bakes_weights``).
+        memory_format: ``"channels_last"``: compile a channels-last copy of the module (inputs are passed as
+            given: the compiled graph converts them where the first convolution needs it; 4-D outputs are
+            returned contiguous, as eager's); None = as given.
     """
 
     mode: str | None = None
@@ -55,19 +97,39 @@ class TorchInductorJitBackendConfig(BackendConfig):
     dynamic: bool | None = None
     autocast_enabled: bool = False
     autocast_dtype: torch.dtype | str | None = None
+    freezing: bool = False
+    memory_format: str | None = None
 
     def validate(self) -> None:
+        if self.memory_format not in MEMORY_FORMATS:
+            raise ConfigError(f"memory_format must be one of {MEMORY_FORMATS}, got {self.memory_format!r}")
         if self.mode is not None and self.mode not in COMPILE_MODES:
             raise ConfigError(f"mode must be one of {COMPILE_MODES} or None, got {self.mode!r}")
         if self.mode is not None and self.options:
             raise ConfigError("torch.compile takes either mode or options, not both: drop one of them")
         if self.options is not None and not isinstance(self.options, dict):
             raise ConfigError(f"options must be a dict of Inductor options, got {type(self.options).__name__}")
-        validate_flags(self, ("fullgraph", "autocast_enabled"))
+        validate_flags(self, ("fullgraph", "autocast_enabled", "freezing"))
         self.autocast_dtype = parse_dtype(self.autocast_dtype, "autocast_dtype")
+
+    def compile_arguments(self) -> tuple[str | None, dict | None]:
+        """``(mode, options)`` for ``torch.compile``: with ``freezing`` the mode's options plus freezing."""
+        return compile_arguments(self.mode, self.options, self.freezing)
+
+
+def compile_arguments(mode: str | None, options: dict | None, freezing: bool) -> tuple[str | None, dict | None]:
+    """``torch.compile`` takes a mode or options, not both: with ``freezing`` the mode becomes its options
+    (``torch._inductor.list_mode_options``) plus ``freezing=True``."""
+    if not freezing:
+        return mode, options
+    from torch._inductor import list_mode_options
+
+    return None, {**list_mode_options(mode or "default"), **(options or {}), "freezing": True}
 
 
 class TorchInductorJitBackend(AutocastMixin, Backend):
+    _channels_last = False
+    _tier = 0  # search tier of a search-space variant (see search_tier)
     """``torch.compile(module, backend="inductor")``, warmed up on every recorded sample at build.
 
     Wraps: TorchInductor (CPU: C++/OpenMP; CUDA: Triton). Extra: none (torch only).
@@ -83,12 +145,50 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
 
     @property
     def bakes_weights(self) -> bool:
-        """Inductor reads the parameters at every call, except with ``freezing`` (weights folded in)."""
-        return bool((self.config.options or {}).get("freezing"))
+        """Inductor reads the parameters at every call, except with ``freezing`` (weights folded in) or a
+        channels-last copy of the module."""
+        return bool(self.config.freezing or (self.config.options or {}).get("freezing") or self.config.memory_format)
+
+    def search_space(self, module, graph, device) -> list["Backend"]:
+        """The configurations worth trying (issue "Search"): on CPU plain and with ``freezing``; on CUDA
+        reduce-overhead (CUDA graphs) with and without freezing, default, and the max-autotune modes (marked
+        expensive: tried only when the time budget allows). Models with 2-D convolutions and 4-D inputs also
+        get channels-last variants of the best-known composite."""
+        config = self.config
+        if config != TorchInductorJitBackendConfig():  # a configuration the user chose is tried as given
+            return [self]
+        device = torch.device(device)
+        if device.type == "cuda":
+            configs = [dict(mode="reduce-overhead", freezing=True), dict(mode="reduce-overhead"), dict(),
+                       dict(mode="max-autotune-no-cudagraphs", freezing=True), dict(mode="max-autotune", freezing=True)]
+            if module is not None and graph is not None and has_4d_convolution(module, graph):
+                configs.insert(1, dict(mode="reduce-overhead", freezing=True, memory_format="channels_last"))
+        else:
+            configs = [dict(), dict(freezing=True)]
+            if module is not None and graph is not None and has_4d_convolution(module, graph):
+                configs.append(dict(freezing=True, memory_format="channels_last"))
+        variants = [TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)) for kwargs in configs]
+        if device.type == "cuda":
+            for variant in variants:
+                if variant.config.mode is None:  # default mode: no CUDA graphs, dominated at small batches
+                    variant._tier = 1
+        return variants
+
+    @property
+    def search_tier(self) -> int:
+        """max-autotune modes benchmark many kernels while compiling (minutes on a large model): tier 2. On
+        CUDA the default mode (no CUDA graphs; dominated by reduce-overhead at small batches in our H200
+        measurements) is an extra: tier 1. See :meth:`Backend.search_tier`."""
+        if (self.config.mode or "").startswith("max-autotune"):
+            return 2
+        return getattr(self, "_tier", 0)
 
     def _supports(self, module, graph, device) -> Check:
         if uses_cuda_graphs(self.config.mode, self.config.options) and device.type != "cuda":
-            return Check(False, "mode 'reduce-overhead' captures CUDA graphs and needs a CUDA device")
+            return Check(False, f"mode {self.config.mode!r} captures CUDA graphs and needs a CUDA device")
+        if self.config.memory_format == "channels_last" and (graph is None or not any(
+                len(spec.min_shape) == 4 for spec in graph.tensor_specs)):
+            return Check(False, "memory_format='channels_last' needs a 4-D input")
         return Check(True)
 
     def _resolved_dynamic(self, graph) -> bool | None:
@@ -101,7 +201,14 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         self._clone_outputs = uses_cuda_graphs(self.config.mode, self.config.options)
         dynamic = self._resolved_dynamic(graph)
         self.build_info["dynamic"] = dynamic
-        self._compiled = torch.compile(module, backend="inductor", mode=self.config.mode, options=self.config.options,
+        self._channels_last = self.config.memory_format == "channels_last"
+        if self._channels_last:  # NOTE: a copy; the user's module keeps its memory format
+            import copy
+
+            module = copy.deepcopy(module).to(memory_format=torch.channels_last)
+        mode, options = self.config.compile_arguments()
+        allow_many_variants()
+        self._compiled = torch.compile(module, backend="inductor", mode=mode, options=options,
                                        fullgraph=self.config.fullgraph, dynamic=dynamic)
         breaks_before = graph_break_count()
         for sample in graph.samples:  # warm-up: compile every recorded shape now, not at first use
@@ -115,6 +222,8 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad(), self._autocast():
             output = self._compiled(*args, **kwargs)
+        if self._channels_last:
+            output = to_contiguous(output)
         if self._clone_outputs:
             output = clone_output(output)
         return self._restore_output_dtypes(output)

@@ -14,7 +14,9 @@ import torch
 
 from aitune.errors import BackendBuildError, BackendRuntimeError, ConfigError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, Requirement, one_line
-from aitune.torch.backend.onnx_export import OnnxCallIO, export_onnx, external_data_files, training_mode_reason
+from aitune.torch.backend.onnx_call_io import OnnxCallIO
+from aitune.torch.backend.onnx_export import export_onnx, training_mode_reason
+from aitune.torch.backend.onnx_graph import external_data_files
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,19 @@ def coerce_execution_provider(value: Any) -> ONNXExecutionProvider | None:
                       f"got {value!r}")
 
 
+TRANSFORMER_MODEL_TYPES = ("bert", "gpt2", "t5", "vit", "clip", "bart")
+
+
+def looks_like_transformer_encoder(module: torch.nn.Module | None) -> bool:
+    """A BERT-like encoder (attention + embeddings submodules, by class name): worth ONNX Runtime's
+    transformer fusions. A heuristic only: a fusion that changes results is rejected by the value check."""
+    if module is None:
+        return False
+    names = {type(sub).__name__ for sub in module.modules()}
+    return any("Attention" in name for name in names) and any("Embedding" in name and name != "Embedding"
+                                                              for name in names)
+
+
 @dataclasses.dataclass(kw_only=True)
 class ONNXRuntimeBackendConfig(BackendConfig):
     """Config of :class:`ONNXRuntimeBackend`.
@@ -102,6 +117,9 @@ class ONNXRuntimeBackendConfig(BackendConfig):
             one thread per physical core for intra-op).
         graph_optimization_level: ``"disable"``, ``"basic"``, ``"extended"`` or ``"all"`` (ONNX Runtime's
             ``GraphOptimizationLevel``).
+        transformer_fusions: run ONNX Runtime's transformer optimizer (``onnxruntime.transformers.optimizer``:
+            attention, LayerNorm, GELU and bias fusions) on the exported graph before the session is built,
+            for this ``model_type`` (``"bert"`` covers BERT-like encoders); None = off.
 
     Raises:
         ConfigError: on an invalid field.
@@ -113,6 +131,7 @@ class ONNXRuntimeBackendConfig(BackendConfig):
     intra_op_num_threads: int | None = None
     inter_op_num_threads: int | None = None
     graph_optimization_level: str = "all"
+    transformer_fusions: str | None = None
 
     def validate(self) -> None:
         if not isinstance(self.use_dynamo, bool):
@@ -125,6 +144,9 @@ class ONNXRuntimeBackendConfig(BackendConfig):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{name} must be an int >= 1 or None (ONNX Runtime's default), got {value!r}")
+        if self.transformer_fusions is not None and self.transformer_fusions not in TRANSFORMER_MODEL_TYPES:
+            raise ConfigError(f"transformer_fusions must be one of {TRANSFORMER_MODEL_TYPES} or None, got "
+                              f"{self.transformer_fusions!r}")
         if self.graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
             raise ConfigError(f"graph_optimization_level must be one of {list(GRAPH_OPTIMIZATION_LEVELS)}, "
                               f"got {self.graph_optimization_level!r}")
@@ -195,13 +217,16 @@ class ONNXRuntimeBackend(Backend):
                                     f"not bind (supported: {', '.join(str(d) for d in _NUMPY_NAMES)})")
         return Check(True)
 
-    def accepts(self, leaves: list) -> bool:
-        """True when the built graph runs a call with these flattened canonical input leaves.
+    def rejects(self, leaves: list) -> str | None:
+        """Why the built graph cannot run a call with these flattened canonical input leaves (None: it can).
 
-        False for shapes outside the recorded/declared range (``GraphSpec.covers``), other dtypes or
-        constants, and — for a shape-specialized export — any shape that did not run at build.
+        Other constants than exported, other dtypes or ranks, sizes outside the recorded/declared range,
+        batch axes that disagree, and — for a shape-specialized export — any shape that did not run at build
+        (the shared check of :mod:`aitune.torch.backend.accepted`).
         """
-        return self._io is not None and self._io.check(list(leaves)) is None
+        if self._io is None:
+            return "the ONNX graph is not built"
+        return self._io.check(list(leaves))
 
     # ---- build
     def _build(self, module, graph, device, workdir: Path) -> None:
@@ -219,9 +244,31 @@ class ONNXRuntimeBackend(Backend):
                                         config_key=self.config.key())
         self._io = OnnxCallIO.from_export(export, graph, module)
         self._onnx_path = export.path
+        if self.config.transformer_fusions:
+            self._onnx_path = self._fuse(export, device)
         self._setup_device(device)
         self._create_session(BackendBuildError)
         self._validate_samples(graph, export)
+
+    def _fuse(self, export, device: torch.device) -> Path:
+        """ONNX Runtime's transformer optimizer on the exported model; returns the fused model's path."""
+        from onnxruntime.transformers import optimizer
+
+        fused_path = export.path.with_name(f"fused_{export.path.name}")
+        fused = optimizer.optimize_model(str(export.path), model_type=self.config.transformer_fusions, num_heads=0,
+                                         hidden_size=0, opt_level=0, use_gpu=device.type == "cuda")
+        fused.save_model_to_file(str(fused_path), use_external_data_format=bool(export.external_data_files))
+        counts = {name: count for name, count in fused.get_fused_operator_statistics().items() if count}
+        self.build_info["transformer_fusions"] = counts
+        logger.debug("onnxruntime: transformer fusions %s", counts)
+        return fused_path
+
+    def search_space(self, module, graph, device) -> list["Backend"]:
+        """Issue "Search": at the default configuration, plus ONNX Runtime's transformer fusions for a
+        BERT-like encoder. A configuration the user chose is tried as given."""
+        if self.config != ONNXRuntimeBackendConfig() or not looks_like_transformer_encoder(module):
+            return [self]
+        return [self, ONNXRuntimeBackend(ONNXRuntimeBackendConfig(transformer_fusions="bert"))]
 
     def _validate_samples(self, graph, export) -> None:
         """Run every recorded sample once; restrict a graph that fails at some recorded shapes to the others."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from aitune.errors import AITuneError, CheckpointError
+from aitune.errors import AITuneError, CheckpointError, ConfigError
 from aitune.torch.backend.base import BuildMode
 from aitune.torch.checkpoint.archive import publish
 from aitune.torch.checkpoint.manifest import (
@@ -24,6 +24,7 @@ from aitune.torch.checkpoint.manifest import (
 )
 from aitune.torch.checkpoint.wrappers import WrapperEntry, find_wrappers, path_text
 from aitune.torch.jsonsafe import json_safe
+from aitune.torch.module import check_unique_names
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ def save(model_or_pipeline: Any, path: str | os.PathLike) -> Path:
     """
     path = Path(path)
     found = find_wrappers(model_or_pipeline)
+    try:
+        check_unique_names([entry.wrapper for entry in found], "ait.save")
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from exc
     tuned = []
     for entry in found:
         wrapper = entry.wrapper

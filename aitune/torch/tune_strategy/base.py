@@ -9,42 +9,62 @@ original error): it becomes a report row with a one-line reason naming the real 
 from __future__ import annotations
 
 import copy
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 import torch
 
 from aitune.errors import AITuneError, ConfigError
+from aitune.torch.arguments import init_keywords, reject_unknown_keywords
 from aitune.torch.backend.base import Backend, BuildMode
 from aitune.torch.compat import strategy as reference_strategy
 from aitune.torch.correctness import Tolerance
-from aitune.torch.evaluation import Candidate, EvaluationSettings, GraphContext, eager_candidate, evaluate
+from aitune.torch.evaluation import (
+    Candidate,
+    Evaluation,
+    EvaluationSettings,
+    GraphContext,
+    complete,
+    eager_candidate,
+    evaluate,
+    measure_backend,
+    start,
+)
 from aitune.torch.max_batch_size import MaxBatchSizeSearch
 from aitune.torch.probes import ProbeConfig
 from aitune.torch.profiling import ProfilingConfig, reaches_speedup
 from aitune.torch.report import SELECTED, CandidateResult
 
+QUANTIZATION_NOTE = "quantization is not used unless allowed: allow_quantization=True on the strategy"
+
 __all__ = ["Candidate", "GraphContext", "TuneStrategy", "default_backends"]
 
 
-def default_backends(device: torch.device | str) -> list[Backend]:
-    """Candidates tried when a strategy is given none: every built-in backend's default configuration.
+def default_backends(device: torch.device | str, module: torch.nn.Module | None = None,
+                     graph=None) -> list[Backend]:
+    """Candidates tried when a strategy is given none: every built-in backend's search space
+    (:meth:`Backend.search_space`: e.g. Inductor with and without freezing, CUDA graphs on a GPU, channels-last
+    for convnets), cheapest and most promising first.
 
-    Unavailable ones still get a report row saying why (case U6). On CUDA, Inductor with CUDA graphs
-    (``mode="reduce-overhead"``) and eager replayed from CUDA graphs are added: eager at batch 1 is
-    launch-bound there (H200 figures in benchmarks/RESULTS.md).
+    Unavailable ones still get a report row saying why (case U6). On CUDA, eager replayed from CUDA graphs
+    is added: eager at batch 1 is launch-bound there (H200 figures in benchmarks/RESULTS.md).
     """
     from aitune.torch import backend as backends
 
-    candidates: list[Backend] = [backends.TorchInductorJitBackend()]
+    blueprints: list[Backend] = [backends.TorchInductorJitBackend()]
     if torch.device(device).type == "cuda":
-        candidates.append(backends.TorchInductorJitBackend(backends.TorchInductorJitBackendConfig(
-            mode="reduce-overhead")))
-        candidates.append(backends.TorchEagerBackend(backends.TorchEagerBackendConfig(use_cuda_graphs=True)))
+        blueprints.append(backends.TorchEagerBackend(backends.TorchEagerBackendConfig(use_cuda_graphs=True)))
     for name in ("TorchInductorAotBackend", "ONNXRuntimeBackend", "TorchAOBackend", "TensorRTBackend",
                  "TorchTensorRTJitBackend", "TorchTensorRTAotBackend"):
         backend_class = getattr(backends, name)
         if isinstance(backend_class, type) and issubclass(backend_class, Backend):
-            candidates.append(backend_class())
+            blueprints.append(backend_class())
+    candidates: list[Backend] = []
+    for blueprint in blueprints:
+        try:
+            candidates.extend(blueprint.search_space(module, graph, device))
+        except Exception:  # noqa: BLE001 - a search space that cannot be derived: the default configuration
+            candidates.append(blueprint)
     return candidates
 
 
@@ -57,14 +77,21 @@ class TuneStrategy:
         tolerance: thresholds of the comparison with eager (:class:`~aitune.torch.correctness.Tolerance`).
         probe_config: inputs beyond the recorded samples that every candidate is also checked on
             (:class:`~aitune.torch.probes.ProbeConfig`; default: up to 12 probes, 10 s per candidate).
+        allow_quantization: may a quantizing candidate (TorchAO, TensorRT with int8/fp8) be *selected*? They
+            are always measured and shown. None (default) = only when you listed the backends yourself;
+            with the default candidates a quantizing one is shown as "would be N x at SQNR ..." but not used.
 
     Raises:
         ConfigError: when ``backends`` is empty or holds something that is not a Backend.
     """
 
+    def __new__(cls, *args, **kwargs):
+        reject_unknown_keywords(cls.__name__, init_keywords(cls), kwargs)
+        return super().__new__(cls)
+
     def __init__(self, backends: Iterable[Backend] | Backend | None = None, *,
                  profiling_config: ProfilingConfig | None = None, tolerance: Tolerance | None = None,
-                 probe_config: ProbeConfig | None = None):
+                 probe_config: ProbeConfig | None = None, allow_quantization: bool | None = None):
         if isinstance(backends, Backend):
             backends = [backends]
         if backends is not None:
@@ -82,6 +109,9 @@ class TuneStrategy:
             raise ConfigError("tolerance must be an aitune.torch.correctness.Tolerance")
         if probe_config is not None and not isinstance(probe_config, ProbeConfig):
             raise ConfigError("probe_config must be an aitune.torch.ProbeConfig")
+        if allow_quantization is not None and not isinstance(allow_quantization, bool):
+            raise ConfigError(f"allow_quantization must be True, False or None, got {allow_quantization!r}")
+        self.allow_quantization = allow_quantization
         self.backends = backends
         self.probe_config = probe_config or ProbeConfig()
         self.runners_up: list[Backend] = []  # after tune(): next-best passing backends (the guard's fallbacks)
@@ -146,13 +176,50 @@ class TuneStrategy:
             memory_fraction=memory_fraction) if enable else None
         return self
 
+    def enable_quantization(self, enabled: bool = True) -> "TuneStrategy":
+        """Allow (or forbid) selecting quantizing candidates (int8/fp8: outputs differ from eager by design,
+        judged by SQNR and cosine instead of atol/rtol). Returns self."""
+        self.allow_quantization = bool(enabled)
+        return self
+
+    @property
+    def quantization_allowed(self) -> bool:
+        """``allow_quantization``, or — when left at None — whether the user listed the backends."""
+        return self.allow_quantization if self.allow_quantization is not None else self.backends is not None
+
+    def selectable(self, candidate: Candidate) -> bool:
+        """May this passing candidate be chosen? A quantizing one only when quantization is allowed; otherwise
+        its row says what it would give and how to allow it."""
+        if not candidate.passed or candidate.backend is None or not candidate.backend.is_quantizing:
+            return candidate.passed
+        if self.quantization_allowed:
+            return True
+        if QUANTIZATION_NOTE in candidate.row.reason:
+            return False
+        comparison = candidate.row.comparison or {}
+        figures = []
+        if candidate.row.speedup is not None:
+            figures.append(f"{candidate.row.speedup:.2f}x eager")
+        if comparison.get("min_sqnr_db") is not None:
+            figures.append(f"SQNR {comparison['min_sqnr_db']:.0f} dB")
+        if comparison.get("min_cosine") is not None:
+            figures.append(f"cosine {comparison['min_cosine']:.3f}")
+        note = (f"would be {', '.join(figures)}" if figures else "passed") + f" — {QUANTIZATION_NOTE}"
+        candidate.row.reason = "; ".join(filter(None, [note, candidate.row.reason]))
+        return False
+
     def clone(self) -> "TuneStrategy":
         """A deep copy (each graph is tuned by its own copy)."""
         return copy.deepcopy(self)
 
-    def candidates(self, device: torch.device) -> list[Backend]:
-        """The blueprints to evaluate on ``device``: the given backends, or :func:`default_backends`."""
-        return list(self.backends) if self.backends is not None else default_backends(device)
+    def candidates(self, device: torch.device, module: torch.nn.Module | None = None, graph=None) -> list[Backend]:
+        """The blueprints to evaluate on ``device``: the given backends as configured, or the default candidates'
+        search spaces for ``module``/``graph`` (:func:`default_backends`)."""
+        return list(self.backends) if self.backends is not None else default_backends(device, module, graph)
+
+    def candidates_for(self, context: GraphContext) -> list[Backend]:
+        """:meth:`candidates` for the graph being tuned."""
+        return self.candidates(context.device, context.module, context.graph)
 
     def describe(self) -> str:
         """``StrategyName(Backend(config), ...)`` for reports."""
@@ -207,6 +274,65 @@ class TuneStrategy:
                  raise_errors: bool = False) -> Candidate:
         """One candidate through :func:`aitune.torch.evaluation.evaluate` with this strategy's settings."""
         return evaluate(blueprint, context, self.settings(measure=measure_it), raise_errors=raise_errors)
+
+    finalists = 3  # candidates measured at full length after the quick round (successive halving)
+
+    def search(self, context: GraphContext, *, by_latency: bool = False) -> list[Candidate]:
+        """Evaluate every candidate, one at a time, releasing each (device memory) before the next builds.
+
+        With more candidates than :attr:`finalists`, successive halving: every candidate is measured briefly
+        (:func:`quick_profiling`), then the best :attr:`finalists` selectable ones are measured again with the
+        strategy's full :class:`ProfilingConfig`; the others keep their quick figures, are marked
+        ``details["finalist"] = False`` and cannot be chosen (their rows say so).
+
+        Returns:
+            The evaluated candidates, in order.
+        """
+        blueprints = self.candidates_for(context)
+        background = [blueprint.builds_in_background for blueprint in blueprints]
+        halving = (len(blueprints) > self.finalists or any(background)) and self.performance_validation
+        settings = self.settings()
+        if halving:
+            settings.profiling = quick_profiling(self.profiling_config)
+        results: list = [None] * len(blueprints)
+        executor = ThreadPoolExecutor(max_workers=min(4, sum(background))) if any(background) else None
+        try:
+            # NOTE [background builds]: child-process build steps start first and run while the other
+            # candidates are built and checked; their first-round figures only rank them, and the finalists
+            # are measured again once nothing runs in the background.
+            for index, blueprint in enumerate(blueprints):
+                if background[index]:
+                    results[index] = start(blueprint, context, settings, background=executor)
+            for index, blueprint in enumerate(blueprints):
+                if results[index] is None:
+                    results[index] = evaluate(blueprint, context, settings)
+                elif isinstance(results[index], Evaluation):
+                    results[index] = complete(results[index], context)
+                if results[index].backend is not None:
+                    results[index].backend.deactivate()
+        finally:
+            if executor is not None:
+                executor.shutdown(wait=True)
+        candidates = results
+        if not halving:
+            return candidates
+        measured = [c for c in candidates if c.measurement is not None and self.selectable(c)]
+        score = _score(by_latency)
+        finalists = sorted(measured, key=score, reverse=True)[:self.finalists]
+        eager = context.eager_measurement
+        for candidate in measured:
+            candidate.row.details["finalist"] = candidate in finalists
+            if candidate not in finalists:
+                candidate.row.reason = "; ".join(filter(None, [
+                    f"quick measurement only: not among the {self.finalists} finalists", candidate.row.reason]))
+                continue
+            context.show(candidate.row.description, "measure")
+            candidate.measurement = measure_backend(candidate.backend, context, self.profiling_config)
+            candidate.backend.deactivate()
+            candidate.row.measurement = candidate.measurement.to_dict()
+            if eager is not None and eager.throughput > 0:
+                candidate.row.speedup = candidate.measurement.throughput / eager.throughput
+        return candidates
 
     def eager_candidate(self, context: GraphContext) -> Candidate:
         """The eager baseline (measured once per graph, in the same run as the candidates)."""
@@ -272,6 +398,16 @@ class TuneStrategy:
         for candidate in candidates:
             if candidate is not chosen and candidate.backend is not None:
                 candidate.backend.deactivate()
+
+
+def quick_profiling(config: ProfilingConfig) -> ProfilingConfig:
+    """The short measurement of the first round of successive halving (a tenth of a second or so per
+    candidate; its figures only rank candidates)."""
+    return ProfilingConfig(warmup_rounds=min(config.warmup_rounds, 2), warmup_s=min(config.warmup_s, 0.1),
+                           min_rounds=min(config.min_rounds, 3), max_rounds=min(config.max_rounds, 30),
+                           time_budget_s=min(config.time_budget_s, 0.3), stable_rel_error=max(config.stable_rel_error,
+                                                                                             0.03),
+                           min_noise=config.min_noise)
 
 
 def _score(by_latency: bool) -> Callable[[Candidate], float]:

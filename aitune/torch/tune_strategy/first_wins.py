@@ -15,11 +15,13 @@ class FirstWinsStrategy(TuneStrategy):
         """Evaluate the backends in order until one wins; see the class docstring."""
         eager = self.eager_candidate(context) if self.performance_validation else None
         rows: list[CandidateResult] = []
-        blueprints = self.candidates(context.device)
+        blueprints = self.candidates_for(context)
         for position, blueprint in enumerate(blueprints):
             candidate = self.evaluate(blueprint, context, measure_it=self.performance_validation)
             rows.append(candidate.row)
-            if not candidate.passed:
+            if not self.selectable(candidate):
+                if candidate.backend is not None:
+                    candidate.backend.deactivate()
                 continue
             if not self.fast_enough(candidate, eager):
                 candidate.row.status = REJECTED_PERFORMANCE

@@ -47,7 +47,7 @@ class LatencyBudgetStrategy(TuneStrategy):
         """
         scored = []
         for candidate in pool:
-            if not candidate.passed:
+            if not self.selectable(candidate):
                 continue
             if self.budget_score(candidate) is None:
                 candidate.row.status = REJECTED_PERFORMANCE
@@ -63,7 +63,7 @@ class LatencyBudgetStrategy(TuneStrategy):
     def tune(self, context):
         """Evaluate every candidate, then choose by :meth:`choose`."""
         eager = self.eager_candidate(context)
-        candidates = [self.evaluate(blueprint, context) for blueprint in self.candidates(context.device)]
+        candidates = [self.evaluate(blueprint, context) for blueprint in self.candidates_for(context)]
         pool = candidates + [eager]
         chosen = self.choose(pool, f"{context.module_name}/{context.graph.name}")
         self.finish(chosen, pool)

@@ -12,20 +12,22 @@ class MaxThroughputStrategy(TuneStrategy):
     Eager is measured in the same run and competes (unless performance validation is off). A candidate
     must beat the best by more than the measured noise; within the noise the simpler one wins (eager,
     then AOT over JIT, then shorter build). With ``min_speedup_ratio`` r, only candidates reaching r x
-    eager's throughput compete with eager. This is the default strategy.
+    eager's throughput compete with eager. With more candidates than ``finalists`` (3), every candidate
+    gets a quick measurement and only the finalists the full one (successive halving, see
+    :meth:`TuneStrategy.search`). This is the default strategy.
     """
 
     by_latency = False
 
     def tune(self, context):
-        """Evaluate every candidate, then choose; see the class docstring."""
+        """Evaluate every candidate, then choose; see the class docstring and :meth:`TuneStrategy.search`."""
         eager = self.eager_candidate(context)
-        candidates = [self.evaluate(blueprint, context) for blueprint in self.candidates(context.device)]
+        candidates = self.search(context, by_latency=self.by_latency)
         pool = candidates + [eager]
         if self.performance_validation:
             contenders = [eager]
             for candidate in candidates:
-                if not candidate.passed:
+                if not self.selectable(candidate) or not candidate.row.details.get("finalist", True):
                     continue
                 if self.min_speedup_ratio != 1.0 and not self.fast_enough(candidate, eager):
                     candidate.row.status = REJECTED_PERFORMANCE
@@ -33,7 +35,8 @@ class MaxThroughputStrategy(TuneStrategy):
                     continue
                 contenders.append(candidate)
         else:
-            contenders = [c for c in candidates if c.passed] or [eager]
+            contenders = [c for c in candidates if self.selectable(c) and c.row.details.get("finalist", True)] \
+                or [eager]
         chosen = self.pick(contenders, by_latency=self.by_latency)
         fastest = self.pick_fastest(contenders, by_latency=self.by_latency)
         self.finish(chosen, pool)

@@ -98,12 +98,12 @@ def autocast_onnx(*, onnx_path: str, output_path: str, precision: str = "fp16", 
 
     import modelopt
 
-    from aitune.torch.backend.base import _version_tuple
+    from packaging.version import Version
 
     options = {}
     # Recorded samples are passed as calibration data only where ModelOpt reads a folder of .npz files
     # (ModelOpt > 0.42, reference A.6); older versions classify nodes with random inputs.
-    if calibration_dir is not None and _version_tuple(modelopt.__version__) > (0, 42):
+    if calibration_dir is not None and Version(modelopt.__version__.split("+")[0]) > Version("0.42"):
         options["calibration_data"] = calibration_dir
     model = convert_to_mixed_precision(onnx_path=onnx_path, low_precision_type=precision,
                                        keep_io_types=keep_io_types, providers=["cpu"], **options)

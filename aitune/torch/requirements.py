@@ -1,0 +1,105 @@
+"""What a backend or kernel provider needs to run: optional packages, their versions, and flag checks.
+
+:func:`probe_requirement` answers "is this package importable, and new enough?" without importing it
+(``importlib.util.find_spec`` + ``importlib.metadata``), cached and silent: ``availability()`` of backends
+and kernel providers is built on it. A missing piece's reason names the fix:
+``package 'tensorrt' not found — pip install 'aitune[tensorrt]'``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+
+import torch
+
+from aitune.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """Result of :meth:`Backend.availability` / :meth:`Backend.supports`: ``ok`` and a one-line ``reason``."""
+
+    ok: bool
+    reason: str = ""
+    versions: dict = dataclasses.field(default_factory=dict)
+    no_op: bool = False  # supports(): the candidate would change nothing (a quantizer matching no layer)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclasses.dataclass(frozen=True)
+class Requirement:
+    """An optional package a backend needs.
+
+    Args:
+        module: import name (``onnxruntime``).
+        distributions: distribution names that provide it (``onnxruntime``, ``onnxruntime-gpu``).
+        extra: the aitune pip extra that installs it. min_version: lowest supported version.
+    """
+
+    module: str
+    distributions: tuple[str, ...]
+    extra: str
+    min_version: str | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def probe_requirement(requirement: Requirement) -> Check:
+    """Is ``requirement`` importable and new enough? Cheap and silent (find_spec + metadata only)."""
+    if importlib.util.find_spec(requirement.module) is None:
+        return Check(False, f"package '{requirement.distributions[0]}' not found — "
+                            f"pip install 'aitune[{requirement.extra}]'")
+    version = None
+    for distribution in requirement.distributions:
+        try:
+            version = importlib.metadata.version(distribution)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if requirement.min_version and version and version_at_least(version, requirement.min_version) is False:
+        return Check(False, f"package '{requirement.distributions[0]}' {version} is older than "
+                            f"{requirement.min_version} — pip install -U 'aitune[{requirement.extra}]'",
+                     {requirement.module: version})
+    return Check(True, "", {requirement.module: version or "unknown"})
+
+
+def version_at_least(version: str, minimum: str) -> bool | None:
+    """``version >= minimum`` by PEP 440 (``packaging.version``: ``1.20.0rc1`` < ``1.20.0`` < ``1.20.0.post1``;
+    a local part such as ``+cu130`` is ignored); None when either cannot be parsed."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version.split("+")[0]) >= Version(minimum)
+    except InvalidVersion:
+        return None
+
+
+def check_requirements(requirements) -> Check:
+    """All ``requirements`` importable and new enough? The first failing one's reason, else their versions."""
+    versions: dict[str, str] = {}
+    for requirement in requirements:
+        check = probe_requirement(requirement)
+        if not check.ok:
+            return Check(False, check.reason, versions)
+        versions.update(check.versions)
+    return Check(True, "", versions)
+
+
+def validate_flags(config, bool_fields: tuple[str, ...], optional_bool_fields: tuple[str, ...] = ("dynamic",)) -> None:
+    """Raise ConfigError unless each of ``bool_fields`` is a bool and each optional one is a bool or None."""
+    for name in bool_fields:
+        if not isinstance(getattr(config, name), bool):
+            raise ConfigError(f"{name} must be a bool, got {getattr(config, name)!r}")
+    for name in optional_bool_fields:
+        value = getattr(config, name)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True, False or None, got {value!r}")
+
+
+def torch_version_at_least(version: str) -> bool:
+    """Is the installed torch at least ``version`` (PEP 440; ``2.13.0+cpu`` counts as 2.13.0)?"""
+    return bool(version_at_least(torch.__version__, version))

@@ -1,0 +1,221 @@
+"""Issue "Search" on the GPU: aitune's default tune vs hand-picked ``torch.compile`` anchors, in one process.
+
+For one model (random weights; a convnet's BatchNorm statistics are first calibrated on random data — a
+few forward passes in train mode — because random init leaves mean 0 / variance 1 and fp16 activations then
+explode, so the comparison would be about the init, not the backend):
+
+1. hand-picked anchors, timed with CUDA events: eager, ``torch.compile(mode="reduce-overhead")``, and the
+   best hand-picked composite of the issue (reduce-overhead + Inductor freezing, plus channels-last for
+   convnets);
+2. ``ait.tune`` with the default candidates (wall time, tuning peak GPU memory), then the tuned module, the
+   chosen backend called directly and eager re-timed the same way;
+3. a second tune of a fresh wrapper in the same environment (same cache dir): its wall time.
+
+Prints one table and writes JSON. Usage (device tool, repo root)::
+
+    python3 -m benchmarks.gpu_search --model resnet50 --batch 1 --json $OUT/resnet50.json
+    python3 -m benchmarks.gpu_search --model bert-base --batch 32 --json $OUT/bert.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import aitune.torch as ait
+from aitune.torch.backend.inductor_jit import compile_arguments
+from aitune.torch.profiling import Timer
+
+
+def resnet50(batch: int):
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().cuda().half()
+    calibrate_batchnorm(model, (32, 3, 224, 224))
+    return model.eval(), {"x": torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.float16)}
+
+
+def bert_base(batch: int, seq: int = 128):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig()).cuda().half().eval()
+    ids = torch.randint(0, 30522, (batch, seq), device="cuda")
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def calibrate_batchnorm(model: torch.nn.Module, shape: tuple, passes: int = 8) -> None:
+    """BatchNorm running statistics from a few train-mode passes on random data (weights untouched)."""
+    model.train()
+    with torch.no_grad():
+        for _ in range(passes):
+            model(torch.randn(*shape, device="cuda", dtype=torch.float16))
+    model.eval()
+
+
+def p50_ms(function, seconds: float = 2.0, warmup: int = 30) -> float:
+    timer = Timer(torch.device("cuda"))
+    with torch.no_grad():
+        for _ in range(warmup):
+            function()
+        torch.cuda.synchronize()
+        times, started = [], time.perf_counter()
+        while time.perf_counter() - started < seconds or len(times) < 50:
+            times.append(timer(function))
+    return statistics.median(times)
+
+
+def max_error(a, b) -> float:
+    first = a if isinstance(a, torch.Tensor) else a[0]
+    second = b if isinstance(b, torch.Tensor) else b[0]
+    return float((first.float() - second.float()).abs().max())
+
+
+def anchors(model, inputs, conv: bool) -> dict:
+    """Hand-picked torch.compile runs (each its own compiled copy where the memory format changes)."""
+    results = {}
+    with torch.no_grad():
+        expected = model(**inputs)
+
+        def run_compiled(compiled, call_inputs):
+            def call():
+                torch.compiler.cudagraph_mark_step_begin()
+                return compiled(**call_inputs)
+            return call
+
+        reduce_overhead = torch.compile(model, mode="reduce-overhead")
+        call = run_compiled(reduce_overhead, inputs)
+        results["hand-picked reduce-overhead"] = {"p50_ms": p50_ms(call), "max_abs_error": max_error(call(), expected)}
+        mode, options = compile_arguments("reduce-overhead", None, True)
+        if conv:
+            composite_model = copy.deepcopy(model).to(memory_format=torch.channels_last)
+            composite_inputs = inputs  # as aitune's variant: the compiled graph converts the input
+            label = "hand-picked reduce-overhead + freezing + channels_last"
+        else:
+            composite_model, composite_inputs = model, inputs
+            label = "hand-picked reduce-overhead + freezing"
+        composite = torch.compile(composite_model, mode=mode, options=options)
+        anchors.compiled = composite
+        call = run_compiled(composite, composite_inputs)
+        results[label] = {"p50_ms": p50_ms(call), "max_abs_error": max_error(call(), expected)}
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["resnet50", "bert-base"], required=True)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--json")
+    parser.add_argument("--time-budget-s", type=float, help="ait.tune(time_budget_s=...) (default: none)")
+    parser.add_argument("--atol", type=float, help="fp16 tolerance (default: aitune's)")
+    parser.add_argument("--diagnose", action="store_true", help="time the chosen backend's layers separately")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    torch.backends.cudnn.benchmark = True
+    model, inputs = resnet50(args.batch) if args.model == "resnet50" else bert_base(args.batch)
+    conv = args.model == "resnet50"
+    result = {"model": args.model, "batch": args.batch, "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+
+    torch.cuda.reset_peak_memory_stats()
+    eager_ms = p50_ms(lambda: model(**inputs))
+    result["eager_inference_peak_bytes"] = torch.cuda.max_memory_allocated()
+
+    strategy = None
+    if args.atol is not None:
+        strategy = ait.MaxThroughputStrategy(tolerance=ait.Tolerance(low_precision_atol=args.atol,
+                                                                     low_precision_rtol=args.atol))
+    wrapped = ait.Module(model, f"{args.model}-b{args.batch}", strategy=strategy)
+    torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    report = ait.tune(lambda item: wrapped(**item), [inputs], progress=False, time_budget_s=args.time_budget_s, ready_batches=True)
+    result["tune_wall_s"] = time.perf_counter() - started
+    result["tuning_peak_bytes"] = torch.cuda.max_memory_allocated()
+    print(report.describe())
+    chosen = next(iter(wrapped.backends.values()))
+    rows = report.rows
+    passing = [r for r in rows if r.status in ("passed", "selected") and r.measurement]
+    best = max(passing, key=lambda r: r.measurement["throughput"])
+    selected = next(r for r in rows if r.status == "selected")
+    result["selected"] = selected.description
+    result["tuned_over_best_candidate"] = selected.measurement["throughput"] / best.measurement["throughput"]
+    result["rows"] = [{"description": r.description, "status": r.status, "reason": r.reason, "build_s": r.build_s,
+                       "p50_ms": (r.measurement or {}).get("p50_ms"), "speedup": r.speedup} for r in rows]
+
+    result["anchors"] = anchors(model, inputs, conv)
+    with torch.no_grad():
+        kwargs = chosen.graph.signature.normalize((), inputs)[1]
+        result["tuned_module_p50_ms"] = p50_ms(lambda: wrapped(**inputs))
+        result["chosen_direct_p50_ms"] = p50_ms(lambda: chosen.run((), kwargs))
+        result["eager_p50_ms"] = min(eager_ms, p50_ms(lambda: model(**inputs)))
+
+    if args.diagnose:  # where the time goes between a compiled callable and the wrapped module
+        from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
+
+        config = TorchInductorJitBackendConfig(mode="reduce-overhead", freezing=True,
+                                               memory_format="channels_last" if conv else None)
+        probe = ait.Module(model, f"{args.model}-diag", strategy=ait.OneBackendStrategy(
+            TorchInductorJitBackend(config)).enable_performance_validation(False))
+        ait.tune(lambda item: probe(**item), [inputs], progress=False, ready_batches=True)
+        backend = probe.backends["graph0"]
+        diag_kwargs = backend.graph.signature.normalize((), inputs)[1]
+        compiled = backend._compiled
+        raw_inputs = diag_kwargs
+        anchor = anchors.compiled  # the hand-picked composite, compiled by anchors()
+        with torch.no_grad():
+            def raw():
+                torch.compiler.cudagraph_mark_step_begin()
+                return compiled(**raw_inputs)
+
+            def hand_picked():
+                torch.compiler.cudagraph_mark_step_begin()
+                return anchor(**raw_inputs)
+            for round_ in range(2):  # A/B/A/B: the same clock conditions for both
+                result[f"diag{round_}_hand_picked_composite_p50_ms"] = p50_ms(hand_picked)
+                result[f"diag{round_}_our_compiled_raw_p50_ms"] = p50_ms(raw)
+            result["diag_backend_private_run_p50_ms"] = p50_ms(lambda: backend._run((), diag_kwargs))
+            result["diag_backend_run_p50_ms"] = p50_ms(lambda: backend.run((), diag_kwargs))
+            result["diag_module_p50_ms"] = p50_ms(lambda: probe(**inputs))
+        try:
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            result["diag_dynamo_cache_entries"] = len(_debug_get_cache_entry_list(type(model).forward.__code__))
+        except Exception as exc:  # noqa: BLE001 - diagnostics only
+            result["diag_dynamo_cache_entries"] = repr(exc)
+        print({key: value for key, value in result.items() if key.startswith("diag_")})
+
+    second = ait.Module(model, f"{args.model}-b{args.batch}-again", strategy=copy.deepcopy(strategy))
+    started = time.perf_counter()
+    ait.tune(lambda item: second(**item), [inputs], progress=False, time_budget_s=args.time_budget_s, ready_batches=True)
+    result["second_tune_wall_s"] = time.perf_counter() - started
+
+    reduce_overhead = result["anchors"]["hand-picked reduce-overhead"]["p50_ms"]
+    best_anchor = min(value["p50_ms"] for value in result["anchors"].values())
+    tuned = result["tuned_module_p50_ms"]
+    print(f"\n## {args.model} batch {args.batch} on {result['gpu']} (torch {result['torch']}, fp16)")
+    print(f"eager {result['eager_p50_ms']:.3f} ms")
+    for label, value in result["anchors"].items():
+        print(f"{label}: {value['p50_ms']:.3f} ms (max abs err {value['max_abs_error']:.3g})")
+    print(f"tuned module ({result['selected']}): {tuned:.3f} ms; chosen backend direct "
+          f"{result['chosen_direct_p50_ms']:.3f} ms (wrapper {100 * (tuned / result['chosen_direct_p50_ms'] - 1):+.1f} %)")
+    print(f"tuned vs hand-picked reduce-overhead: {reduce_overhead / tuned:.3f}x; vs best hand-picked "
+          f"{best_anchor / tuned:.3f}x; vs eager {result['eager_p50_ms'] / tuned:.2f}x; tuned/best candidate "
+          f"throughput {result['tuned_over_best_candidate']:.3f}")
+    print(f"tune wall {result['tune_wall_s']:.1f} s, second tune {result['second_tune_wall_s']:.1f} s; tuning peak GPU "
+          f"memory {result['tuning_peak_bytes'] / 2**30:.2f} GiB vs eager inference {result['eager_inference_peak_bytes'] / 2**30:.2f} GiB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

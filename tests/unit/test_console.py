@@ -1,0 +1,103 @@
+"""What the user's console shows while tuning (issue "What users expect", point 1): progress by default on a
+terminal, off with one switch; other packages' warnings go to the candidate's build log, not the console."""
+
+import logging
+import warnings
+
+import torch
+
+import aitune.torch as ait
+from aitune.torch.backend import TorchEagerBackend
+
+
+class NoisyBackend(TorchEagerBackend):
+    """Builds like eager, but emits what third-party packages emit while compiling."""
+
+    name = "test_noisy"
+    passthrough = False
+
+    def _build(self, module, graph, device, workdir):
+        warnings.warn("torch.jit.script_method is deprecated", DeprecationWarning)
+        logging.getLogger("torch.onnx._internal.exporter._registration").warning(
+            "torchvision is not installed. Skipping torchvision::nms")
+        super()._build(module, graph, device, workdir)
+
+
+def _tune(progress, fast_profiling):
+    model = torch.nn.Linear(8, 4).eval()
+    tuned = ait.Module(model, "noisy", strategy=ait.OneBackendStrategy(NoisyBackend(), profiling_config=fast_profiling)
+                       .enable_performance_validation(False))
+    return ait.tune(tuned, [torch.randn(2, 8)], progress=progress, ready_batches=True)
+
+
+def test_third_party_warnings_go_to_the_build_log(fast_profiling, capsys, caplog):
+    torch_logger = logging.getLogger("torch")
+    before = (list(torch_logger.handlers), torch_logger.propagate)
+    with caplog.at_level(logging.WARNING):
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            report = _tune(False, fast_profiling)
+    captured = capsys.readouterr()
+    assert "torchvision" not in captured.err + captured.out
+    assert not [r for r in caplog.records if "torchvision" in r.getMessage()]
+    assert not [w for w in shown if "script_method" in str(w.message)]
+    log = open(report.rows[0].log_path).read()
+    assert "torchvision is not installed" in log and "script_method is deprecated" in log
+    assert (list(torch_logger.handlers), torch_logger.propagate) == before  # put back after the build
+
+
+def test_progress_shows_module_candidate_and_choice(fast_profiling, capsys):
+    _tune(True, fast_profiling)
+    err = capsys.readouterr().err
+    assert "noisy/graph0" in err and "chose NoisyBackend" in err
+
+
+def test_progress_is_off_when_not_a_terminal_or_switched_off(fast_profiling, capsys, monkeypatch):
+    _tune(None, fast_profiling)  # pytest's captured stderr is not a terminal
+    assert "noisy/graph0" not in capsys.readouterr().err
+    monkeypatch.setenv("AITUNE_PROGRESS", "1")
+    _tune(None, fast_profiling)
+    assert "noisy/graph0" in capsys.readouterr().err
+    monkeypatch.setenv("AITUNE_PROGRESS", "0")
+    _tune(True, fast_profiling)  # an explicit argument wins over the environment
+    assert "noisy/graph0" in capsys.readouterr().err
+
+
+def test_misspelled_keywords_list_the_valid_ones():
+    import pytest
+
+    from aitune.errors import UnknownArgumentError
+    from aitune.torch.backend import TorchInductorJitBackendConfig
+
+    with pytest.raises(UnknownArgumentError, match=r"'mdoe' \(did you mean 'mode'\?\); valid: .*fullgraph, memory_format, mode"):
+        TorchInductorJitBackendConfig(mdoe="default")
+    with pytest.raises(TypeError, match="did you mean 'profiling_config'"):  # still a TypeError, as Python's
+        ait.MaxThroughputStrategy(profling_config=None)
+    with pytest.raises(UnknownArgumentError, match="latency_budget_ms, probe_config"):
+        ait.LatencyBudgetStrategy(5.0, budget=3)
+    for config_class in (ait.Tolerance, ait.ProfilingConfig, ait.ProbeConfig, ait.GuardConfig):
+        with pytest.raises(UnknownArgumentError, match="valid: "):
+            config_class(no_such_field=1)
+
+
+def test_two_wrapped_modules_with_one_name_are_refused(fast_profiling):
+    import pytest
+
+    from aitune.errors import ConfigError
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    pair = Pair()
+    pair.a = ait.Module(pair.a, "layer")
+    b_info = ait.ModuleInfo(module=pair.b, name="layer", parent=pair, attribute="b", depth=1)
+    with pytest.raises(ConfigError, match="two wrapped modules would be named 'layer'"):
+        ait.wrap(pair, [b_info])
+    pair.b = ait.Module(pair.b, "layer")
+    with pytest.raises(ConfigError, match="two wrapped modules are named 'layer'"):
+        ait.tune(pair, [torch.randn(2, 4)], ready_batches=True)

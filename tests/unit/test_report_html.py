@@ -1,0 +1,307 @@
+"""HTML pages of a tune report and of ait.inspect: content, figures, the CLI, and a real headless Chromium.
+
+The report comes from a real ``ait.tune`` run (ONNX Runtime, TorchAO under a 60 dB SQNR floor it cannot
+reach, TensorRT that is not installed here, eager as baseline), built once for the module.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import aitune.torch as ait
+from aitune.torch.backend import ONNXRuntimeBackend, TensorRTBackend, TorchAOBackend
+from aitune.torch.profiling import ProfilingConfig
+from aitune.torch.report import CandidateResult, GraphReport, TuneReport
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FIGURES = ("speed-error", "latency", "probes")
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 128)
+        self.down = torch.nn.Linear(128, 16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """A real tune report (JSON) and a checkpoint of the tuned module."""
+    root = tmp_path_factory.mktemp("report-html")
+    torch.manual_seed(0)
+    fast = ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=3, max_rounds=20, time_budget_s=0.2)
+    strategy = ait.MaxThroughputStrategy(backends=[ONNXRuntimeBackend(), TorchAOBackend(), TensorRTBackend()],
+                                         profiling_config=fast, tolerance=ait.Tolerance(min_sqnr_db=60.0))
+    module = ait.Module(MLP().eval(), "mlp", strategy=strategy)
+    report = ait.tune(module, [torch.randn(2, 64), torch.randn(8, 64)], cache_dir_path=root / "cache",
+                      report_path=root / "tune.json", ready_batches=True)
+    checkpoint = ait.save(module, root / "mlp.ait")
+    return SimpleNamespace(root=root, report=report, json=root / "tune.json", checkpoint=checkpoint)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aitune.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def _visible_text(page: str) -> str:
+    """The page's text with tags dropped and entities decoded (what a reader sees, roughly)."""
+    return html.unescape(re.sub(r"<[^>]+>", "", page))
+
+
+# ============================================================================================ content
+
+
+def test_page_holds_every_row_full_reasons_and_figures(tuned):
+    page = tuned.report.to_html(tuned.root / "page.html")
+    assert (tuned.root / "page.html").read_text(encoding="utf-8") == page
+    statuses = {row.status for row in tuned.report.rows}
+    assert {"selected", "passed", "unavailable"} <= statuses
+    text = _visible_text(page)
+    table = page[page.index('<table class="candidates">'):]
+    table = table[:table.index("</table>")]
+    assert table.count('class="badge"') == len(tuned.report.rows)
+    for row in tuned.report.rows:
+        assert row.description in table
+        if row.reason:
+            assert row.reason in text  # whole, never cut
+    assert "package 'tensorrt' not found" in text and "Not used, and why" in text
+    for kind in FIGURES:
+        figure = re.search(rf'<figure class="chart" data-figure="{kind}"[^>]*>(.*?)</figure>', page, re.S)
+        assert figure, kind
+        assert figure.group(1).count("<path") >= 5 and "<text" in figure.group(1)
+    assert "ONNXRuntimeBackend()" in re.search(r'data-figure="speed-error".*?</figure>', page, re.S).group(0)
+    assert torch.__version__ in text
+
+
+def test_page_is_self_contained(tuned):
+    page = tuned.report.to_html()
+    assert "<script" not in page and "@import" not in page
+    assert re.findall(r'(?:src|href)="(?!#)[^"]*"', page) == []  # only in-page links (#graph-0, svg ids)
+    assert "default-src 'none'" in page
+    ids = re.findall(r'\bid="([^"]+)"', page)
+    assert len(ids) == len(set(ids))  # figures' SVG ids do not collide
+
+
+def test_reasons_are_escaped_and_whole():
+    reason = "ToleranceExceededError: output <root>.logits[0] & friends: " + "x" * 300 + " — end"
+    rows = [CandidateResult("m", "graph0", "eager", "TorchEagerBackend()", status="selected", reason="baseline"),
+            CandidateResult("m", "graph0", "torchao", "TorchAOBackend()", status="rejected (correctness)",
+                            reason=reason),
+            CandidateResult("m", "graph0", "x", "X()", status="skipped", reason="first one won")]
+    graph = GraphReport("m", "graph0", {}, "FirstWinsStrategy()", "TorchEagerBackend()", "why", rows)
+    report = TuneReport(graphs=[graph], module_errors={"other": "RuntimeError: <boom>"})
+    page = report.to_html()
+    assert html.escape(reason) in page and "<root>" not in page
+    assert _visible_text(page).count(reason) == 2  # in the candidates table and in "Not used, and why"
+    assert "RuntimeError: &lt;boom&gt;" in page and "first one won" in page
+
+
+def test_without_matplotlib_the_page_has_tables_and_names_the_extra(tuned, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    page = tuned.report.to_html()
+    assert "<svg" not in page and "pip install &#x27;aitune[report]&#x27;" in page
+    assert page.count('class="badge"') >= len(tuned.report.rows)
+
+
+def test_report_json_round_trip_and_round_times(tuned):
+    data = json.loads(tuned.json.read_text())
+    again = TuneReport.from_json(tuned.json)
+    assert again.to_dict() == data and again.path == str(tuned.json)
+    measured = [row for row in again.rows if row.measurement]
+    assert measured and all(len(row.measurement["round_ms"]) == row.measurement["rounds"] for row in measured)
+
+
+def test_from_json_refuses_other_files(tmp_path):
+    from aitune.errors import ConfigError
+
+    (tmp_path / "a.json").write_text('{"not": "a report"}')
+    (tmp_path / "b.json").write_text("nope")
+    for name in ("a.json", "b.json"):
+        with pytest.raises(ConfigError, match="tune report"):
+            TuneReport.from_json(tmp_path / name)
+
+
+def test_inspect_page():
+    class Pipe:
+        def __init__(self):
+            self.encoder = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+            self.head = torch.nn.Linear(32, 4).half()
+
+        def __call__(self, x):
+            return self.head(self.encoder(x).half())
+
+    info = ait.inspect(Pipe(), [torch.randn(4, 32)], number_of_iterations=3, warmup_iterations=1)
+    page = info.to_html()
+    figure = re.search(r'<figure class="chart" data-figure="time-share"[^>]*>(.*?)</figure>', page, re.S)
+    assert figure and "encoder (Sequential)" in figure.group(1) and "head (Linear)" in figure.group(1)
+    text = _visible_text(page)
+    assert "float16" in text and "float32" in text and "% of total" in text and "<script" not in page
+
+
+# ============================================================================================ CLI
+
+
+def test_cli_version():
+    from aitune import __version__
+
+    result = _cli("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"aitune {__version__}"
+
+
+def test_cli_unknown_backend_is_one_line():
+    result = _cli("demo", "--backends", "eager", "no_such_backend")
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert "'no_such_backend'" in lines[0] and "inductor_jit" in lines[0] and "onnxruntime" in lines[0]
+
+
+def test_cli_report_html_from_json_and_checkpoint(tuned, tmp_path):
+    result = _cli("report", str(tuned.json), "--html")
+    assert result.returncode == 0, result.stderr
+    page_path = Path(result.stdout.strip())
+    assert page_path == tuned.json.with_suffix(".html")
+    page = page_path.read_text(encoding="utf-8")
+    assert page.count('class="badge"') >= len(tuned.report.rows) and 'data-figure="latency"' in page
+
+    out = tmp_path / "sub" / "ckpt.html"
+    result = _cli("report", str(tuned.checkpoint), "--html", str(out))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(out)
+    page = out.read_text(encoding="utf-8")
+    selected = tuned.report.selected("mlp")
+    assert "aitune checkpoint" in page and selected in page and 'data-figure="speed-error"' in page
+    assert "keeps only the chosen backend" in page
+
+    text = _cli("report", str(tuned.json))  # without --html: the text table, as before
+    assert text.returncode == 0 and "| module" in text.stdout and selected in text.stdout
+    missing = _cli("report", str(tmp_path / "missing.json"), "--html")
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr and len(missing.stderr.splitlines()) == 1
+
+
+# ============================================================================================ browser
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("Chromium not found at /usr/bin/chromium: apt-get install -y chromium")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright not installed: pip install playwright")
+    with sync_playwright() as playwright:
+        instance = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield instance
+        instance.close()
+
+
+def _open(browser, path: Path):
+    """Open ``path``; returns (page, console errors, requests for anything but a local file, each aborted)."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors, outside = [], []
+    page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("request", lambda request: None if request.url.startswith(("file://", "data:", "about:"))
+            else outside.append(request.url))
+
+    def route(request_route):  # every request is routed: only the page's own file goes through
+        if request_route.request.url.startswith("file://"):
+            request_route.continue_()
+        else:
+            request_route.abort()
+
+    page.route("**/*", route)
+    page.goto(path.resolve().as_uri(), wait_until="load")
+    return page, errors, outside
+
+
+def _assert_figure_drawn(page, kind: str, expected_texts: list[str]) -> None:
+    svg = page.locator(f'figure.chart[data-figure="{kind}"] svg').first
+    box = svg.bounding_box()
+    assert box and box["width"] > 200 and box["height"] > 80, (kind, box)
+    drawn = svg.evaluate("svg => [...svg.querySelectorAll('path, rect')].filter(e => { const b = e.getBBox(); "
+                         "return b.width > 0 || b.height > 0; }).length")
+    assert drawn >= 5, (kind, drawn)
+    for text in expected_texts:
+        assert svg.locator("text", has_text=text).first.is_visible(), (kind, text)
+
+
+def test_report_page_in_chromium(tuned, browser, tmp_path):
+    started = time.perf_counter()
+    path = tmp_path / "report.html"
+    tuned.report.to_html(path)
+    page, errors, outside = _open(browser, path)
+    selected = tuned.report.selected("mlp")
+    measured = [row for row in tuned.report.rows if row.measurement]
+    _assert_figure_drawn(page, "speed-error", [selected, "1.00x", "atol"])
+    _assert_figure_drawn(page, "latency", [row.description for row in measured])
+    _assert_figure_drawn(page, "probes", [f"{row.probes['passed']}/{row.probes['checked']}"
+                                          for row in tuned.report.rows if row.probes][:1])
+    badges = page.locator("table.candidates .badge")
+    assert badges.count() == len(tuned.report.rows)
+    assert all(badges.nth(i).is_visible() for i in range(badges.count()))
+    for row in tuned.report.rows:
+        if row.reason:
+            assert page.get_by_text(row.reason, exact=False).first.is_visible(), row.reason
+    assert page.locator("#not-used").is_visible() and page.locator("#environment").is_visible()
+    assert page.get_by_text(torch.__version__).first.is_visible()
+    page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+    page.close()
+    assert errors == [] and outside == []
+    print(f"browser check of the report page: {time.perf_counter() - started:.1f} s")
+
+
+def test_checkpoint_and_inspect_pages_in_chromium(tuned, browser, tmp_path):
+    path = tmp_path / "checkpoint.html"
+    TuneReport.from_manifest(_manifest(tuned.checkpoint), tuned.checkpoint).to_html(path)
+    page, errors, outside = _open(browser, path)
+    _assert_figure_drawn(page, "speed-error", [tuned.report.selected("mlp")])
+    page.close()
+    assert errors == [] and outside == []
+
+    pipe = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    path = tmp_path / "inspect.html"
+    ait.inspect(pipe, [torch.randn(2, 16)], number_of_iterations=2, warmup_iterations=1, min_depth=1).to_html(path)
+    page, errors, outside = _open(browser, path)
+    _assert_figure_drawn(page, "time-share", ["0 (Linear)", "2 (Linear)"])
+    assert page.locator("table.modules tbody tr").count() == 3
+    page.close()
+    assert errors == [] and outside == []
+
+
+def test_browser_check_catches_a_page_that_fetches(browser, tmp_path):
+    """The checks above can fail: a page that reaches out is seen (request routed and aborted, or refused by
+    the page's Content-Security-Policy, which logs a console error)."""
+    path = tmp_path / "bad.html"
+    path.write_text('<!DOCTYPE html><html><body><img src="http://example.invalid/x.png"></body></html>')
+    page, errors, outside = _open(browser, path)
+    page.close()
+    assert outside == ["http://example.invalid/x.png"]
+    page_text = TuneReport().to_html().replace("</main>", '<img src="http://example.invalid/y.png"></main>')
+    path.write_text(page_text)
+    page, errors, outside = _open(browser, path)
+    page.close()
+    assert any("Content Security Policy" in error for error in errors)
+
+
+def _manifest(path: Path) -> dict:
+    from aitune.torch.checkpoint.manifest import read_manifest
+
+    return read_manifest(path)[0]

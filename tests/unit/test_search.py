@@ -1,0 +1,140 @@
+"""Search (issue "Search"): search spaces, successive halving, the time budget, expensive candidates, and
+crashes remembered per environment. Backends here are real code (test subclasses of the eager backend, and
+a child build step that really segfaults), not mocks."""
+
+import ctypes
+import time
+
+import pytest
+import torch
+
+import aitune.torch as ait
+from aitune.torch.backend import TorchEagerBackend, TorchInductorJitBackend, TorchInductorJitBackendConfig
+from aitune.torch.isolation import run_isolated
+
+
+def _net():
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
+
+
+class Delayed(TorchEagerBackend):
+    """Right, and slower than eager by a configurable pause (so the ranking is known)."""
+
+    name = "test_delayed"
+    passthrough = False
+    delay_s = 0.0
+
+    def describe(self):
+        return f"Delayed({self.delay_s})"
+
+    def copy(self):
+        copy = super().copy()
+        copy.delay_s = self.delay_s
+        return copy
+
+    def _infer(self, args, kwargs):
+        time.sleep(self.delay_s)
+        return super()._infer(args, kwargs)
+
+
+def delayed(seconds):
+    backend = Delayed()
+    backend.delay_s = seconds
+    return backend
+
+
+def test_successive_halving_measures_only_the_finalists_at_full_length(fast_profiling):
+    backends = [delayed(s) for s in (0.004, 0.0, 0.001, 0.002, 0.003)]
+    strategy = ait.MaxThroughputStrategy(backends, profiling_config=fast_profiling)
+    tuned = ait.Module(_net(), "halving", strategy=strategy)
+    report = ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
+    rows = [r for r in report.rows if r.backend == "test_delayed"]
+    finalists = [r.description for r in rows if r.details.get("finalist")]
+    assert sorted(finalists) == ["Delayed(0.0)", "Delayed(0.001)", "Delayed(0.002)"]
+    others = [r for r in rows if r.details.get("finalist") is False]
+    assert len(others) == 2 and all("not among the 3 finalists" in r.reason for r in others)
+    assert all(r.status != "selected" for r in others)
+
+
+def test_default_candidates_expand_search_spaces():
+    from aitune.torch.tune_strategy.base import default_backends
+
+    cpu = [b.describe() for b in default_backends("cpu")]
+    assert "TorchInductorJitBackend()" in cpu and "TorchInductorJitBackend(freezing=True)" in cpu
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)).eval()
+    graph = ait.Module(conv, "conv")
+    graph(torch.randn(2, 3, 8, 8))
+    with_conv = [b.describe() for b in default_backends("cpu", conv, graph.graphs[0])]
+    assert "TorchInductorJitBackend(freezing=True,memory_format=channels_last)" in with_conv
+    cuda = [b.describe() for b in TorchInductorJitBackend().search_space(conv, graph.graphs[0], "cuda")]
+    assert cuda[0] == "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)"
+    assert any("max-autotune" in text for text in cuda)
+    chosen = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="default"))
+    assert chosen.search_space(conv, graph.graphs[0], "cpu") == [chosen]  # the user's choice is kept
+
+
+def test_channels_last_variant_matches_eager_and_leaves_the_module_alone(fast_profiling):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 4, 3, padding=1)).eval()
+    backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(freezing=True, memory_format="channels_last"))
+    tuned = ait.Module(model, "cl", strategy=ait.OneBackendStrategy(backend, profiling_config=fast_profiling)
+                       .enable_performance_validation(False))
+    ait.tune(tuned, [torch.randn(2, 3, 16, 16)], ignore_failing_modules=False, ready_batches=True)
+    x = torch.randn(2, 3, 16, 16)
+    out = tuned(x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-3)
+    assert out.is_contiguous()  # eager's layout, not the compiled copy's
+    assert model[0].weight.is_contiguous()  # the user's module keeps its memory format
+    assert tuned.backends["graph0"].bakes_weights
+
+
+def test_expensive_candidates_need_a_budget_and_a_spent_budget_skips(fast_profiling):
+    expensive = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="max-autotune-no-cudagraphs"))
+    assert expensive.expensive
+    strategy = ait.MaxThroughputStrategy([expensive, delayed(0.0)], profiling_config=fast_profiling)
+    report = ait.tune(ait.Module(_net(), "budget", strategy=strategy), [torch.randn(2, 16)], ready_batches=True)
+    row = next(r for r in report.rows if r.backend == "inductor_jit")
+    assert row.status == "skipped" and "no time budget was given" in row.reason
+    strategy = ait.MaxThroughputStrategy([delayed(0.0), delayed(0.001)], profiling_config=fast_profiling)
+    report = ait.tune(ait.Module(_net(), "spent", strategy=strategy), [torch.randn(2, 16)], time_budget_s=1e-6, ready_batches=True)
+    assert [r.status for r in report.rows if r.backend == "test_delayed"] == ["skipped", "skipped"]
+    assert "time budget spent" in report.rows[0].reason
+    assert report.graphs[0].selected.startswith("TorchEagerBackend")
+
+
+def segfault_step() -> dict:
+    ctypes.string_at(0)  # reads address 0: SIGSEGV
+    return {}
+
+
+class CrashingAotBuild(TorchEagerBackend):
+    """Its (child-process) build step segfaults, as AOTInductor's package load does on the H200 machine."""
+
+    name = "test_crashing_child"
+    passthrough = False
+    runs = 0
+
+    def _build(self, module, graph, device, workdir):
+        CrashingAotBuild.runs += 1
+        run_isolated(f"{__name__}:segfault_step", {}, timeout_s=120, log_path=workdir / "child.log")
+
+
+def test_a_candidate_that_crashed_is_remembered_and_skipped(fast_profiling, tmp_path):
+    from aitune.torch.crashes import CrashRegistry
+
+    CrashingAotBuild.runs = 0
+    for attempt in range(2):
+        strategy = ait.MaxThroughputStrategy([CrashingAotBuild()], profiling_config=fast_profiling)
+        report = ait.tune(ait.Module(_net(), f"crash{attempt}", strategy=strategy), [torch.randn(2, 16)],
+                          cache_dir_path=tmp_path, ready_batches=True)
+        row = report.rows[0]
+        if attempt == 0:
+            assert row.status == "failed" and "SIGSEGV" in row.reason
+        else:
+            assert row.status == "skipped" and "crashed this environment before (SIGSEGV" in row.reason
+            assert "child.log" in row.reason or "build.log" in row.reason
+    assert CrashingAotBuild.runs == 1  # the second tune never started the build
+    registry = CrashRegistry(tmp_path / "crashes.json")
+    assert [entry["backend"] for entry in registry.entries()] == ["test_crashing_child"]
+    assert registry.clear() == 1 and registry.entries() == []
