@@ -144,7 +144,7 @@ def run(backends: list[str] | None = None, cache_dir: str | None = None, save_pa
           f"(shapes {', '.join(str(tuple(b['input_ids'].shape)) for b in dataset)}). Quantizing candidates are "
           "allowed in this demo (the default strategy would only show them).", flush=True)
     started = time.perf_counter()
-    report = ait.tune(lambda batch: encoder(**batch), dataset, cache_dir_path=cache_dir)
+    report = ait.tune(lambda batch: encoder(**batch), dataset, cache_dir_path=cache_dir, ready_batches=True)
     print(f"\nTuned in {time.perf_counter() - started:.0f} s (the report table is logged above).")
 
     probe = dict(tokenizer(PROBE_SENTENCES, padding=True, truncation=True, max_length=128, return_tensors="pt"))

@@ -101,7 +101,7 @@ def run(model_name: str, device: str, dtype: str, batch_sizes: list[int], seq: i
         if tolerance is not None:
             strategy.enable_correctness_check(True, tolerance)
         wrapped = ait.Module(model, f"{model_name}-b{batch}", strategy=strategy)
-        report = ait.tune(lambda item: wrapped(**item), [inputs])
+        report = ait.tune(lambda item: wrapped(**item), [inputs], ready_batches=True)
         rows = report.rows
         passing = [r for r in rows if r.status in ("passed", "selected") and r.measurement]
         best = max(passing, key=lambda r: r.measurement["throughput"])

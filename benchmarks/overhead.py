@@ -45,7 +45,7 @@ def main() -> int:
         module = Tiny().eval()
         strategy = ait.OneBackendStrategy(backend, profiling_config=ProfilingConfig(time_budget_s=0.2))
         tuned = ait.Module(module, "tiny", strategy=strategy.enable_performance_validation(False))
-        ait.tune(lambda batch: tuned(**batch), [{"input_ids": x, "attention_mask": mask}])
+        ait.tune(lambda batch: tuned(**batch), [{"input_ids": x, "attention_mask": mask}], ready_batches=True)
         chosen = tuned.backends["graph0"]
         kwargs = {"input_ids": x, "attention_mask": mask}
         with torch.no_grad():

@@ -43,7 +43,7 @@ def tune(model, backend_name: str, data, name: str, probes: bool, guard=None):
                                       probe_config=ait.ProbeConfig(enabled=probes))
     tuned = ait.Module(model, name, strategy=strategy.enable_performance_validation(False), guard=guard)
     started = time.perf_counter()
-    report = ait.tune(lambda batch: tuned(**batch), data, ignore_failing_modules=False)
+    report = ait.tune(lambda batch: tuned(**batch), data, ignore_failing_modules=False, ready_batches=True)
     return tuned, time.perf_counter() - started, report.rows[0]
 
 

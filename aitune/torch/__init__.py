@@ -3,15 +3,22 @@
 An independent implementation of the NVIDIA AITune interface; not an NVIDIA product.
 """
 
-from aitune.torch.checkpoint import load, save
+import aitune.utils.monitoring  # noqa: F401 - AITUNE_HARDWARE_METRICS=1 starts collecting on import
+from aitune.torch.compat.legacy_names import resolve as _resolve_legacy_name
+from aitune.torch.config import config
 from aitune.torch.correctness import Tolerance
+from aitune.torch.dataloader import DataLoaderFactory
 from aitune.torch.guard import GuardConfig
 from aitune.torch.inspecting import InspectedModulesInfo, ModuleInfo, inspect, wrap
+from aitune.torch.kernel_profiler import ModuleFunctionKernelProfiler
 from aitune.torch.module import Module, ModuleState
 from aitune.torch.probes import ProbeConfig
+from aitune.torch.profile_api import PerformanceProfile, profile
 from aitune.torch.profiling import ProfilingConfig
 from aitune.torch.report import TuneReport
 from aitune.torch.samples import BatchDim, DynamicDim
+from aitune.torch.storage import LocalTorchStorage, load, save
+from aitune.torch.telemetry import snapshot_tuning_data
 from aitune.torch.tune_strategy import (
     FirstWinsStrategy,
     LatencyBudgetStrategy,
@@ -28,29 +35,41 @@ from aitune.torch.jit import PatchedModule, jit_config, patch_for_jit_tuning  # 
 
 __all__ = [
     "BatchDim",
+    "DataLoaderFactory",
     "DynamicDim",
     "FirstWinsStrategy",
     "GuardConfig",
     "InspectedModulesInfo",
     "LatencyBudgetStrategy",
+    "LocalTorchStorage",
     "MaxThroughputStrategy",
     "MinLatencyStrategy",
     "Module",
+    "ModuleFunctionKernelProfiler",
     "ModuleInfo",
     "ModuleState",
     "OneBackendStrategy",
     "PatchedModule",
+    "PerformanceProfile",
     "ProbeConfig",
     "ProfilingConfig",
     "Tolerance",
     "TuneReport",
     "TuneStrategy",
     "aitune_cache_dir",
+    "config",
     "inspect",
     "jit_config",
     "load",
     "patch_for_jit_tuning",
+    "profile",
     "save",
+    "snapshot_tuning_data",
     "tune",
     "wrap",
 ]
+
+
+def __getattr__(name: str):
+    """Old reference names (e.g. the examples' ``HighestThroughputStrategy``), with a DeprecationWarning."""
+    return _resolve_legacy_name("aitune.torch", name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from aitune.errors import ConfigError
+from aitune.torch import dataloader
 from aitune.torch.environment import environment
 from aitune.torch.locate import walk
 from aitune.torch.report_html import render_inspection
@@ -58,8 +60,16 @@ class InspectedModulesInfo:
         self.total_time = total_time
         self.iterations = iterations
 
-    def get_modules(self, min_execution_ratio: float | None = None, limit: int | None = None) -> list[ModuleInfo]:
-        """Modules sorted by total time (desc), those below ``min_execution_ratio`` (0..1) of it dropped."""
+    def get_modules(self, min_execution_ratio: float | None = None, limit: int | None = None, *,
+                    min_execution_percentage: float | None = None) -> list[ModuleInfo]:
+        """Modules sorted by total time (desc), those below ``min_execution_ratio`` (0..1) of it dropped.
+
+        ``min_execution_percentage`` is the name older reference examples use for the same share (0..1).
+        """
+        if min_execution_percentage is not None:
+            if min_execution_ratio is not None:
+                raise ConfigError("give min_execution_ratio or min_execution_percentage (the same share), not both")
+            min_execution_ratio = min_execution_percentage
         if min_execution_ratio is not None and not 0 <= min_execution_ratio <= 1:
             raise ConfigError(f"min_execution_ratio must lie in [0, 1], got {min_execution_ratio!r}")
         ordered = sorted(self.modules, key=lambda info: info.total_execution_time, reverse=True)
@@ -100,9 +110,11 @@ class InspectedModulesInfo:
         return page
 
     def describe(self) -> str:
-        """The table plus totals; also logged at INFO."""
+        """Print the table plus totals (as the reference does) and return the text."""
         text = f"{self.table()}\n\ntotal {self.total_time * 1e3:.2f} ms over {self.iterations} iteration(s)"
-        logger.info("%s", text)
+        # NOTE [describe prints]: the reference's describe() prints its table; scripts call it for that. The
+        # one place outside the CLI where aitune prints: the user asked for the table.
+        print(text)  # noqa: T201
         return text
 
 
@@ -114,25 +126,34 @@ def _discover(obj: Any, max_depth: int) -> list[ModuleInfo]:
 
 
 def inspect(obj: Any, dataset, inference_function: Callable | None = None, number_of_iterations: int = 10,
-            warmup_iterations: int = 2, min_depth: int = 0, max_depth: int = 5) -> InspectedModulesInfo:
+            warmup_iterations: int = 5, min_depth: int = 0, max_depth: int = 5, *,
+            ready_batches: bool = False) -> InspectedModulesInfo:
     """Time every module of ``obj`` (a module or a pipeline object) over ``dataset`` and keep the top-most
     executed ones.
 
     Args:
         obj: an nn.Module or any object holding modules (attributes, dicts, lists).
-        dataset: items; each call is ``(inference_function or obj)(item)``.
-        number_of_iterations / warmup_iterations: timed / untimed calls (items are cycled).
+        dataset: single examples, as for :func:`aitune.torch.tune`: each becomes a batch of one
+            (:mod:`aitune.torch.dataloader`) and is passed as ``(inference_function or obj)(*args, **kwargs)``
+            — a dict example as keyword arguments. Examples are cycled to cover the iterations.
+        inference_function: what to call instead of ``obj``.
+        number_of_iterations / warmup_iterations: timed / untimed calls (defaults 10 / 5, as the reference).
         min_depth / max_depth: nesting depths considered.
+        ready_batches: examples are ready batches, passed as ``function(item)`` (aitune's former rule).
 
     Returns:
         :class:`InspectedModulesInfo`; ``.describe()`` prints the table.
+
+    Raises:
+        ConfigError: an empty dataset, a non-callable ``obj`` without ``inference_function``, bad counts.
     """
-    items = list(dataset) if not isinstance(dataset, torch.Tensor) else [dataset]
-    if not items:
-        raise ConfigError("inspect needs a non-empty dataset")
+    for name, value in (("number_of_iterations", number_of_iterations), ("warmup_iterations", warmup_iterations)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
     function = inference_function or obj
     if not callable(function):
         raise ConfigError("obj is not callable: pass inference_function=lambda item: ...")
+    calls = _inspection_calls(dataset, max(number_of_iterations, warmup_iterations, 1), ready_batches)
     infos = [info for info in _discover(obj, max_depth)]
     handles = []
     starts: dict[int, list[float]] = {}
@@ -155,12 +176,12 @@ def inspect(obj: Any, dataset, inference_function: Callable | None = None, numbe
     try:
         with torch.no_grad():
             for i in range(warmup_iterations):
-                function(items[i % len(items)])
+                _call(function, calls[i % len(calls)], ready_batches)
             for info in infos:
                 info.execution_count, info.total_execution_time = 0, 0.0
             began = time.perf_counter()
             for i in range(number_of_iterations):
-                function(items[i % len(items)])
+                _call(function, calls[i % len(calls)], ready_batches)
             total = time.perf_counter() - began
     finally:
         for handle in handles:
@@ -171,6 +192,28 @@ def inspect(obj: Any, dataset, inference_function: Callable | None = None, numbe
     return InspectedModulesInfo(top, total, number_of_iterations)
 
 
+def _inspection_calls(dataset: Any, count: int, ready: bool) -> list[tuple[list, dict]]:
+    """``count`` calls: the examples cycled, each a batch of one (or as given with ``ready``)."""
+    if ready or dataloader.ready_batches(dataset):
+        items = dataloader.dataset_items(dataset)
+        return [([item], {}) for item in itertools.islice(itertools.cycle(items), count)]
+    if isinstance(dataset, dataloader.DataLoaderFactory):
+        source = dataloader.dataset_items(dataset.dataset)
+        cycled = dataloader.DataLoaderFactory(list(itertools.islice(itertools.cycle(source), count)),
+                                              dataset.collate_fn, dataset.num_workers)
+    else:
+        cycled = list(itertools.islice(itertools.cycle(dataloader.dataset_items(dataset)), count))
+    return [(args, kwargs) for _, args, kwargs in dataloader.samples_generator(cycled, [1], count)]
+
+
+def _call(function: Callable, call: tuple[list, dict], ready: bool):
+    args, kwargs = call
+    if ready:
+        item = args[0]
+        return dataloader.call_with_batch(function, [], item) if isinstance(item, dict) else function(item)
+    return dataloader.call_with_batch(function, args, kwargs)
+
+
 def _has_executed_ancestor(info: ModuleInfo, infos: list[ModuleInfo], executed_ids: set[int]) -> bool:
     for other in infos:
         if other is not info and id(other.module) in executed_ids and other.depth < info.depth and any(
@@ -179,9 +222,9 @@ def _has_executed_ancestor(info: ModuleInfo, infos: list[ModuleInfo], executed_i
     return False
 
 
-def wrap(obj: Any, modules: list[ModuleInfo], strategy=None) -> Any:
+def wrap(obj: Any, modules: list[ModuleInfo], strategy=None, strategies=None) -> Any:
     """Replace each selected module in its parent by an :class:`~aitune.torch.Module`; returns ``obj``
-    (or the wrapper when the root itself is selected)."""
+    (or the wrapper when the root itself is selected). ``strategy``/``strategies`` go to every wrapper."""
     from aitune.torch.module import Module
 
     from aitune.torch.checkpoint.wrappers import find_wrappers
@@ -200,7 +243,7 @@ def wrap(obj: Any, modules: list[ModuleInfo], strategy=None) -> Any:
                               "reports, caches and checkpoints — wrap each module once, under a distinct name")
         names.append(name)
     for info in modules:
-        wrapped = Module(info.module, name=info.name or None, strategy=strategy)
+        wrapped = Module(info.module, name=info.name or None, strategy=strategy, strategies=strategies)
         if info.parent is None:
             result = wrapped
         elif isinstance(info.parent, (dict, list)):

@@ -18,6 +18,7 @@ import torch
 import wrapt
 
 from aitune.errors import ConfigError
+from aitune.torch.config import config
 from aitune.torch.guard import GuardConfig, StateWatch
 from aitune.torch.pytree import tree_flatten
 from aitune.torch.samples import DynamicDim, Recorder, make_graph_key
@@ -57,8 +58,13 @@ class Module(wrapt.ObjectProxy):
         name: report/checkpoint name (default: the class's qualified name); ``/`` becomes ``_``.
         strategy: a :class:`~aitune.torch.tune_strategy.TuneStrategy` (default: ``MaxThroughputStrategy()``
             over the backends available here).
+        strategies: instead of ``strategy``, one strategy per graph, for a module whose graphs need different
+            treatment (an LLM's prefill and decode): a list in graph order (``strategies[i]`` tunes
+            ``graph<i>``; it must be at least as long as the number of graphs recorded), or a dict keyed by graph
+            name (``"graph0"``) or index.
         dynamic_shapes: explicit axes per input path, e.g. ``{"x": (BatchDim("batch", 1, 32), 3, 224, 224)}``.
-        max_samples: distinct input shapes kept per graph for building/checking (range extremes always kept).
+        max_samples: distinct input shapes kept per graph for building/checking (range extremes always kept);
+            default ``aitune.torch.config.max_num_samples_stored`` (8).
         guard: run-time checks against eager after tuning (:class:`~aitune.torch.guard.GuardConfig`; default:
             the first call of every unseen input signature, and one call in N keeping eager re-runs within
             2 % of serving time). ``GuardConfig(enabled=False)`` turns them off.
@@ -67,8 +73,8 @@ class Module(wrapt.ObjectProxy):
         ConfigError: for a non-Module, a bad strategy or a malformed ``dynamic_shapes``.
     """
 
-    def __init__(self, module: torch.nn.Module, name: str | None = None, strategy=None,
-                 dynamic_shapes: dict | None = None, max_samples: int = 8, guard: GuardConfig | None = None):
+    def __init__(self, module: torch.nn.Module, name: str | None = None, strategy=None, strategies=None,
+                 dynamic_shapes: dict | None = None, max_samples: int | None = None, guard: GuardConfig | None = None):
         if isinstance(module, Module):
             raise ConfigError("this module is already wrapped by aitune.torch.Module; wrap it once")
         if not isinstance(module, torch.nn.Module):
@@ -78,9 +84,12 @@ class Module(wrapt.ObjectProxy):
 
         if strategy is not None and not isinstance(strategy, TuneStrategy):
             raise ConfigError(f"strategy must be a TuneStrategy such as MaxThroughputStrategy(), got {strategy!r}")
+        strategies = _validate_strategies(strategy, strategies, TuneStrategy)
         if name is not None and (not isinstance(name, str) or not name):
             raise ConfigError(f"name must be a non-empty string, got {name!r}")
         _validate_dynamic_shapes(dynamic_shapes)
+        if max_samples is None:
+            max_samples = config.samples_per_graph()
         if not isinstance(max_samples, int) or max_samples < 1:
             raise ConfigError(f"max_samples must be an int >= 1, got {max_samples!r}")
         if guard is not None and not isinstance(guard, GuardConfig):
@@ -91,6 +100,8 @@ class Module(wrapt.ObjectProxy):
         self._self_id = _counter
         self._self_name = (name or f"{type(module).__module__}.{type(module).__qualname__}").replace("/", "_")
         self._self_strategy = strategy
+        self._self_strategies = strategies
+        self._self_strategy_override = None  # set while Module.tune(strategy=...) runs
         self._self_dynamic_shapes = dynamic_shapes or {}
         self._self_recorder = Recorder(module, max_samples=max_samples, dynamic_shapes=dynamic_shapes)
         self._self_state = ModuleState.INIT
@@ -125,9 +136,120 @@ class Module(wrapt.ObjectProxy):
         return self._self_strategy
 
     @property
+    def strategies(self) -> list | dict | None:
+        """The per-graph strategies given to the constructor (None when one ``strategy`` serves every graph)."""
+        return self._self_strategies
+
+    def strategy_for(self, graph):
+        """The strategy that tunes ``graph``: ``Module.tune(strategy=...)``'s, else the graph's entry of
+        ``strategies``, else ``strategy`` (None: the default of ``ait.tune``).
+
+        Raises:
+            ConfigError: a ``strategies`` list shorter than the recorded graphs, or a dict without this graph.
+        """
+        if self._self_strategy_override is not None:
+            return self._self_strategy_override
+        chosen = self._self_strategies
+        if chosen is None:
+            return self._self_strategy
+        if isinstance(chosen, list):
+            if graph.index >= len(chosen):
+                raise ConfigError(f"{self._self_name}: strategies has {len(chosen)} entr{'y' if len(chosen) == 1 else 'ies'} "
+                                  f"but {graph.name} was recorded (graphs: {', '.join(g.name for g in self.graphs)}); "
+                                  "give one strategy per graph")
+            return chosen[graph.index]
+        for key in (graph.name, graph.index):
+            if key in chosen:
+                return chosen[key]
+        raise ConfigError(f"{self._self_name}: strategies has no entry for {graph.name} (keys: "
+                          f"{', '.join(map(repr, chosen))}); key the dict by graph name or index")
+
+    @property
     def graphs(self) -> list:
         """Recorded graphs (:class:`~aitune.torch.samples.GraphSpec`) in order."""
         return list(self._self_recorder.graphs.values())
+
+    @property
+    def graph_specs(self) -> list:
+        """The reference system's name for :attr:`graphs`."""
+        return self.graphs
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tuned backends run (the device of a graph's recorded inputs), else where the wrapped
+        module's parameters are. Pipelines that ask their modules for ``.device`` keep working after
+        ``config.device_after_tuning`` moved the original module away."""
+        for graph, backend in self._self_dispatch.values():
+            if getattr(backend, "device", None) is not None:
+                return torch.device(backend.device)
+        own = getattr(self.__wrapped__, "device", None)
+        if isinstance(own, (torch.device, str)):
+            return torch.device(own)
+        parameter = next(iter(self.__wrapped__.parameters()), None)
+        return parameter.device if parameter is not None else torch.device("cpu")
+
+    def tune(self, device: str | torch.device | None = None, strategy=None, dry_run: bool = False):
+        """Tune this module's recorded graphs now (what :func:`aitune.torch.tune` does after recording).
+
+        Args:
+            device: where to build and measure (default: the device of the module's parameters).
+            strategy: overrides ``strategy``/``strategies`` for this call.
+            dry_run: plan only (see :func:`aitune.torch.planning.plan_modules`).
+
+        Returns:
+            The :class:`~aitune.torch.report.TuneReport`.
+
+        Raises:
+            ConfigError: already tuned (``enable_recording(force=True)`` first), nothing recorded, or a
+                ``strategy`` that is not a TuneStrategy.
+        """
+        # NOTE [Module.tune]: the orchestrator (aitune.torch.tuning) depends on Module, not the other way
+        # round; this public entry point reaches it at call time.
+        from aitune.torch import tuning
+        from aitune.torch.tune_strategy import TuneStrategy
+
+        if self._self_state is ModuleState.TUNED:
+            raise ConfigError(f"{self._self_name} is already tuned; call enable_recording(force=True) and record "
+                              "again to tune it anew")
+        if not any(graph.samples for graph in self.graphs):
+            raise ConfigError(f"{self._self_name} recorded nothing: call it on real inputs (or run ait.tune) first")
+        if strategy is not None and not isinstance(strategy, TuneStrategy):
+            raise ConfigError(f"strategy must be a TuneStrategy, got {strategy!r}")
+        self._self_strategy_override = strategy
+        try:
+            if dry_run:
+                return tuning.plan([self], device=device)
+            return tuning.tune_modules([self], device=device)
+        finally:
+            self._self_strategy_override = None
+
+    def offload(self, device: str | torch.device) -> bool:
+        """Move the original module to ``device`` when no tuned graph needs it (every backend runs an AOT
+        artifact); what ``config.device_after_tuning`` does after tuning.
+
+        On ``meta`` the module keeps no weights: calls the artifacts do not take (inputs outside the tuned
+        ranges, untuned structures) then raise :class:`~aitune.errors.BackendRuntimeError` instead of running
+        eagerly, and the run-time guard (which compares with eager) is disarmed.
+
+        Returns:
+            True when moved; False when a tuned graph runs the module itself (JIT backend, eager) or the
+            module is not tuned.
+        """
+        entries = list(self._self_dispatch.values())
+        if self._self_state is not ModuleState.TUNED or not entries or any(
+                getattr(backend, "passthrough", False) or backend.is_jit for _, backend in entries):
+            return False
+        device = torch.device(device)
+        self.__wrapped__.to(device)
+        if device.type == "meta":
+            self._self_eager_fallback_error = (
+                f"{self._self_name}'s original module was moved to 'meta' after tuning "
+                "(aitune.torch.config.device_after_tuning), so calls its tuned artifacts do not take cannot run "
+                "eagerly; set config.device_after_tuning = None (the default) to keep it")
+            for graph, _ in entries:
+                self.arm_guard(graph, None)
+        self.watch_state()  # the move is not a weight change: watch from the new state
+        return True
 
     @property
     def backends(self) -> dict[str, Any]:
@@ -457,6 +579,30 @@ def _contiguous(value):
     from aitune.torch.pytree import tree_unflatten
 
     return tree_unflatten(spec, [leaf.contiguous() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+
+
+def _validate_strategies(strategy, strategies, strategy_class) -> list | dict | None:
+    """``strategies`` as a list or a dict of TuneStrategy (exclusive with ``strategy``)."""
+    if strategies is None:
+        return None
+    if strategy is not None:
+        raise ConfigError("give either strategy (one for every graph) or strategies (one per graph), not both")
+    if isinstance(strategies, (list, tuple)):
+        values = list(strategies)
+    elif isinstance(strategies, dict):
+        for key in strategies:
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise ConfigError(f"strategies keys are graph names ('graph0') or indices (0), got {key!r}")
+        values = list(strategies.values())
+    else:
+        raise ConfigError(f"strategies must be a list (one per graph, in order) or a dict keyed by graph name, "
+                          f"got {type(strategies).__name__}")
+    if not values:
+        raise ConfigError("strategies is empty: give one strategy per graph")
+    for value in values:
+        if not isinstance(value, strategy_class):
+            raise ConfigError(f"strategies must hold TuneStrategy instances, got {value!r}")
+    return values if isinstance(strategies, (list, tuple)) else dict(strategies)
 
 
 def _validate_dynamic_shapes(dynamic_shapes) -> None:

@@ -26,6 +26,7 @@ UNAVAILABLE = "unavailable"
 UNSUPPORTED = "unsupported"
 NO_OP = "no-op"  # a quantizing candidate that quantized nothing: measured eager under another name
 SKIPPED = "skipped"
+PLANNED = "planned"  # dry run: supports() accepted it, it would be built
 
 
 @dataclasses.dataclass
@@ -74,7 +75,11 @@ class CandidateResult:
 
 @dataclasses.dataclass
 class GraphReport:
-    """Per graph: the spec, the rows, the selected backend and why."""
+    """Per graph: the spec, the rows, the selected backend and why.
+
+    ``max_batch_size``: the report of the max-batch-size search (:mod:`aitune.torch.max_batch_size`) when the
+    strategy enabled it, else None.
+    """
 
     module: str
     graph: str
@@ -83,6 +88,7 @@ class GraphReport:
     selected: str | None = None
     selection_reason: str = ""
     candidates: list[CandidateResult] = dataclasses.field(default_factory=list)
+    max_batch_size: dict | None = None
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -114,6 +120,7 @@ class TuneReport:
     started_at: str = dataclasses.field(default_factory=lambda: datetime.datetime.now().isoformat(timespec="seconds"))
     duration_s: float = 0.0
     path: str | None = None
+    dry_run: bool = False
     checkpoint_rows_only: bool = False
 
     @property
@@ -128,7 +135,7 @@ class TuneReport:
 
     def to_dict(self) -> dict:
         return {"schema_version": 1, "aitune_version": __version__, "started_at": self.started_at,
-                "duration_s": self.duration_s, "environment": self.environment,
+                "duration_s": self.duration_s, "dry_run": self.dry_run, "environment": self.environment,
                 "module_errors": self.module_errors, "graphs": [graph.to_dict() for graph in self.graphs]}
 
     def write_json(self, path: Path | str) -> Path:
@@ -226,8 +233,13 @@ class TuneReport:
     def describe(self) -> str:
         lines = [self.table(), ""]
         for graph in self.graphs:
-            lines.append(f"{graph.module}/{graph.graph}: {graph.selected or 'eager (fallback)'} — "
-                         f"{graph.selection_reason}")
+            chosen = graph.selected or ("nothing built" if self.dry_run else "eager (fallback)")
+            lines.append(f"{graph.module}/{graph.graph}: {chosen} — {graph.selection_reason}")
+            search = graph.max_batch_size
+            if search:
+                found = f"{search['max_batch_size']} ({search.get('stopped_by', '')})" if search.get(
+                    "status") == "found" else f"{search.get('status')}: {search.get('reason', '')}"
+                lines.append(f"  max batch size: {found}")
         for module, error in self.module_errors.items():
             lines.append(f"{module}: tuning failed, runs eager — {error}")
         if self.path:

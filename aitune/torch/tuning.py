@@ -2,57 +2,80 @@
 
 from __future__ import annotations
 
-import collections.abc
 import datetime
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from aitune.errors import AITuneError, ConfigError
+from aitune.torch import dataloader, telemetry
+from aitune.torch.config import config
 from aitune.torch.environment import environment
+from aitune.torch.max_batch_size import search_for_graph
 from aitune.torch.module import Module, ModuleState, check_unique_names, _recording_context, registered_modules
 from aitune.torch.report import GraphReport, TuneReport
 from aitune.torch.samples import clone_tree
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
 from aitune.torch.evaluation import GraphContext
 from aitune.torch.guard import guard_for
+from aitune.torch.planning import plan_modules
 from aitune.torch.progress import TuneProgress
+from aitune.utils.logging import libraries_logging
+from aitune.utils.monitoring import annotate
 
 logger = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
-    """Root of builds and reports: ``$AITUNE_CACHE_DIR``, else ``$XDG_CACHE_HOME/aitune``, else ``~/.cache/aitune``."""
-    if os.environ.get("AITUNE_CACHE_DIR"):
-        return Path(os.environ["AITUNE_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "aitune"
+    """Root of builds and reports: ``aitune.torch.config.cache_dir`` (``$AITUNE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/aitune``, else ``~/.cache/aitune`` unless set)."""
+    return config.cache_dir
 
 
-def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None = None,
-         device: str | torch.device | None = None, *, modules: Iterable[Module] | None = None,
+def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None = None,
+         max_num_batches_per_batch_size: int | None = None, device: str | torch.device | None = None,
+         dry_run: bool = False, disable_external_logging: bool = False, clear_cache: bool = False,
+         ignore_failing_modules: bool = True, *, ready_batches: bool = False, modules: Iterable[Module] | None = None,
          cache_dir_path: str | Path | None = None, report_path: str | Path | None = None,
-         ignore_failing_modules: bool = True, use_cache: bool = True, progress: bool | None = None,
-         time_budget_s: float | None = None) -> TuneReport:
+         use_cache: bool = True, progress: bool | None = None, time_budget_s: float | None = None) -> TuneReport:
     """Record, build, check, measure and choose a backend for every wrapped module ``func`` calls.
 
+    The arguments up to ``ignore_failing_modules`` are the reference system's, in its order.
+
     Args:
-        func: called once per dataset item as ``func(item)``. When ``func`` is itself a module (an
-            :class:`~aitune.torch.Module` or ``nn.Module``), a tuple/list item is passed as positional
-            arguments and a dict item as keyword arguments.
-        dataset: a tensor (one item), a sequence of items (tensors, tuples, dicts), a
-            ``torch.utils.data.DataLoader`` or any iterable of items.
-        batch_sizes: when given, items are single examples: they are stacked into one batch of each size
-            (items repeat if there are fewer). When None, each item is already a batch.
-        device: where to build and measure; default: the device of the wrapped modules' parameters.
+        func: the model, pipeline or function to run. Each batch is passed as ``func(*args, **kwargs)``
+            (:mod:`aitune.torch.dataloader`: a dict item becomes keyword arguments, a tuple positional
+            arguments, anything else one argument); a dict batch goes to a callable that cannot take its keys
+            as keywords but takes one argument as that dict (NOTE [dict batches and signatures]).
+        dataset: single examples — a tensor (one example), a sequence, a ``torch.utils.data.Dataset``, or a
+            :class:`~aitune.torch.dataloader.DataLoaderFactory`. A ``torch.utils.data.DataLoader`` yields
+            ready batches, passed as they are (as with ``ready_batches=True``).
+        batch_sizes: examples are stacked into batches of each size, in order (default ``[1, 2]``: two sizes
+            let aitune find the batch axes; one size means static shapes). Per size, ``len(dataset) // size``
+            batches (one of repeated examples if the dataset is shorter).
+        max_num_batches_per_batch_size: at most this many batches per size (default: all).
+        device: where to build and measure; default: the device of the wrapped modules' parameters (the
+            reference defaults to ``"cuda:0"``; aitune never moves your module).
+        dry_run: record and plan only: which candidates each graph would try and each one's ``supports()``
+            verdict (report rows ``planned``); nothing is built and modules keep recording
+            (:mod:`aitune.torch.planning`).
+        disable_external_logging: silence loggers other than aitune's (below ERROR) while tuning.
+        clear_cache: drop the reusable AOT builds (``<cache>/builds``) and the build folders of the modules
+            tuned now before tuning, so everything is built afresh.
+        ignore_failing_modules: a module whose tuning raises runs eager (True) or the error propagates.
+        ready_batches: dataset items are ready batches (aitune's own convention before the reference's rules):
+            each is passed as ``func(item)`` — spread as positional/keyword arguments when ``func`` is a
+            module, or as keywords when a dict's keys bind to ``func``'s signature — and never stacked;
+            ``batch_sizes`` must then be None.
         modules: wrapped modules to tune; default: every wrapper that recorded calls during this pass.
         cache_dir_path: builds go to ``<cache>/<module>/<graph>/<backend key>/`` (default :func:`cache_dir`).
-        report_path: JSON report path (default ``<cache>/reports/tune-<time>.json``).
-        ignore_failing_modules: a module whose tuning raises runs eager (True) or the error propagates.
+        report_path: JSON report path (default ``<cache>/reports/tune-<time>.json``); the report is also
+            written to ``config.tuning_data_output_path``.
         use_cache: reuse earlier AOT builds from the tuning cache when nothing that matters changed.
         progress: show progress on the terminal (module/graph, candidate, phase, elapsed, left); None (default)
             = when standard error is a terminal, unless ``AITUNE_PROGRESS=0`` (see :mod:`aitune.torch.progress`).
@@ -61,6 +84,7 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
             steps get at most the time left, and expensive candidates (max-autotune) are tried only with
             >= 300 s left. None (default): no limit, and no expensive candidates. Builds running in this process
             (Inductor JIT, TorchAO) cannot be interrupted: a budget can be overrun by the one build in flight.
+
 
     Returns:
         The :class:`~aitune.torch.report.TuneReport` (also written as JSON and logged as a table).
@@ -72,54 +96,78 @@ def tune(func: Callable[[Any], Any], dataset: Any, batch_sizes: list[int] | None
     started = time.perf_counter()
     if not callable(func):
         raise ConfigError(f"func must be callable (e.g. lambda batch: model(**batch)), got {type(func).__name__}")
+    ready = ready_batches or dataloader.ready_batches(dataset)
+    if ready and batch_sizes is not None:
+        raise ConfigError("batch_sizes stacks single examples into batches; with ready batches (ready_batches=True "
+                          "or a DataLoader) leave batch_sizes=None")
     if batch_sizes is not None:
         if not isinstance(batch_sizes, (list, tuple)) or not batch_sizes or not all(
                 isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in batch_sizes):
             raise ConfigError(f"batch_sizes must be a non-empty list of ints >= 1, got {batch_sizes!r}")
-    items = _items(dataset)
-    batches = _collate(items, batch_sizes) if batch_sizes else [(None, item) for item in items]
-    before = {id(m): m for m in registered_modules()}
-    snapshots = {id(m): _Snapshot(m.__wrapped__) for m in before.values()}
-    counts_before = {key: sum(g.num_calls for g in m.graphs) for key, m in before.items()}
+    root = Path(cache_dir_path).expanduser() if cache_dir_path else cache_dir()
+    _warn_low_disk(root)
+    with libraries_logging(disable_external_logging), annotate("tune", color="yellow"):
+        calls = _calls(dataset, ready, list(batch_sizes or dataloader.DEFAULT_BATCH_SIZES),
+                       max_num_batches_per_batch_size)
+        before = {id(m): m for m in registered_modules()}
+        snapshots = {id(m): _Snapshot(m.__wrapped__) for m in before.values()}
+        counts_before = {key: sum(g.num_calls for g in m.graphs) for key, m in before.items()}
 
-    # 1. Recording pass.
-    logger.info("aitune: recording %d call(s)", len(batches))
-    try:
-        with torch.no_grad():
-            for index, (batch_size, item) in enumerate(batches):
-                _recording_context["batch_size"] = batch_size
-                try:
-                    _call(func, clone_tree(item))  # the caller's sample tensors are never touched (U3)
-                except AITuneError:
-                    raise
-                except Exception as exc:
-                    raise ConfigError(
-                        f"calling func on dataset item #{index} ({_describe_item(item)}) raised "
-                        f"{type(exc).__name__}: {exc}. func is called as func(item); adapt func or the "
-                        "dataset so each item can be passed to it") from exc
-    finally:
-        _recording_context["batch_size"] = None
-        for snapshot in snapshots.values():
-            snapshot.restore()
+        # 1. Recording pass.
+        count = 0
+        try:
+            with torch.no_grad():
+                for batch_size, args, kwargs in calls:
+                    _recording_context["batch_size"] = batch_size
+                    try:
+                        # the caller's sample tensors are never touched (U3)
+                        _call(func, clone_tree(args), clone_tree(kwargs), ready)
+                    except AITuneError:
+                        raise
+                    except Exception as exc:
+                        raise ConfigError(
+                            f"calling func on {_describe_item(count, args, kwargs, batch_size)} raised "
+                            f"{type(exc).__name__}: {exc}. {_calling_rule(ready)}") from exc
+                    count += 1
+        finally:
+            _recording_context["batch_size"] = None
+            for snapshot in snapshots.values():
+                snapshot.restore()
+        logger.info("aitune: recorded %d call(s)", count)
 
-    if modules is None:
-        targets = [m for m in registered_modules() if sum(g.num_calls for g in m.graphs) > counts_before.get(
-            id(m), 0) and m.state in (ModuleState.RECORDING, ModuleState.INIT)]
-    else:
-        targets = list(modules)
-        for module in targets:
-            if not isinstance(module, Module):
-                raise ConfigError(f"modules must hold aitune.torch.Module wrappers, got {type(module).__name__}")
-    if not targets:
-        tuned = [m.name for m in registered_modules() if m.state is ModuleState.TUNED]
-        hint = (f"; already tuned modules ({', '.join(tuned)}) do not record again — call "
-                "module.enable_recording(force=True) to tune them anew") if tuned else ""
-        raise ConfigError("no aitune.torch.Module was called while running func over the dataset: wrap the "
-                          "module(s) to tune with ait.Module(...) (or ait.wrap) and make func call them" + hint)
+        if modules is None:
+            targets = [m for m in registered_modules() if sum(g.num_calls for g in m.graphs) > counts_before.get(
+                id(m), 0) and m.state in (ModuleState.RECORDING, ModuleState.INIT)]
+        else:
+            targets = list(modules)
+            for module in targets:
+                if not isinstance(module, Module):
+                    raise ConfigError(f"modules must hold aitune.torch.Module wrappers, got {type(module).__name__}")
+        if not targets:
+            tuned = [m.name for m in registered_modules() if m.state is ModuleState.TUNED]
+            hint = (f"; already tuned modules ({', '.join(tuned)}) do not record again — call "
+                    "module.enable_recording(force=True) to tune them anew") if tuned else ""
+            raise ConfigError("no aitune.torch.Module was called while running func over the dataset: wrap the "
+                              "module(s) to tune with ait.Module(...) (or ait.wrap) and make func call them" + hint)
+        if dry_run:
+            return plan(targets, device=device, cache_dir_path=root, report_path=report_path, started=started)
+        if clear_cache:
+            _clear_cache(root, targets)
+        report = tune_modules(targets, device=device, cache_dir_path=root, report_path=report_path,
+                              ignore_failing_modules=ignore_failing_modules, use_cache=use_cache,
+                              snapshots=snapshots, started=started, progress=progress,
+                              time_budget_s=time_budget_s)
+        _offload_after_tuning(targets)
+        telemetry.end_run(report)
+        return report
 
-    return tune_modules(targets, device=device, cache_dir_path=cache_dir_path, report_path=report_path,
-                        ignore_failing_modules=ignore_failing_modules, use_cache=use_cache, snapshots=snapshots,
-                        started=started, progress=progress, time_budget_s=time_budget_s)
+
+def plan(modules: Iterable[Module], *, device: str | torch.device | None = None,
+         cache_dir_path: str | Path | None = None, report_path: str | Path | None = None,
+         started: float | None = None) -> TuneReport:
+    """The dry-run report of wrappers that have recorded calls (:func:`aitune.torch.planning.plan_modules`)."""
+    root = Path(cache_dir_path).expanduser() if cache_dir_path else cache_dir()
+    return plan_modules(list(modules), lambda module: _resolve_device(module, device), root, report_path, started)
 
 
 def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None = None,
@@ -153,6 +201,7 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
     snapshots = snapshots or {}
     root = Path(cache_dir_path).expanduser() if cache_dir_path else cache_dir()
     report = TuneReport(environment=environment())
+    telemetry.begin_run(report)
     cache = crashes = None
     if use_cache:
         from aitune.torch.cache import BuildCache
@@ -209,11 +258,12 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
         for graph in module.graphs:
             if not graph.samples:
                 continue
-            strategy = strategy_template.clone()
+            strategy = (module.strategy_for(graph) or strategy_template).clone()
+            search = search_for_graph(strategy, module.__wrapped__, graph, target_device, snapshot.restore)
             context = _graph_context(module, graph, target_device, root, cache,
                                      snapshot.restore if graph.stateful else None)
             entry = GraphReport(module=module.name, graph=graph.name, spec=graph.describe(),
-                                strategy=strategy.describe())
+                                strategy=strategy.describe(), max_batch_size=search)
             report.graphs.append(entry)
             logger.info(" %s/%s: %d sample(s), strategy %s", module.name, graph.name, len(graph.samples),
                         strategy.describe())
@@ -299,9 +349,10 @@ class _Snapshot:
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
+        # Tensors on "meta" hold no values (a module offloaded by config.device_after_tuning): nothing to restore.
         self.tensors = {name: value.detach().clone() for name, value in
                         list(module.named_parameters(remove_duplicate=False)) +
-                        list(module.named_buffers(remove_duplicate=False))}
+                        list(module.named_buffers(remove_duplicate=False)) if value.device.type != "meta"}
         self.training = {name: sub.training for name, sub in module.named_modules(remove_duplicate=False)}
 
     def restore(self) -> None:
@@ -309,7 +360,8 @@ class _Snapshot:
             for name, value in list(self.module.named_parameters(remove_duplicate=False)) + list(
                     self.module.named_buffers(remove_duplicate=False)):
                 saved = self.tensors.get(name)
-                if saved is not None and (saved.shape != value.shape or not torch.equal(saved, value)):
+                if saved is not None and value.device.type != "meta" and (
+                        saved.shape != value.shape or saved.device != value.device or not torch.equal(saved, value)):
                     logger.debug("restoring %s changed during tuning", name)
                     value.copy_(saved)
         for name, sub in self.module.named_modules(remove_duplicate=False):
@@ -317,48 +369,99 @@ class _Snapshot:
                 sub.training = self.training[name]
 
 
-def _items(dataset: Any) -> list:
-    if dataset is None:
-        raise ConfigError("dataset is None: pass a tensor, a list of samples or a DataLoader")
-    if isinstance(dataset, torch.Tensor):
-        return [dataset]
-    if isinstance(dataset, (str, bytes)) or not isinstance(dataset, collections.abc.Iterable):
-        raise ConfigError(f"dataset must be a tensor, a sequence of samples or a DataLoader, got "
-                          f"{type(dataset).__name__}")
-    items = list(dataset)
-    if not items:
-        raise ConfigError("dataset is empty: give at least one sample (more, with different batch sizes and "
-                          "lengths, lets aitune find dynamic axes)")
-    return items
+def _calls(dataset: Any, ready: bool, batch_sizes: list[int],
+           max_num_batches_per_batch_size: int | None) -> Iterator[tuple[int | None, list, dict]]:
+    """``(batch size or None, args, kwargs)`` per call of the recording pass (see :func:`tune`)."""
+    if ready:
+        items = dataloader.dataset_items(dataset)
+        if max_num_batches_per_batch_size is not None:
+            items = list(items)[:max_num_batches_per_batch_size]
+        return ((None, [item], {}) for item in items)
+    if len(set(batch_sizes)) == 1:
+        logger.warning("aitune: one batch size (%d): batch axes cannot be found, static shapes are assumed; give "
+                       "at least two (e.g. batch_sizes=[1, 2]) to tune for a range of batch sizes", batch_sizes[0])
+    if not isinstance(dataset, dataloader.DataLoaderFactory):
+        dataloader.dataset_items(dataset)  # the errors for a bad or empty dataset, before anything runs
+    return dataloader.samples_generator(dataset, batch_sizes, max_num_batches_per_batch_size)
 
 
-def _collate(items: list, batch_sizes: list[int]) -> list[tuple[int, Any]]:
-    from torch.utils.data import default_collate
-
-    batches = []
-    for batch_size in batch_sizes:
-        chosen = [items[i % len(items)] for i in range(batch_size)]
-        try:
-            batches.append((batch_size, default_collate(chosen)))
-        except Exception as exc:
-            raise ConfigError(f"cannot stack dataset items into a batch of {batch_size}: {exc}. With batch_sizes "
-                              "set, every item must be one example of the same shape; otherwise leave "
-                              "batch_sizes=None and give ready batches") from exc
-    return batches
-
-
-def _call(func, item):
+def _call(func, args: list, kwargs: dict, ready: bool):
+    if not ready:
+        return dataloader.call_with_batch(func, args, kwargs)
+    item = args[0]
     if isinstance(func, (Module, torch.nn.Module)):
         if isinstance(item, (tuple, list)):
             return func(*item)
         if isinstance(item, dict):
             return func(**item)
+    if isinstance(item, dict):
+        return dataloader.call_with_batch(func, [], item)
     return func(item)
 
 
-def _describe_item(item: Any) -> str:
+def _calling_rule(ready: bool) -> str:
+    if ready:
+        return ("With ready batches, func is called as func(item) (a module gets a tuple spread as positional "
+                "and a dict as keyword arguments); adapt func or the dataset")
+    return ("Examples are stacked into batches and func is called as func(*args, **kwargs): a dict example gives "
+            "keyword arguments, a tuple positional ones, anything else one argument. If your items are already "
+            "batches, pass ready_batches=True")
+
+
+def _describe_item(index: int, args: list, kwargs: dict, batch_size: int | None) -> str:
+    if batch_size is not None:
+        return f"batch #{index} of batch size {batch_size} {dataloader.describe_batch(args, kwargs)}"
+    item = args[0]
     if isinstance(item, torch.Tensor):
-        return f"tensor {tuple(item.shape)}"
-    if isinstance(item, dict):
-        return "dict with keys " + ", ".join(map(str, item))
-    return type(item).__name__
+        what = f"tensor {tuple(item.shape)}"
+    elif isinstance(item, dict):
+        what = "dict with keys " + ", ".join(map(str, item))
+    else:
+        what = type(item).__name__
+    return f"dataset item #{index} ({what})"
+
+
+LOW_DISK_BYTES = 50 * 2**30  # the reference system's default of AITUNE_CACHE_MIN_FREE_BYTES
+_warned_low_disk: set[str] = set()
+
+
+def _warn_low_disk(root: Path) -> None:
+    """One warning per cache root when it has less free space than ``$AITUNE_CACHE_MIN_FREE_BYTES`` (50 GiB)."""
+    try:
+        threshold = int(os.environ.get("AITUNE_CACHE_MIN_FREE_BYTES", LOW_DISK_BYTES))
+    except ValueError:
+        threshold = LOW_DISK_BYTES
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return
+    if free < threshold and str(root) not in _warned_low_disk:
+        _warned_low_disk.add(str(root))
+        logger.warning("aitune: %.1f GiB free under %s (below AITUNE_CACHE_MIN_FREE_BYTES = %.1f GiB): engine "
+                       "builds and artifacts may run out of space", free / 2**30, root, threshold / 2**30)
+
+
+def _clear_cache(root: Path, modules: list[Module]) -> None:
+    """``clear_cache=True``: drop the reusable builds and these modules' build folders (nothing else under
+    ``root``, which may be a shared directory)."""
+    for path in [root / "builds"] + [root / _safe(module.name) for module in modules]:
+        if path.is_dir():
+            logger.info("aitune: clear_cache: removing %s", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _offload_after_tuning(modules: list[Module]) -> None:
+    """``config.device_after_tuning``: move each original module there when no tuned graph needs it."""
+    target = config.device_after_tuning
+    if target is None:
+        return
+    for module in modules:
+        if module.state is ModuleState.TUNED:
+            if module.offload(target):
+                logger.info("aitune: %s's original module moved to %s (config.device_after_tuning)", module.name, target)
+            else:
+                logger.info("aitune: %s keeps its original module where it is: a tuned graph runs it (JIT backend "
+                            "or eager)", module.name)

@@ -56,7 +56,7 @@ def test_c04_structured_outputs(strategy):
     tuned = ait.Module(model, "detector", strategy=strategy)
     x = torch.randn(6, 32)
     before = state_of(model)
-    check_run(tuned, ait.tune(tuned, [x]))
+    check_run(tuned, ait.tune(tuned, [x], ready_batches=True))
     out, expected = tuned(x), model(x)
     assert type(out) is HeadOut and set(out.extra) == {"logits", "stats"}
     assert isinstance(out.extra["stats"], tuple) and len(out.extra["stats"]) == 2
@@ -70,7 +70,7 @@ def test_c05_keyword_only_and_extra_kwargs(strategy):
     tuned = ait.Module(model, "ranker", strategy=strategy)
     ids = torch.randint(0, 1000, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
-    check_run(tuned, ait.tune(lambda batch: tuned(**batch), [dict(input_ids=ids, attention_mask=mask)]))
+    check_run(tuned, ait.tune(lambda batch: tuned(**batch), [dict(input_ids=ids, attention_mask=mask)], ready_batches=True))
     with torch.no_grad():
         torch.testing.assert_close(tuned(input_ids=ids, attention_mask=mask), model(input_ids=ids, attention_mask=mask))
         torch.testing.assert_close(tuned(input_ids=ids), model(input_ids=ids))
@@ -98,7 +98,7 @@ def test_c06_non_tensor_arguments(strategy):
     model = Toggle().eval()
     tuned = ait.Module(model, "toggle", strategy=strategy)
     x = torch.randn(4, 16)
-    report = ait.tune(tuned, [x])
+    report = ait.tune(tuned, [x], ready_batches=True)
     check_run(tuned, report)
     keep = torch.rand(4, 16) > 0.5
     with torch.no_grad():
@@ -115,7 +115,7 @@ def test_c11_train_mode_batchnorm(strategy):
     x = torch.randn(4, 3, 16, 16)
     before = (net[1].running_mean.clone(), net[1].num_batches_tracked.clone())
     tuned = ait.Module(net, "bn", strategy=strategy)
-    report = ait.tune(tuned, [x])
+    report = ait.tune(tuned, [x], ready_batches=True)
     check_run(tuned, report)
     assert torch.equal(net[1].running_mean, before[0]) and torch.equal(net[1].num_batches_tracked, before[1])
     assert net.training is True
@@ -135,7 +135,7 @@ def test_c12_input_mutation(strategy):
     x_copy = x.clone()
     model = CenterInPlace()
     tuned = ait.Module(model, "center", strategy=strategy)
-    check_run(tuned, ait.tune(tuned, [x]))
+    check_run(tuned, ait.tune(tuned, [x], ready_batches=True))
     assert torch.equal(x, x_copy)  # U3
     mine, theirs = x.clone(), x.clone()
     torch.testing.assert_close(tuned(mine), model(theirs))
@@ -159,11 +159,11 @@ def test_c13_parameter_update_inside_forward_and_inference_mode_samples(strategy
     model = DriftScale()
     g_before = model.g.detach().clone()
     tuned = ait.Module(model, "drift", strategy=strategy)
-    ait.tune(tuned, [x])
+    ait.tune(tuned, [x], ready_batches=True)
     assert torch.equal(model.g.detach(), g_before)
     linear = nn.Linear(16, 16)
     tuned_linear = ait.Module(linear, "linear", strategy=forced_inductor(fast_profiling))
-    report = ait.tune(tuned_linear, [x])
+    report = ait.tune(tuned_linear, [x], ready_batches=True)
     assert check_run(tuned_linear, report)  # inference-mode samples must not make the build fail
     y = torch.randn(4, 16)
     with torch.no_grad():
@@ -183,7 +183,7 @@ class Pooler(nn.Module):
 def test_c15_zero_size_inputs(strategy):
     model = Pooler().eval()
     tuned = ait.Module(model, "pooler", strategy=strategy)
-    check_run(tuned, ait.tune(tuned, [torch.randn(4, 8, 7, 7)]))
+    check_run(tuned, ait.tune(tuned, [torch.randn(4, 8, 7, 7)], ready_batches=True))
     out = tuned(torch.randn(0, 8, 7, 7))
     assert out.shape == (0, 32) and out.dtype == torch.float32
     bad = torch.randn(2, 8, 0, 7)
@@ -199,14 +199,14 @@ def test_c15_zero_size_inputs(strategy):
 def test_c16_non_contiguous_inputs(strategy, fast_profiling):
     model = PairScore()
     tuned = ait.Module(model, "pair", strategy=strategy)
-    check_run(tuned, ait.tune(tuned, [torch.randn(64, 3, 4)]))
+    check_run(tuned, ait.tune(tuned, [torch.randn(64, 3, 4)], ready_batches=True))
     m_nc = torch.randn(64, 4, 3).transpose(1, 2)
     with torch.no_grad():
         torch.testing.assert_close(tuned(m_nc), model(m_nc))
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 1).eval()
     x_perm = torch.randn(2, 64, 10).permute(0, 2, 1)
     tuned_enc = ait.Module(enc, "enc", strategy=forced_inductor(fast_profiling))
-    check_run(tuned_enc, ait.tune(tuned_enc, [x_perm]))
+    check_run(tuned_enc, ait.tune(tuned_enc, [x_perm], ready_batches=True))
     with torch.no_grad():
         torch.testing.assert_close(tuned_enc(x_perm), enc(x_perm), atol=1e-4, rtol=1e-3)
 
@@ -230,7 +230,7 @@ def test_c19_graph_breaks_reported_and_slower_never_selected(fast_profiling):
     tuned = ait.Module(model, "segments", strategy=ait.MaxThroughputStrategy([TorchInductorJitBackend()],
                                                                              profiling_config=fast_profiling))
     x, offsets = torch.randn(512, 64), torch.tensor([0, 30, 31, 200, 512])
-    report = ait.tune(tuned, [(x, offsets)])
+    report = ait.tune(tuned, [(x, offsets)], ready_batches=True)
     assert not report.module_errors
     rows = {row.backend: row for row in report.rows}
     inductor, eager = rows["inductor_jit"], rows["eager"]

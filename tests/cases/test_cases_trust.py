@@ -23,7 +23,7 @@ def forced(backend, profiling):
 
 def tune_forced(model, name, backend, data, profiling):
     tuned = ait.Module(model, name, strategy=forced(backend, profiling))
-    report = ait.tune(tuned, data)
+    report = ait.tune(tuned, data, ready_batches=True)
     row = report.rows[0]
     if name in report.module_errors:  # rejected or failed during tuning: U1 reason, U5 no assertion on which
         assert row.reason and row.status in ("failed", "rejected (correctness)")
@@ -98,7 +98,7 @@ def test_c34_outputs_holding_a_key_value_cache(fast_profiling):
     lm = transformers.LlamaForCausalLM(cfg).eval()
     tuned = ait.Module(lm, "lm", strategy=forced(TorchInductorJitBackend(), fast_profiling))
     data = [{"input_ids": torch.randint(0, 64, (b, 8))} for b in (2, 4)]
-    report = ait.tune(lambda batch: tuned(**batch), data)
+    report = ait.tune(lambda batch: tuned(**batch), data, ready_batches=True)
     row = report.rows[0]
     assert "expected" not in row.reason or "got" not in row.reason  # never "expected X, got X"
     assert row.status == "selected", row.reason
@@ -228,7 +228,7 @@ def test_probes_catch_the_kind_behind_each_case_for_other_ops(make_case, fast_pr
         for x in data:
             torch.testing.assert_close(built(x), model(x), atol=1e-4, rtol=1e-3)
     tuned = ait.Module(model, "kind", strategy=ait.MaxThroughputStrategy([backend], profiling_config=fast_profiling))
-    report = ait.tune(tuned, data)
+    report = ait.tune(tuned, data, ready_batches=True)
     row = next(r for r in report.rows if r.backend == backend.name)
     assert row.status == "rejected (correctness)"
     assert row.reason.startswith(f"probe {expected_kind} ("), row.reason
@@ -251,7 +251,7 @@ class Picky(nn.Module):
 def test_a_probe_eager_cannot_run_is_dropped(fast_profiling):
     model = Picky().eval()
     tuned = ait.Module(model, "picky", strategy=forced(TorchInductorJitBackend(), fast_profiling))
-    report = ait.tune(tuned, [torch.randn(2, 8), torch.randn(2, 16)])
+    report = ait.tune(tuned, [torch.randn(2, 8), torch.randn(2, 16)], ready_batches=True)
     row = report.rows[0]
     assert row.status == "selected", row.reason  # the odd-length probes were dropped, not held against it
     assert row.probes["checked"] >= 1

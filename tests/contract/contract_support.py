@@ -280,7 +280,7 @@ class ContractRuns:
         dataset = recorded_inputs()
         dataset_before = [tuple(tensor.clone() for tensor in item) for item in dataset]
         report = ait.tune(wrapper, dataset, cache_dir_path=root / "cache", use_cache=False,
-                          ignore_failing_modules=False)
+                          ignore_failing_modules=False, ready_batches=True)
         [backend] = wrapper.backends.values()
 
         probes = {f"sample_{i}": item for i, item in enumerate(recorded_inputs())} | unseen_inputs()

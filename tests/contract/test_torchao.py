@@ -231,7 +231,7 @@ def test_a_quantizer_that_quantizes_nothing_is_no_op_and_never_selected(fast_pro
     backend = TorchAOBackend(TorchAOBackendConfig(quantization="int8wo", compile=False,
                                                   filter_fn=lambda module, name: name == "no_such_layer"))
     tuned = ait.Module(model, "noop", strategy=ait.MaxThroughputStrategy([backend], profiling_config=fast_profiling))
-    report = ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)])
+    report = ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
     row = next(r for r in report.rows if r.backend == "torchao")
     assert row.status == "no-op" and "nothing to quantize" in row.reason
     assert tuned.backends["graph0"].name == "eager"

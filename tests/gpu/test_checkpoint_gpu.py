@@ -80,7 +80,7 @@ def test_cuda_jit_checkpoint_loads_in_a_fresh_process_and_rebuilds_on_cpu(tmp_pa
     torch.manual_seed(0)
     model = ait.Module(MLP().cuda().eval(), "mlp", strategy=only(TorchInductorJitBackend()))
     ait.tune(model, [torch.randn(2, 64, device="cuda"), torch.randn(8, 64, device="cuda")],
-             cache_dir_path=tmp_path / "cache")
+             cache_dir_path=tmp_path / "cache", ready_batches=True)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
     save_file({"x": x}, str(tmp_path / "input.safetensors"))
     with torch.no_grad():
@@ -108,7 +108,7 @@ def test_cuda_jit_checkpoint_loads_in_a_fresh_process_and_rebuilds_on_cpu(tmp_pa
 def test_an_aot_artifact_for_another_gpu_architecture_is_refused(tmp_path):
     torch.manual_seed(0)
     model = ait.Module(MLP().eval(), "mlp", strategy=only(ONNXRuntimeBackend()))
-    ait.tune(model, [torch.randn(2, 64), torch.randn(8, 64)], cache_dir_path=tmp_path / "cache")
+    ait.tune(model, [torch.randn(2, 64), torch.randn(8, 64)], cache_dir_path=tmp_path / "cache", ready_batches=True)
     path = ait.save(model, tmp_path / "mlp.ait")
     # Pretend it was built on an sm_80 GPU (re-signed consistently, as a real checkpoint would be).
     with zipfile.ZipFile(path) as zf:

@@ -21,7 +21,7 @@ def test_c20_cuda_graph_outputs_stay_valid():
     tuned = ait.Module(model, "gram", strategy=ait.OneBackendStrategy(backend, profiling_config=ProfilingConfig(
         time_budget_s=0.2)).enable_performance_validation(False))
     a, b = torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda")
-    ait.tune(tuned, [a], ignore_failing_modules=False)
+    ait.tune(tuned, [a], ignore_failing_modules=False, ready_batches=True)
     assert tuned.backends["graph0"].config.mode == "reduce-overhead"
     y_a = tuned(a)
     y_b = tuned(b)

@@ -55,7 +55,7 @@ def small(seed: int = 0, **kwargs) -> Small:
 def tune(module: nn.Module, cache_dir, backend):
     wrapper = ait.Module(module, "small", strategy=ait.OneBackendStrategy(
         backend, profiling_config=FAST).enable_performance_validation(False))
-    report = ait.tune(wrapper, DATA, cache_dir_path=cache_dir)
+    report = ait.tune(wrapper, DATA, cache_dir_path=cache_dir, ready_batches=True)
     assert not report.module_errors, report.module_errors
     row = next(row for row in report.rows if row.backend == backend.name)
     return wrapper, row, report

@@ -75,7 +75,7 @@ def jit_checkpoint(tmp_path_factory):
     mlp_backend = (TorchAOBackend(TorchAOBackendConfig(quantization="int8wo", compile=False)) if torchao
                    else TorchEagerBackend())
     pipe.mlp = ait.Module(pipe.mlp, "mlp", strategy=only(mlp_backend))
-    report = ait.tune(pipe, models.dataset(), cache_dir_path=root / "cache")
+    report = ait.tune(pipe, models.dataset(), cache_dir_path=root / "cache", ready_batches=True)
     assert not report.module_errors, report.module_errors
     with torch.no_grad():
         expected = models.flatten_outputs(pipe(models.probe()))
@@ -94,7 +94,7 @@ def aot_checkpoint(tmp_path_factory):
     pipe.encoder = ait.Module(pipe.encoder, "encoder", strategy=only(ONNXRuntimeBackend()))
     pipe.head = ait.Module(pipe.head, "head", strategy=only(ONNXRuntimeBackend()))
     pipe.mlp = ait.Module(pipe.mlp, "mlp", strategy=only(TorchInductorAotBackend()))
-    report = ait.tune(pipe, models.dataset(), cache_dir_path=root / "cache")
+    report = ait.tune(pipe, models.dataset(), cache_dir_path=root / "cache", ready_batches=True)
     assert not report.module_errors, report.module_errors
     with torch.no_grad():
         expected = models.flatten_outputs(pipe(models.probe()))
@@ -110,7 +110,7 @@ def eager_checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     encoder = ait.Module(models.Encoder().eval(), "encoder", strategy=only(TorchEagerBackend()))
     ait.tune(lambda batch: encoder(batch[0], pooling="mean", scale=0.5), models.dataset(),
-             cache_dir_path=root / "cache")
+             cache_dir_path=root / "cache", ready_batches=True)
     features, _ = models.probe()
     with torch.no_grad():
         expected = encoder(features, pooling="mean", scale=0.5)
@@ -458,7 +458,7 @@ def test_save_refuses_a_constant_that_is_not_json(tmp_path):
             return x[:, columns] * 2
 
     module = ait.Module(Scale(), "scale", strategy=only(TorchEagerBackend()))
-    ait.tune(lambda x: module(x, slice(0, 2)), [torch.randn(2, 3)], cache_dir_path=tmp_path / "cache")
+    ait.tune(lambda x: module(x, slice(0, 2)), [torch.randn(2, 3)], cache_dir_path=tmp_path / "cache", ready_batches=True)
     with pytest.raises(CheckpointError, match=r"input 'columns' is a constant of type builtins.slice.*JSON constants"):
         ait.save(module, tmp_path / "scale.ait")
     assert not (tmp_path / "scale.ait").exists()
@@ -475,7 +475,7 @@ def test_save_refuses_an_input_type_defined_inside_a_function(tmp_path):
             return pair.x + 1
 
     module = ait.Module(Identity(), "local", strategy=only(TorchEagerBackend()))
-    ait.tune(lambda x: module(Local(x)), [torch.randn(2, 3)], cache_dir_path=tmp_path / "cache")
+    ait.tune(lambda x: module(Local(x)), [torch.randn(2, 3)], cache_dir_path=tmp_path / "cache", ready_batches=True)
     with pytest.raises(CheckpointError, match="defined inside a function.*define it at module level"):
         ait.save(module, tmp_path / "local.ait")
 
@@ -553,7 +553,7 @@ def test_a_wrapped_submodule_is_wrapped_again_in_its_parent(tmp_path):
     torch.manual_seed(0)
     holder = Holder()
     holder.encoder = ait.Module(holder.encoder, "inner", strategy=only(TorchEagerBackend()))
-    ait.tune(lambda batch: holder(batch[0]), models.dataset(), cache_dir_path=tmp_path / "cache")
+    ait.tune(lambda batch: holder(batch[0]), models.dataset(), cache_dir_path=tmp_path / "cache", ready_batches=True)
     features, _ = models.probe()
     with torch.no_grad():
         expected = holder(features)
@@ -652,7 +652,7 @@ def test_aot_load_checks_eager_fallback_with_the_tuned_tolerance(tmp_path):
     loose = Tolerance(atol=0.05, rtol=0.05)
     module = ait.Module(Affine().eval(), "affine", strategy=ait.OneBackendStrategy(
         ONNXRuntimeBackend(), profiling_config=FAST, tolerance=loose).enable_performance_validation(False))
-    ait.tune(module, [torch.randn(2, 4), torch.randn(3, 4)], cache_dir_path=tmp_path / "cache")
+    ait.tune(module, [torch.randn(2, 4), torch.randn(3, 4)], cache_dir_path=tmp_path / "cache", ready_batches=True)
     path = ait.save(module, tmp_path / "affine.ait")
     outside = torch.randn(8, 4)  # batch 8 > recorded max 3: the artifact does not take it, eager runs
 

@@ -27,7 +27,7 @@ def _tune(progress, fast_profiling):
     model = torch.nn.Linear(8, 4).eval()
     tuned = ait.Module(model, "noisy", strategy=ait.OneBackendStrategy(NoisyBackend(), profiling_config=fast_profiling)
                        .enable_performance_validation(False))
-    return ait.tune(tuned, [torch.randn(2, 8)], progress=progress)
+    return ait.tune(tuned, [torch.randn(2, 8)], progress=progress, ready_batches=True)
 
 
 def test_third_party_warnings_go_to_the_build_log(fast_profiling, capsys, caplog):
@@ -100,4 +100,4 @@ def test_two_wrapped_modules_with_one_name_are_refused(fast_profiling):
         ait.wrap(pair, [b_info])
     pair.b = ait.Module(pair.b, "layer")
     with pytest.raises(ConfigError, match="two wrapped modules are named 'layer'"):
-        ait.tune(pair, [torch.randn(2, 4)])
+        ait.tune(pair, [torch.randn(2, 4)], ready_batches=True)

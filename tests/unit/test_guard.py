@@ -55,7 +55,7 @@ def _tune_guarded(fast_profiling, guard=None):
     model = PausedNet().eval()
     strategy = ait.MaxThroughputStrategy([WrongOnLargeValues(), SlowerButRight()], profiling_config=fast_profiling)
     tuned = ait.Module(model, "paused", strategy=strategy, guard=guard)
-    ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)])
+    ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
     assert tuned.backends["graph0"].name == "test_wrong_on_large"
     return model, tuned
 
@@ -151,7 +151,7 @@ def test_c33_weights_changed_after_tuning(backend, fast_profiling, caplog):
         net = _net()
         tuned = ait.Module(net, f"c33{which}", strategy=ait.OneBackendStrategy(backend, profiling_config=fast_profiling)
                            .enable_performance_validation(False))
-        ait.tune(tuned, [torch.randn(2, 16), torch.randn(8, 16)], ignore_failing_modules=False)
+        ait.tune(tuned, [torch.randn(2, 16), torch.randn(8, 16)], ignore_failing_modules=False, ready_batches=True)
         assert tuned.backends["graph0"].name == backend.name and backend.copy().bakes_weights
         x = torch.randn(4, 16)
         assert tuned.needs_retune is None
@@ -213,7 +213,7 @@ def aot_checkpoint(tmp_path_factory):
     net = _net()
     tuned = ait.Module(net, "net", strategy=ait.OneBackendStrategy(ONNXRuntimeBackend()).enable_performance_validation(
         False))
-    ait.tune(tuned, [torch.randn(2, 16), torch.randn(8, 16)], ignore_failing_modules=False)
+    ait.tune(tuned, [torch.randn(2, 16), torch.randn(8, 16)], ignore_failing_modules=False, ready_batches=True)
     return ait.save(tuned, tmp_path_factory.mktemp("c33") / "net.ait")
 
 

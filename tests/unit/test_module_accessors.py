@@ -22,7 +22,7 @@ def test_tuned_state_through_accessors(tmp_path):
     module = ait.Module(nn.Linear(4, 2), "linear", max_samples=3,
                         strategy=ait.OneBackendStrategy(TorchEagerBackend(), profiling_config=FAST))
     assert module.max_samples == 3 and module.tuned_graphs() == [] and module.tune_rows == {}
-    ait.tune(module, [torch.randn(2, 4), torch.randn(3, 4), torch.randn(2, 3, 4)], cache_dir_path=tmp_path)
+    ait.tune(module, [torch.randn(2, 4), torch.randn(3, 4), torch.randn(2, 3, 4)], cache_dir_path=tmp_path, ready_batches=True)
     tuned = module.tuned_graphs()
     assert [graph.name for graph, _ in tuned] == ["graph0", "graph1"]
     assert all(backend.name == "eager" for _, backend in tuned)

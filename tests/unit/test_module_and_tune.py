@@ -49,7 +49,7 @@ def test_states_record_tune_passthrough(fast_profiling):
     x = torch.randn(4, 8)
     expected = pipe(x)
     assert pipe.block.state is ait.ModuleState.RECORDING
-    ait.tune(pipe, [torch.randn(2, 8), torch.randn(5, 8)])
+    ait.tune(pipe, [torch.randn(2, 8), torch.randn(5, 8)], ready_batches=True)
     assert pipe.block.state is ait.ModuleState.TUNED
     torch.testing.assert_close(pipe(x), expected)
     with pytest.raises(ConfigError):
@@ -61,7 +61,7 @@ def test_states_record_tune_passthrough(fast_profiling):
 def test_untuned_graph_runs_eager_with_one_warning(fast_profiling, caplog):
     block = Block().eval()
     wrapped = ait.Module(block, "block", strategy=eager_only(fast_profiling))
-    ait.tune(wrapped, [torch.randn(2, 8)])
+    ait.tune(wrapped, [torch.randn(2, 8)], ready_batches=True)
     bias = torch.randn(8)
     with caplog.at_level(logging.WARNING):
         out1 = wrapped(torch.randn(2, 8), bias=bias)
@@ -79,15 +79,15 @@ def test_tune_bad_inputs_are_clear(fast_profiling):
         ait.Module(Block(), strategy="fast")
     wrapped = ait.Module(Block(), "b", strategy=eager_only(fast_profiling))
     with pytest.raises(ConfigError, match="empty"):
-        ait.tune(wrapped, [])
+        ait.tune(wrapped, [], ready_batches=True)
     with pytest.raises(ConfigError, match="callable"):
-        ait.tune(None, [torch.randn(1, 8)])
+        ait.tune(None, [torch.randn(1, 8)], ready_batches=True)
     with pytest.raises(ConfigError, match="item #0"):
-        ait.tune(lambda item: wrapped(item["missing"]), [{"x": torch.randn(1, 8)}])
+        ait.tune(lambda item: wrapped(item["missing"]), [{"x": torch.randn(1, 8)}], ready_batches=True)
     with pytest.raises(ConfigError, match="batch_sizes"):
         ait.tune(wrapped, [torch.randn(8)], batch_sizes=[0])
     with pytest.raises(ConfigError, match="no aitune.torch.Module was called"):
-        ait.tune(lambda x: x, [torch.randn(1)])
+        ait.tune(lambda x: x, [torch.randn(1)], ready_batches=True)
     assert wrapped.state is not ait.ModuleState.TUNED
 
 
@@ -97,13 +97,15 @@ def test_dataset_forms_and_batch_sizes(fast_profiling):
     examples = [torch.randn(8) for _ in range(3)]
     report = ait.tune(wrapped, examples, batch_sizes=[1, 4])
     graph = wrapped.graphs[0]
-    assert sorted(s.batch_size for s in graph.samples) == [1, 4]
+    # Three examples: three batches of 1, one batch of 4 (the three repeated), as the reference's DataLoader.
+    assert graph.num_calls == 4
+    assert sorted({s.batch_size for s in graph.samples}) == [1, 4]
     assert graph.tensor_specs[0].axes[0] == "batch"
     data = json.loads(open(report.path).read())
     assert data["graphs"][0]["selected"].startswith("TorchEagerBackend")
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(6, 8)), batch_size=3)
     wrapped2 = ait.Module(Block().eval(), "b2", strategy=eager_only(fast_profiling))
-    ait.tune(lambda batch: wrapped2(batch[0]), loader)
+    ait.tune(lambda batch: wrapped2(batch[0]), loader, ready_batches=True)
     assert wrapped2.state is ait.ModuleState.TUNED
 
 
@@ -115,7 +117,7 @@ def test_tuning_leaves_user_objects_untouched(fast_profiling):
     copies = [s.clone() for s in samples]
     wrapped = ait.Module(net, "bn", strategy=ait.MaxThroughputStrategy([TorchInductorJitBackend()],
                                                                       profiling_config=fast_profiling))
-    ait.tune(wrapped, samples)
+    ait.tune(wrapped, samples, ready_batches=True)
     assert net.training and all(m.training for m in net.modules())
     for key, value in net.state_dict().items():
         assert torch.equal(value, state[key]), key

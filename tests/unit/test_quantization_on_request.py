@@ -47,7 +47,7 @@ class FakeInt8Backend(TorchEagerBackend):
 
 def _tune(strategy):
     tuned = ait.Module(PausedMLP().eval(), "mlp", strategy=strategy)
-    report = ait.tune(tuned, [torch.randn(b, 32) for b in (2, 4)])
+    report = ait.tune(tuned, [torch.randn(b, 32) for b in (2, 4)], ready_batches=True)
     return tuned, next(r for r in report.rows if r.backend == "test_fake_int8")
 
 

@@ -50,7 +50,7 @@ def tuned(tmp_path_factory):
                                          profiling_config=fast, tolerance=ait.Tolerance(min_sqnr_db=60.0))
     module = ait.Module(MLP().eval(), "mlp", strategy=strategy)
     report = ait.tune(module, [torch.randn(2, 64), torch.randn(8, 64)], cache_dir_path=root / "cache",
-                      report_path=root / "tune.json")
+                      report_path=root / "tune.json", ready_batches=True)
     checkpoint = ait.save(module, root / "mlp.ait")
     return SimpleNamespace(root=root, report=report, json=root / "tune.json", checkpoint=checkpoint)
 

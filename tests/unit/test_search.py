@@ -47,7 +47,7 @@ def test_successive_halving_measures_only_the_finalists_at_full_length(fast_prof
     backends = [delayed(s) for s in (0.004, 0.0, 0.001, 0.002, 0.003)]
     strategy = ait.MaxThroughputStrategy(backends, profiling_config=fast_profiling)
     tuned = ait.Module(_net(), "halving", strategy=strategy)
-    report = ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)])
+    report = ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
     rows = [r for r in report.rows if r.backend == "test_delayed"]
     finalists = [r.description for r in rows if r.details.get("finalist")]
     assert sorted(finalists) == ["Delayed(0.0)", "Delayed(0.001)", "Delayed(0.002)"]
@@ -79,7 +79,7 @@ def test_channels_last_variant_matches_eager_and_leaves_the_module_alone(fast_pr
     backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(freezing=True, memory_format="channels_last"))
     tuned = ait.Module(model, "cl", strategy=ait.OneBackendStrategy(backend, profiling_config=fast_profiling)
                        .enable_performance_validation(False))
-    ait.tune(tuned, [torch.randn(2, 3, 16, 16)], ignore_failing_modules=False)
+    ait.tune(tuned, [torch.randn(2, 3, 16, 16)], ignore_failing_modules=False, ready_batches=True)
     x = torch.randn(2, 3, 16, 16)
     out = tuned(x)
     with torch.no_grad():
@@ -93,11 +93,11 @@ def test_expensive_candidates_need_a_budget_and_a_spent_budget_skips(fast_profil
     expensive = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="max-autotune-no-cudagraphs"))
     assert expensive.expensive
     strategy = ait.MaxThroughputStrategy([expensive, delayed(0.0)], profiling_config=fast_profiling)
-    report = ait.tune(ait.Module(_net(), "budget", strategy=strategy), [torch.randn(2, 16)])
+    report = ait.tune(ait.Module(_net(), "budget", strategy=strategy), [torch.randn(2, 16)], ready_batches=True)
     row = next(r for r in report.rows if r.backend == "inductor_jit")
     assert row.status == "skipped" and "no time budget was given" in row.reason
     strategy = ait.MaxThroughputStrategy([delayed(0.0), delayed(0.001)], profiling_config=fast_profiling)
-    report = ait.tune(ait.Module(_net(), "spent", strategy=strategy), [torch.randn(2, 16)], time_budget_s=1e-6)
+    report = ait.tune(ait.Module(_net(), "spent", strategy=strategy), [torch.randn(2, 16)], time_budget_s=1e-6, ready_batches=True)
     assert [r.status for r in report.rows if r.backend == "test_delayed"] == ["skipped", "skipped"]
     assert "time budget spent" in report.rows[0].reason
     assert report.graphs[0].selected.startswith("TorchEagerBackend")
@@ -127,7 +127,7 @@ def test_a_candidate_that_crashed_is_remembered_and_skipped(fast_profiling, tmp_
     for attempt in range(2):
         strategy = ait.MaxThroughputStrategy([CrashingAotBuild()], profiling_config=fast_profiling)
         report = ait.tune(ait.Module(_net(), f"crash{attempt}", strategy=strategy), [torch.randn(2, 16)],
-                          cache_dir_path=tmp_path)
+                          cache_dir_path=tmp_path, ready_batches=True)
         row = report.rows[0]
         if attempt == 0:
             assert row.status == "failed" and "SIGSEGV" in row.reason

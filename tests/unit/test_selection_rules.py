@@ -53,7 +53,7 @@ class SkipPauseBackend(TorchEagerBackend):
 
 def _tune(strategy):
     wrapped = ait.Module(SleepyNet().eval(), "sleepy", strategy=strategy)
-    report = ait.tune(wrapped, [torch.randn(b, 16) for b in (1, 4)])
+    report = ait.tune(wrapped, [torch.randn(b, 16) for b in (1, 4)], ready_batches=True)
     return wrapped, {row.backend: row for row in report.rows}, report
 
 
@@ -164,7 +164,7 @@ def test_round_trip_is_judged_by_the_candidates_tolerance(fast_profiling):
     strategy = ait.OneBackendStrategy(JitterAotBackend(), profiling_config=fast_profiling)
     strategy.enable_performance_validation(False)
     wrapped = ait.Module(Affine().eval(), "affine", strategy=strategy)
-    report = ait.tune(wrapped, [torch.randn(b, 16) for b in (2, 4)], ignore_failing_modules=False)
+    report = ait.tune(wrapped, [torch.randn(b, 16) for b in (2, 4)], ignore_failing_modules=False, ready_batches=True)
     assert report.rows[0].status == "selected", report.rows[0].reason
 
 
@@ -178,7 +178,7 @@ def test_round_trip_still_rejects_a_wrong_reloaded_artifact(fast_profiling):
 
     strategy = ait.MaxThroughputStrategy([WrongReload()], profiling_config=fast_profiling)
     wrapped = ait.Module(Affine().eval(), "affine2", strategy=strategy)
-    report = ait.tune(wrapped, [torch.randn(b, 16) for b in (2, 4)])
+    report = ait.tune(wrapped, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
     row = next(r for r in report.rows if r.backend == "test_wrong_reload")
     assert row.status == "failed" and row.reason.startswith("not saveable")
 
@@ -191,7 +191,7 @@ def test_a_deactivated_module_reactivates_on_its_next_call(fast_profiling, caplo
     strategy = ait.OneBackendStrategy(ONNXRuntimeBackend(), profiling_config=fast_profiling)
     strategy.enable_performance_validation(False)
     wrapped = ait.Module(model, "affine_ort", strategy=strategy)
-    ait.tune(wrapped, [torch.randn(b, 16) for b in (2, 4)], ignore_failing_modules=False)
+    ait.tune(wrapped, [torch.randn(b, 16) for b in (2, 4)], ignore_failing_modules=False, ready_batches=True)
     backend = wrapped.backends["graph0"]
     assert backend.name == "onnxruntime"
     wrapped.deactivate()

@@ -46,7 +46,7 @@ def _tune(strategy, model=None, data=None, **options):
     model = model or _model()
     wrapped = ait.Module(model, "net", strategy=strategy)
     data = data or [torch.randn(b, 16) for b in (1, 4)]
-    report = ait.tune(wrapped, data, **options)
+    report = ait.tune(wrapped, data, **options, ready_batches=True)
     return wrapped, model, report
 
 
@@ -74,12 +74,12 @@ def test_one_backend_strategy_raises_the_original_error(fast_profiling):
 def test_one_backend_strategy_raises_correctness_error(fast_profiling):
     wrapped = ait.Module(_model(), "net", strategy=ait.OneBackendStrategy(OffByOneBackend(),
                                                                           profiling_config=fast_profiling))
-    report = ait.tune(wrapped, [torch.randn(2, 16)])  # the module falls back to eager
+    report = ait.tune(wrapped, [torch.randn(2, 16)], ready_batches=True)  # the module falls back to eager
     assert "ToleranceExceededError" in report.module_errors["net"]
     assert wrapped.state is ait.ModuleState.PASSTHROUGH
     with pytest.raises(ToleranceExceededError):
         ait.tune(ait.Module(_model(), "net2", strategy=ait.OneBackendStrategy(OffByOneBackend())),
-                 [torch.randn(2, 16)], ignore_failing_modules=False)
+                 [torch.randn(2, 16)], ignore_failing_modules=False, ready_batches=True)
 
 
 def test_first_wins_takes_first_passing_and_beating_eager(fast_profiling):
@@ -105,7 +105,7 @@ def test_latency_budget(fast_profiling):
     impossible = ait.LatencyBudgetStrategy(1e-6, [SlowBackend()], profiling_config=fast_profiling)
     with pytest.raises(TuningError, match="latency budget"):
         ait.tune(ait.Module(_model(), "lb", strategy=impossible), [torch.randn(2, 16)],
-                 ignore_failing_modules=False)
+                 ignore_failing_modules=False, ready_batches=True)
     _, _, report = _tune(ait.LatencyBudgetStrategy(10.0, [SlowBackend()], profiling_config=fast_profiling))
     slow = [row for row in report.rows if row.description.startswith("SlowBackend")][0]
     assert slow.status == "rejected (performance)" and "budget" in slow.reason
@@ -252,7 +252,7 @@ def test_fp16_candidates_judged_against_an_fp32_run(fast_profiling):
     data = [torch.randn(b, 64).half() * 10 for b in (2, 4)]
     strategy = ait.MaxThroughputStrategy([Fp32ComputeBackend(), SloppyFp16Backend()], profiling_config=fast_profiling)
     wrapped = ait.Module(model, "half", strategy=strategy)
-    report = ait.tune(wrapped, data)
+    report = ait.tune(wrapped, data, ready_batches=True)
     rows = {row.backend: row for row in report.rows}
     assert rows["test_fp32_compute"].status in ("passed", "selected"), rows["test_fp32_compute"].reason
     assert rows["test_fp32_compute"].comparison["metric"] == "allclose+fp32-parity"

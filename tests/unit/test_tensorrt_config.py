@@ -208,8 +208,10 @@ def test_profile_builder_chains_validates_and_round_trips():
 def test_torch_tensorrt_config_validation_and_settings():
     assert TorchTensorRTConfig().use_explicit_typing is True  # the reference's fallback defaults
     assert TorchTensorRTConfig().enabled_precisions is None and TorchTensorRTConfig().workspace_size == 0
+    # enabled_precisions alone is the reference's weak-typing request (issue #13): use_explicit_typing resolves False.
+    assert TorchTensorRTConfig(enabled_precisions={torch.float16}).use_explicit_typing is False
     with pytest.raises(ConfigError, match="use_explicit_typing=False"):
-        TorchTensorRTConfig(enabled_precisions={torch.float16})
+        TorchTensorRTConfig(enabled_precisions={torch.float16}, use_explicit_typing=True)
     with pytest.raises(ConfigError, match="not TensorRT kernel precisions"):
         TorchTensorRTConfig(enabled_precisions={torch.float64}, use_explicit_typing=False)
     with pytest.raises(ConfigError, match="min_block_size"):

@@ -4,6 +4,7 @@ Optional heavy packages (onnxruntime, torchao, tensorrt, torch_tensorrt, modelop
 imported only inside backend methods, never here.
 """
 
+from aitune.torch.compat.legacy_names import resolve as _resolve_legacy_name
 from aitune.torch.backend.base import (
     Backend,
     BackendConfig,
@@ -13,6 +14,7 @@ from aitune.torch.backend.base import (
     get_backend_class,
     registered_backends,
 )
+from aitune.torch.backend.reference_contract import ArtifactPath
 from aitune.torch.backend.eager import TorchEagerBackend, TorchEagerBackendConfig
 from aitune.torch.backend.inductor_jit import TorchInductorJitBackend, TorchInductorJitBackendConfig
 from aitune.torch.backend.inductor_aot import TorchInductorAotBackend, TorchInductorAotBackendConfig
@@ -37,6 +39,7 @@ from aitune.torch.backend.torch_tensorrt import (
 from aitune.torch.backend.kernel_selector import KernelSelectorBackend, KernelSelectorBackendConfig
 
 __all__ = [
+    "ArtifactPath",
     "Backend",
     "BackendConfig",
     "BackendState",
@@ -70,3 +73,8 @@ __all__ = [
     "get_backend_class",
     "registered_backends",
 ]
+
+
+def __getattr__(name: str):
+    """Old reference names (e.g. the examples' ``TorchInductorBackend``), with a DeprecationWarning."""
+    return _resolve_legacy_name("aitune.torch.backend", name)

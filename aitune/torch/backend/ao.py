@@ -32,8 +32,14 @@ from aitune.torch.backend.inductor_jit import (
 
 logger = logging.getLogger(__name__)
 
-PRESETS = ("int8wo", "int8dq", "int4wo", "fp8wo", "fp8dq", "fp8dq_row")
+PRESETS = ("int8wo", "int8dq", "int4wo", "fp8wo", "fp8dq", "fp8dq_row", "mxfp8dq", "nvfp4dq")
 FP8_PRESETS = ("fp8wo", "fp8dq", "fp8dq_row")
+# Microscaling presets (torchao.prototype.mx_formats): MX-fp8 (e4m3 activations and weights, one scale per
+# 32 elements) and NVFP4 (fp4 e2m1, one fp8 scale per 16 elements, dynamic per-tensor scale). Their kernels
+# exist on Blackwell-class GPUs (sm_100+) only, and take bfloat16 weights whose last dimension (mxfp8) or
+# last two dimensions (nvfp4) divide by the block size (the reference system's pre-flight checks).
+BLOCK_PRESETS = {"mxfp8dq": 32, "nvfp4dq": 16}
+BLOCK_MIN_CAPABILITY = (10, 0)
 
 # Float8 tensor cores: Ada (sm_89) and Hopper (sm_90) and newer (torchao's own assertion says
 # "Float8 dynamic quantization requires CUDA compute capability >= 8.9").
@@ -56,6 +62,8 @@ CPU_REFUSALS = {
              "use int8dq on CPU",
     "fp8dq_row": "fp8 presets need a CUDA GPU with compute capability >= 8.9 (float8 tensor cores); "
                  "use int8dq on CPU",
+    "mxfp8dq": "MX-fp8 kernels need a Blackwell-class CUDA GPU (compute capability >= 10.0); use int8dq on CPU",
+    "nvfp4dq": "NVFP4 kernels need a Blackwell-class CUDA GPU (compute capability >= 10.0); use int8dq on CPU",
 }
 
 
@@ -110,7 +118,36 @@ def preset_config(preset: str):
         return Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor(), set_inductor_config=False)
     if preset == "fp8dq_row":
         return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    if preset == "mxfp8dq":
+        from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
+
+        return MXDynamicActivationMXWeightConfig(activation_dtype=torch.float8_e4m3fn,
+                                                 weight_dtype=torch.float8_e4m3fn)
+    if preset == "nvfp4dq":
+        from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
+
+        return NVFP4DynamicActivationNVFP4WeightConfig(use_dynamic_per_tensor_scale=True)
     raise ConfigError(f"unknown TorchAO preset {preset!r}; presets: {', '.join(PRESETS)}")
+
+
+def _block_preset_refusal(preset: str, capability: tuple[int, int] | None, selected: list) -> str | None:
+    """Why ``mxfp8dq``/``nvfp4dq`` cannot run here (GPU generation, weight dtype, block divisibility), or None."""
+    if capability is None or capability < BLOCK_MIN_CAPABILITY:
+        where = "this CPU" if capability is None else f"this GPU (sm_{capability[0]}{capability[1]})"
+        return (f"{preset} needs a Blackwell-class GPU (compute capability >= 10.0) for its microscaling kernels; "
+                f"{where} has none — use fp8dq (sm_89+) or int8dq")
+    block = BLOCK_PRESETS[preset]
+    for name, sub in selected:
+        weight = getattr(sub, "weight", None)
+        if weight is None:
+            continue
+        if weight.dtype != torch.bfloat16:
+            return f"{preset} needs bfloat16 weights; {name or 'the module'} has {str(weight.dtype).removeprefix('torch.')}"
+        dims = weight.shape[-2:] if preset == "nvfp4dq" else weight.shape[-1:]
+        if any(size % block for size in dims):
+            return (f"{preset} needs weight dimension(s) {tuple(dims)} of {name or 'the module'} divisible by its block "
+                    f"size {block}")
+    return None
 
 
 def _callable_descriptor(function: Callable) -> dict:
@@ -132,7 +169,9 @@ class TorchAOBackendConfig(BackendConfig):
         quantization: a preset: ``int8wo`` (int8 weight-only, per-row), ``int8dq`` (int8 dynamic
             activations + int8 weights), ``int4wo`` (int4 weight-only, group size 128, tinygemm; CUDA,
             bfloat16), ``fp8wo`` (float8 e4m3 weight-only), ``fp8dq`` (float8 dynamic activations + float8
-            weights, per-tensor scales), ``fp8dq_row`` (the same with per-row scales). None together with
+            weights, per-tensor scales), ``fp8dq_row`` (the same with per-row scales), ``mxfp8dq`` (MX-fp8
+            activations + weights) and ``nvfp4dq`` (NVFP4 activations + weights) — these two need a
+            Blackwell-class GPU (sm_100+) and bfloat16 weights; ``supports()`` says why elsewhere. None together with
             no ``quantization_config`` picks the device's default (:func:`default_preset`) at build time.
         quantization_config: any torchao ``AOBaseConfig`` instead of a preset (exclusive with ``quantization``).
             Serialised with torchao's own JSON form (``torchao.core.config.config_to_dict``), never pickled;
@@ -293,6 +332,10 @@ class TorchAOBackend(Backend):
         if preset in FP8_PRESETS and device.type == "cuda" and capability < FP8_MIN_CAPABILITY:
             return Check(False, f"{preset}: fp8 presets need compute capability >= 8.9 (float8 tensor cores); "
                                 f"this GPU is sm_{capability[0]}{capability[1]} — use int8wo/int8dq")
+        if preset in BLOCK_PRESETS:
+            refusal = _block_preset_refusal(preset, capability, self._selected_modules(module, preset))
+            if refusal is not None:
+                return Check(False, refusal)
         if preset == "fp8dq_row" and not _all_linear_bf16(module):
             return Check(False, "fp8dq_row: torchao's per-row float8 needs bfloat16 weights; use fp8dq (per-tensor) "
                                 "or cast the module to bfloat16")

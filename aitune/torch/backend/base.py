@@ -39,6 +39,8 @@ from aitune.torch.requirements import (  # noqa: F401 - re-exported: they lived 
     torch_version_at_least,
     validate_flags,
 )
+from aitune.utils.logging import control_output
+from aitune.utils.monitoring import annotate
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +124,12 @@ class BackendConfig(KnownFields):
 
     @classmethod
     def from_dict(cls, payload: dict) -> "BackendConfig":
-        """Rebuild a config written by :meth:`to_dict`. Raises ConfigError for an unknown type."""
+        """Rebuild a config written by :meth:`to_dict`. Raises ConfigError for an unknown type.
+
+        A plain ``{field: value}`` dict (the reference system's config format) builds ``cls`` itself.
+        """
+        if "type" not in payload and cls is not BackendConfig:
+            return cls._from_data(dict(payload))
         type_name = payload.get("type")
         config_class = _CONFIG_CLASSES.get(type_name)
         if config_class is None or not issubclass(config_class, cls):
@@ -157,6 +164,14 @@ class BackendConfig(KnownFields):
 # --------------------------------------------------------------------------------------------- registry
 
 _REGISTRY: dict[str, type["Backend"]] = {}
+_SUBCLASS_HOOKS: list = []
+
+
+def register_subclass_hook(hook) -> None:
+    """Call ``hook(cls)`` for every Backend subclass created from now on, before it is registered by name
+    (:mod:`aitune.torch.backend.reference_contract` adapts reference-style backends this way)."""
+    if hook not in _SUBCLASS_HOOKS:
+        _SUBCLASS_HOOKS.append(hook)
 
 
 def registered_backends() -> dict[str, type["Backend"]]:
@@ -210,7 +225,9 @@ class Backend:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if cls.__dict__.get("name"):  # only classes that declare their own name register
+        for hook in _SUBCLASS_HOOKS:
+            hook(cls)
+        if isinstance(cls.__dict__.get("name"), str) and cls.name:  # only classes that declare their name register
             _REGISTRY[cls.name] = cls
 
     def __init__(self, config: BackendConfig | None = None):
@@ -267,17 +284,30 @@ class Backend:
             raise BackendUnavailableError(f"Backend '{self.name}' is unavailable: {check.reason}")
 
     # ---- lifecycle
-    def build(self, module: torch.nn.Module, graph, device: torch.device | str, workdir: Path | str) -> "Backend":
+    def build(self, module: torch.nn.Module, graph, device: torch.device | str, workdir: Path | str,
+              *reference_args, log_file: Path | str | None = None) -> "Backend":
         """INIT -> ACTIVE. Build ``module`` for ``graph`` (its recorded samples) on ``device``.
 
         Writes files under ``workdir`` and a log to ``workdir/build.log``. Never changes the module's
-        parameters, buffers or ``training`` flag, nor the samples.
+        parameters, buffers or ``training`` flag, nor the samples. While the backend builds, everything
+        written to stdout/stderr (compilers included) goes to the log, and to the console as well with
+        ``AITUNE_CONSOLE_OUTPUT=1`` (:func:`aitune.utils.logging.control_output`).
+
+        The reference system's call ``build(module, graph_spec, data, device, cache_dir)`` (custom strategies
+        use it) is accepted too: ``data`` must then be the graph's own samples.
 
         Raises:
             BackendStateError: if not in INIT.
             BackendUnavailableError: if a required package is missing.
             BackendBuildError: on any build failure, the cause chained.
         """
+        if isinstance(device, (list, tuple)):  # NOTE [reference build call]: build(module, graph, data, device, dir)
+            if not reference_args:
+                raise ConfigError("build(module, graph_spec, data, device, cache_dir): cache_dir is missing")
+            device, workdir = workdir, reference_args[0]
+        elif reference_args:
+            raise ConfigError(f"build() takes (module, graph, device, workdir); got {len(reference_args)} extra "
+                              "argument(s)")
         if self.state is not BackendState.INIT:
             raise BackendStateError(f"{self.describe()}: build() runs once, from INIT (state: {self.state.value})")
         self.require_available()
@@ -286,8 +316,11 @@ class Backend:
         self.module = module
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        log_path = self.workdir / "build.log"
-        handler = logging.FileHandler(log_path, mode="w")
+        log_path = Path(log_file) if log_file is not None else self.workdir / "build.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("")
+        # Appending: the build's own stdout/stderr (control_output) lands in the same file.
+        handler = logging.FileHandler(log_path, mode="a")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         package_logger = logging.getLogger("aitune")
         package_logger.addHandler(handler)
@@ -328,7 +361,8 @@ class Backend:
         package_logger = logging.getLogger("aitune")
         package_logger.addHandler(handler)
         try:
-            with torch.no_grad(), into_build_log(handler):
+            with torch.no_grad(), annotate(f"build: {self.name}", color="orange"), into_build_log(handler), \
+                    control_output(log_path):
                 step()
         except BackendBuildError as exc:
             exc.log_path = exc.log_path or log_path
@@ -366,6 +400,11 @@ class Backend:
     def expensive(self) -> bool:
         """Builds that take far longer than usual (max-autotune): tried only when the time budget allows."""
         return self.search_tier >= 2
+
+    @property
+    def is_jit(self) -> bool:
+        """The reference system's name for ``build_mode is BuildMode.JIT`` (needs the original module)."""
+        return self.build_mode is BuildMode.JIT
 
     @property
     def bakes_weights(self) -> bool:

@@ -63,7 +63,10 @@ class TorchTensorRTConfig(BackendConfig):
 
     Args:
         enabled_precisions: kernel precisions TensorRT may use (subset of fp32, fp16, bf16, int8, fp8 e4m3).
-        use_explicit_typing: layer precisions follow the graph's dtypes (strongly typed network).
+        use_explicit_typing: layer precisions follow the graph's dtypes (strongly typed network). None (the
+            default) resolves to True, or to False when ``enabled_precisions`` names more than float32 — the
+            weak-typing request of scripts written as ``TorchTensorRTConfig(enabled_precisions={torch.float16})``
+            (logged as deprecated by TensorRT since 10.12).
         workspace_size: TensorRT workspace limit, bytes (0 = TensorRT default).
         min_block_size: fewest consecutive convertible ops that form a TensorRT engine (Torch-TensorRT: 5).
         optimization_level: builder optimization level 0-5 (None = TensorRT default 3).
@@ -84,11 +87,11 @@ class TorchTensorRTConfig(BackendConfig):
 
     Raises:
         ConfigError: on a wrong type or value, an unsupported precision, or enabled_precisions beyond fp32
-            together with ``use_explicit_typing=True``.
+            together with an explicit ``use_explicit_typing=True``.
     """
 
     enabled_precisions: set | list | tuple | None = None
-    use_explicit_typing: bool = True
+    use_explicit_typing: bool | None = None
     workspace_size: int = 0
     min_block_size: int = 5
     optimization_level: int | None = None
@@ -115,6 +118,16 @@ class TorchTensorRTConfig(BackendConfig):
         "disable_tf32", "cache_built_engines", "reuse_cached_engines")
 
     def validate(self) -> None:
+        if self.use_explicit_typing is None:
+            beyond_fp32 = self.enabled_precisions is not None and any(
+                parse_dtype(value, "enabled_precisions") != torch.float32 for value in (
+                    [self.enabled_precisions] if isinstance(self.enabled_precisions, (str, torch.dtype))
+                    else self.enabled_precisions))
+            self.use_explicit_typing = not beyond_fp32
+            if beyond_fp32:
+                logger.warning("TorchTensorRTConfig: enabled_precisions %s without use_explicit_typing: weak typing "
+                               "(use_explicit_typing=False) is used, deprecated by TensorRT since 10.12; cast the "
+                               "model to the precision instead", sorted(map(str, self.enabled_precisions)))
         for name in self._BOOLS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"TorchTensorRTConfig.{name} must be a bool, got {getattr(self, name)!r}")

@@ -1,5 +1,6 @@
 """Tune strategies: how candidates are chosen for each graph."""
 
+from aitune.torch.compat.legacy_names import resolve as _resolve_legacy_name
 from aitune.torch.tune_strategy.base import TuneStrategy
 from aitune.torch.tune_strategy.first_wins import FirstWinsStrategy
 from aitune.torch.tune_strategy.latency_budget import LatencyBudgetStrategy
@@ -15,3 +16,8 @@ __all__ = [
     "OneBackendStrategy",
     "TuneStrategy",
 ]
+
+
+def __getattr__(name: str):
+    """Old reference names (e.g. the examples' ``TorchInductorBackend``), with a DeprecationWarning."""
+    return _resolve_legacy_name("aitune.torch.tune_strategy", name)

@@ -17,6 +17,7 @@ import torch
 from aitune.errors import AITuneError, ConfigError
 from aitune.torch.arguments import init_keywords, reject_unknown_keywords
 from aitune.torch.backend.base import Backend, BuildMode
+from aitune.torch.compat import strategy as reference_strategy
 from aitune.torch.correctness import Tolerance
 from aitune.torch.evaluation import (
     Candidate,
@@ -29,6 +30,7 @@ from aitune.torch.evaluation import (
     measure_backend,
     start,
 )
+from aitune.torch.max_batch_size import MaxBatchSizeSearch
 from aitune.torch.probes import ProbeConfig
 from aitune.torch.profiling import ProfilingConfig, reaches_speedup
 from aitune.torch.report import SELECTED, CandidateResult
@@ -118,6 +120,7 @@ class TuneStrategy:
         self.correctness_check = True
         self.performance_validation = True
         self.min_speedup_ratio = 1.0
+        self.max_batch_size_search: MaxBatchSizeSearch | None = None  # see enable_find_max_batch_size
 
     # ---- configuration (chainable, as in the reference)
     def enable_correctness_check(self, enabled: bool = True, tolerance: Tolerance | None = None) -> "TuneStrategy":
@@ -148,6 +151,29 @@ class TuneStrategy:
             raise ConfigError(f"min_speedup_ratio must be a number > 0, got {min_speedup_ratio!r}")
         self.performance_validation = bool(enabled)
         self.min_speedup_ratio = float(min_speedup_ratio)
+        return self
+
+    def enable_find_max_batch_size(self, enable: bool = True, *, max_batch_size: int = 4096,
+                                   max_memory_bytes: int | None = None, latency_limit_ms: float | None = None,
+                                   memory_fraction: float = 0.5) -> "TuneStrategy":
+        """Before tuning each graph, search the largest batch that fits memory (and ``latency_limit_ms``) and
+        tune for the range up to it (:mod:`aitune.torch.max_batch_size`; reported as the graph's
+        ``max_batch_size`` entry). Off by default. Returns self.
+
+        Args:
+            enable: turn the search on/off.
+            max_batch_size: never try a larger batch.
+            max_memory_bytes: memory budget of one call in bytes (default on CPU: ``memory_fraction`` of the
+                available RAM; on CUDA: until a call runs out of memory).
+            latency_limit_ms: batches slower than this (median, ms) do not fit.
+            memory_fraction: CPU budget as a share of the available RAM when ``max_memory_bytes`` is None.
+
+        Raises:
+            ConfigError: for a bad limit.
+        """
+        self.max_batch_size_search = MaxBatchSizeSearch(
+            max_batch_size=max_batch_size, max_memory_bytes=max_memory_bytes, latency_limit_ms=latency_limit_ms,
+            memory_fraction=memory_fraction) if enable else None
         return self
 
     def enable_quantization(self, enabled: bool = True) -> "TuneStrategy":
@@ -214,7 +240,29 @@ class TuneStrategy:
             TuningError: when the strategy's rule leaves no candidate (LatencyBudgetStrategy).
             The original build/correctness error in OneBackendStrategy.
         """
+        if type(self)._tune is not TuneStrategy._tune:  # written for the reference system: it overrides _tune
+            return reference_strategy.run_reference_tune(self, context)
+        raise NotImplementedError(f"{type(self).__name__} must override tune(context) or _tune(module, name, "
+                                  "graph_spec, data, device, cache_dir)")
+
+    # ---- the reference system's strategy contract (see aitune.torch.compat.strategy)
+    def _tune(self, module, name, graph_spec, data, device, cache_dir) -> Backend:
+        """Reference contract: build, check and return the chosen backend (active) for one graph."""
         raise NotImplementedError
+
+    def _pre_tune(self, module, name, graph_spec, data, device, cache_dir) -> None:
+        """Reference contract: called before :meth:`_tune`."""
+
+    def _post_tune(self, module, name, graph_spec, data, device, cache_dir) -> None:
+        """Reference contract: called after :meth:`_tune`."""
+
+    def check_correctness(self, backend: Backend, name: str | None = None, graph_spec=None, data=None) -> None:
+        """Inside :meth:`_tune`: compare ``backend`` with eager on every recorded sample of the graph being tuned.
+
+        Raises:
+            CorrectnessError: on the first disagreement. ConfigError: outside ``_tune``.
+        """
+        reference_strategy.check_correctness(self, backend)
 
     def settings(self, *, measure: bool = True) -> EvaluationSettings:
         """This strategy's evaluation settings (tolerance, profiling, which checks run)."""

@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import BackendConfig
 from aitune.torch.pytree import path_to_str
@@ -197,6 +199,17 @@ class ONNXQuantizationConfig(BackendConfig):
                               f"use one of {list(methods)} or None")
 
 
+def cuda_device_name(value, field: str) -> str:
+    """``"cuda"`` / ``"cuda:1"`` / ``torch.device("cuda", 1)`` -> its string; anything else -> ConfigError."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"{field} must be a CUDA device such as 'cuda' or 'cuda:0', got {value!r}") from exc
+    if device.type != "cuda":
+        raise ConfigError(f"{field} must be a CUDA device (TensorRT runs on NVIDIA GPUs only), got {value!r}")
+    return str(device)
+
+
 #: ModelOpt PyTorch PTQ presets (attributes of ``modelopt.torch.quantization``).
 TORCH_QUANTIZATION_PRESETS = ("FP8_DEFAULT_CFG", "INT8_DEFAULT_CFG", "INT8_SMOOTHQUANT_CFG", "INT4_AWQ_CFG",
                               "NVFP4_DEFAULT_CFG", "NVFP4_FP8_MHA_CONFIG")
@@ -214,15 +227,18 @@ class TorchQuantizationConfig(BackendConfig):
     Args:
         quantization_config: name of a ModelOpt preset, one of :data:`TORCH_QUANTIZATION_PRESETS`.
         calibration_samples: how many recorded samples calibrate (>= 1; default 1, as the reference).
+        device: the CUDA device calibration runs on (``"cuda"``, ``"cuda:1"``; as in the reference).
 
     Raises:
-        ConfigError: on an unknown preset or a calibration count < 1.
+        ConfigError: on an unknown preset, a calibration count < 1 or a device that is not CUDA.
     """
 
     quantization_config: str = "FP8_DEFAULT_CFG"
     calibration_samples: int = 1
+    device: str = "cuda"
 
     def validate(self) -> None:
+        self.device = cuda_device_name(self.device, "TorchQuantizationConfig.device")
         if self.quantization_config not in TORCH_QUANTIZATION_PRESETS:
             raise ConfigError(f"TorchQuantizationConfig.quantization_config must be one of "
                               f"{list(TORCH_QUANTIZATION_PRESETS)}, got {self.quantization_config!r}")
@@ -259,6 +275,9 @@ class TensorRTBackendConfig(BackendConfig):
             change).
         max_cuda_graphs: most graphs kept (least recently used evicted), >= 1.
         build_timeout_s: wall-clock limit of the engine build child process, seconds.
+        device: the CUDA device of the engine (``"cuda"``, ``"cuda:1"``), as in the reference; the build
+            runs where ``ait.tune`` tunes (the module's device or its ``device=``), which must be of this
+            type — the field is validated and recorded.
 
     Raises:
         ConfigError: on any invalid field (the message names the field and the accepted values).
@@ -276,8 +295,10 @@ class TensorRTBackendConfig(BackendConfig):
     use_cuda_graphs: bool = False
     max_cuda_graphs: int = 8
     build_timeout_s: float = 3600.0
+    device: str = "cuda"
 
     def validate(self) -> None:
+        self.device = cuda_device_name(self.device, "TensorRTBackendConfig.device")
         for name in ("use_dynamo", "enable_tf32", "use_cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -1,0 +1,1 @@
+"""The reference system's ``aitune.torch.task`` package: :mod:`.profiling` (profiling configuration)."""

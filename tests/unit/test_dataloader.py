@@ -1,0 +1,67 @@
+"""aitune.torch.dataloader: collation, batching per size, dataset forms and the dict-batch calling rule."""
+
+import numpy as np
+import pytest
+import torch
+
+from aitune.errors import ConfigError
+from aitune.torch.dataloader import (
+    DataLoaderFactory,
+    DynamicShapeDataset,
+    call_with_batch,
+    dataset_items,
+    default_data_collator,
+    samples_generator,
+)
+
+
+def test_collator_rules():
+    batch = default_data_collator([{"x": torch.ones(2), "label": 1, "text": "a", "skip": None, "n": 3.0,
+                                    "meta": {"sr": 16000}}] * 3)
+    assert batch["x"].shape == (3, 2) and batch["labels"].dtype == torch.long and batch["labels"].tolist() == [1] * 3
+    assert batch["text"] == ["a"] * 3 and "skip" not in batch and "label" not in batch
+    assert batch["n"].tolist() == [3.0] * 3 and batch["meta"] == {"sr": [16000] * 3}
+    assert default_data_collator([np.zeros((2, 2))] * 2)[0].shape == (2, 2, 2)
+    args, kwargs = default_data_collator([([torch.ones(1)], {"k": torch.zeros(1)})] * 2)
+    assert args[0].shape == (2, 1) and kwargs["k"].shape == (2, 1)
+    with pytest.raises(ConfigError, match="DynamicShapeDataset"):
+        default_data_collator([torch.ones(2), torch.ones(3)])
+    with pytest.raises(ConfigError, match="collate_fn"):
+        default_data_collator([object(), object()])
+
+
+def test_batches_per_size_follow_drop_last_and_repeat():
+    items = [torch.full((1,), float(i)) for i in range(5)]
+    sizes = [(size, args[0][:, 0].tolist()) for size, args, _ in samples_generator(items, [2, 8])]
+    assert sizes == [(2, [0.0, 1.0]), (2, [2.0, 3.0]), (8, [0, 1, 2, 3, 4, 0, 1, 2])]
+    assert list(samples_generator(items, [1], 0)) == []
+    with pytest.raises(ConfigError):
+        list(samples_generator(items, [1], -1))
+
+
+def test_dataset_forms():
+    class NoLength(torch.utils.data.Dataset):
+        def __getitem__(self, index):
+            return torch.zeros(1)
+
+    with pytest.raises(ConfigError, match="__len__"):
+        dataset_items(NoLength())
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([torch.zeros(1), torch.ones(1)])
+
+    assert len(dataset_items(Stream())) == 2
+    for bad in (None, "text", [], 3):
+        with pytest.raises(ConfigError):
+            dataset_items(bad)
+    loader = DataLoaderFactory(DynamicShapeDataset([torch.zeros(2), torch.zeros(3)])).create_dataloader(2)
+    assert [tuple(batch[0].shape) for batch in loader] == [(2, 2), (2, 3)]
+
+
+def test_dict_batches_bind_by_signature():
+    assert call_with_batch(lambda batch: sorted(batch), [], {"a": 1, "b": 2}) == ["a", "b"]
+    assert call_with_batch(lambda a, b: a + b, [], {"a": 1, "b": 2}) == 3
+    assert call_with_batch(lambda *args, **kwargs: kwargs, [], {"a": 1}) == {"a": 1}
+    with pytest.raises(TypeError):  # neither binds: the callable's own error
+        call_with_batch(lambda a, b: a, [], {"c": 1})
