@@ -158,6 +158,12 @@ def main(argv=None) -> int:
         result["chosen_direct_p50_ms"] = p50_ms(lambda: chosen.run((), kwargs))
         result["eager_p50_ms"] = min(eager_ms, p50_ms(lambda: model(**inputs)))
 
+    if args.diagnose:  # the tuner's own runners-up, timed directly after tuning (vs their in-tuner figures)
+        for index, graph_guard in enumerate(wrapped._self_guards.values()):
+            for position, runner_up in enumerate(graph_guard.fallbacks):
+                with torch.no_grad():
+                    result[f"diag_runner_up{position}_{runner_up.describe()}_p50_ms"] = p50_ms(
+                        lambda: runner_up.run((), kwargs))
     if args.diagnose:  # where the time goes between a compiled callable and the wrapped module
         from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
 

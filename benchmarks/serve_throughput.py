@@ -53,7 +53,7 @@ def tune_checkpoint(path: Path, backend: str, intra_op_threads: int | None) -> P
     strategy.enable_performance_validation(False)
     encoder = ait.Module(minilm_encoder(), "minilm", strategy=strategy)
     ait.tune(lambda batch: encoder(**batch), make_batches(minilm_tokenizer(), SENTENCES),
-             cache_dir_path=path.parent / "cache")
+             cache_dir_path=path.parent / "cache", ready_batches=True)
     return ait.save(encoder, path)
 
 

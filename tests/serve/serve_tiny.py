@@ -56,7 +56,7 @@ def save_tiny_checkpoint(path: Path, profiling, cache_dir: Path) -> Path:
     strategy.enable_performance_validation(False)
     encoder = ait.Module(build_tiny(), "tiny", strategy=strategy)
     batches = [tiny_batch(rows, tokens, seed=i) for i, (rows, tokens) in enumerate(TUNE_SHAPES)]
-    ait.tune(lambda batch: encoder(**batch), batches, cache_dir_path=cache_dir)
+    ait.tune(lambda batch: encoder(**batch), batches, cache_dir_path=cache_dir, ready_batches=True)
     return ait.save(encoder, path)
 
 

@@ -61,7 +61,7 @@ def checkpoint(tmp_path_factory):
     strategy.enable_performance_validation(False)
     encoder = ait.Module(minilm_encoder(), "minilm", strategy=strategy)
     batches = make_batches(minilm_tokenizer(), SENTENCES, batch_sizes=(1, 4, 8), max_length=MAX_TOKENS)
-    ait.tune(lambda batch: encoder(**batch), batches, cache_dir_path=folder / "cache")
+    ait.tune(lambda batch: encoder(**batch), batches, cache_dir_path=folder / "cache", ready_batches=True)
     return ait.save(encoder, folder / "minilm.ait")
 
 

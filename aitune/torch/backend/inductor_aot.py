@@ -131,6 +131,7 @@ def compile_and_check_package(exported_path: str, package_path: str, sample_path
     from safetensors.torch import load_file
 
     started = time.perf_counter()
+    loads_here(device, Path(package_path).parent)
     exported = torch.export.load(exported_path)
     torch._inductor.aoti_compile_and_package(exported, package_path=package_path,
                                              inductor_configs=inductor_configs or None)
@@ -151,6 +152,40 @@ def compile_and_check_package(exported_path: str, package_path: str, sample_path
     return {"compile_s": compiled - started, "load_s": loaded - compiled, "run_s": ran - loaded,
             "package_bytes": Path(package_path).stat().st_size,
             "output_shapes": [list(output.shape) for output in outputs]}
+
+
+class _Canary(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 + 1
+
+
+def loads_here(device: str, folder: Path) -> None:
+    """NOTE [AOTInductor canary]: in some environments loading *any* AOTInductor package kills the process
+    (the H200 machine: SIGSEGV in ``aoti_load_package``, even for a one-layer model), after a compile that
+    takes a minute for a real model. The child step therefore first compiles and loads a one-op package
+    (a few seconds): if this environment crashes, it crashes here, early, and the crash is remembered
+    (:mod:`aitune.torch.crashes`). Once one canary loaded in this environment (a marker file in the tuning
+    cache), later builds skip it."""
+    import os
+
+    from aitune.torch.crashes import CrashRegistry
+
+    # A fact about the environment, not about a tune: kept in the user's cache, whatever AITUNE_CACHE_DIR says.
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    marker = base / "aitune" / "aoti_canary" / f"{CrashRegistry.environment_id(device)}.ok"
+    if marker.exists():
+        return
+    example = torch.ones(2, 4, device=device)
+    exported = torch.export.export(_Canary().to(device), (example,))
+    package = folder / "canary.pt2"
+    torch._inductor.aoti_compile_and_package(exported, package_path=str(package))
+    output = load_package(package, torch.device(device))(example)
+    if not torch.equal(output.cpu() if isinstance(output, torch.Tensor) else output[0].cpu(), torch.full((2, 4), 3.0)):
+        raise RuntimeError("the AOTInductor canary package returned a wrong result")
+    package.unlink(missing_ok=True)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    logger.info("an AOTInductor package loads in this environment (canary); marker %s", marker)
 
 
 def check_outputs(outputs: list, expected_outputs: list[dict]) -> None:
