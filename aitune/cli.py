@@ -13,11 +13,18 @@ from pathlib import Path
 from aitune import __version__
 
 
-def _env(_args) -> int:
+def _env(args) -> int:
     import torch
     from tabulate import tabulate
 
     from aitune.torch.backend import registered_backends
+    from aitune.torch.crashes import FILE_NAME, CrashRegistry
+    from aitune.torch.tuning import cache_dir
+
+    crashes = CrashRegistry(cache_dir() / FILE_NAME)
+    if getattr(args, "clear_crashes", False):
+        print(f"forgot {crashes.clear()} recorded crash(es) ({crashes.path}); they are tried again in later tunes")
+        return 0
 
     print(f"aitune {__version__} (independent implementation of the NVIDIA AITune interface)")
     print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA build {torch.version.cuda}, "
@@ -39,6 +46,13 @@ def _env(_args) -> int:
         rows.append([name, backend_class.build_mode.value.upper(), devices, status, versions, reason])
     print(tabulate(rows, headers=["backend", "build", "devices", "status", "versions", "reason / fix"],
                    tablefmt="github"))
+    entries = crashes.entries()
+    if entries:
+        print(f"\ncandidates that crashed their build child in an environment like this one ({crashes.path}); "
+              "tunes skip them — `aitune env --clear-crashes` retries them:")
+        print(tabulate([[entry["description"], entry["signal"], entry["when"], entry["environment"].get("name"),
+                         entry["log"]] for entry in entries],
+                       headers=["candidate", "signal", "when", "device", "log"], tablefmt="github"))
     return 0
 
 
@@ -241,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     parser.add_argument("--version", action="version", version=f"aitune {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("env", help="what runs here: every backend's availability, versions, device")
+    env = commands.add_parser("env", help="what runs here: every backend's availability, versions, device, and "
+                                          "candidates remembered as crashing here")
+    env.add_argument("--clear-crashes", action="store_true",
+                     help="forget the recorded crashes (their candidates are tried again)")
     demo = commands.add_parser("demo", help="tune the all-MiniLM-L6-v2 sentence encoder on this machine")
     demo.add_argument("--backends", nargs="+", metavar="NAME", help="backend names to try (default: all available)")
     demo.add_argument("--cache-dir", help="aitune cache directory (default: $AITUNE_CACHE_DIR or ~/.cache/aitune)")

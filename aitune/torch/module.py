@@ -114,6 +114,7 @@ class Module(wrapt.ObjectProxy):
         self._self_guards: dict = {}  # id(graph) -> RuntimeGuard
         self._self_watch: StateWatch | None = None  # set when a dispatched backend bakes weights in
         self._self_fallbacks: dict = {}  # reason key -> calls that ran eager for it
+        self._self_backend_calls = 0  # calls answered by a tuned (non-eager) backend
         self._self_tune_rows: dict[str, dict] = {}
         _REGISTRY[self._self_id] = self
 
@@ -273,10 +274,14 @@ class Module(wrapt.ObjectProxy):
 
     @property
     def stats(self) -> dict:
-        """What happened at run time: eager fallbacks by reason, the guard's checks and events per graph, and
-        whether the module needs a re-tune. JSON-able."""
+        """What happened at run time: calls a tuned (non-eager) backend answered (``backend_calls``; checked
+        calls are counted by the guard), calls that ran eager by reason (``eager_fallbacks``: ``graph`` untuned
+        structure, ``range`` outside an artifact's accepted inputs, ``stale`` weights changed, ``error`` the
+        backend raised, ...), the guard's checks and events per graph, and whether the module needs a re-tune.
+        JSON-able; counts since tuning (or loading)."""
         return {
             "state": self._self_state.value,
+            "backend_calls": self._self_backend_calls,
             "eager_fallbacks": dict(self._self_fallbacks),
             "guard": {graph.name: self._self_guards[id(graph)].stats() for graph, _ in self._self_dispatch.values()
                       if id(graph) in self._self_guards},
@@ -393,6 +398,7 @@ class Module(wrapt.ObjectProxy):
         self._self_guards = {}
         self._self_watch = None
         self._self_fallbacks = {}
+        self._self_backend_calls = 0
 
     def _set_tuned(self, dispatch: dict) -> None:
         self._drop_backends()
@@ -471,7 +477,9 @@ class Module(wrapt.ObjectProxy):
         try:
             if guard is not None and guard.due(leaves):
                 return self._guarded_call(graph, backend, guard, args, kwargs, leaves)
-            return backend.run(args, kwargs)
+            output = backend.run(args, kwargs)
+            self._self_backend_calls += 1
+            return output
         except Exception as exc:  # noqa: BLE001 - a crashing backend never takes the caller down
             return self._eager(args, kwargs, ("error", graph.name),
                                f"backend {backend.name} raised {type(exc).__name__}: {exc}; running eager instead")

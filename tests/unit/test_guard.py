@@ -87,6 +87,7 @@ def test_guard_checks_one_call_in_n_of_known_shapes(fast_profiling):
     assert not torch.allclose(outputs[0], expected)  # unchecked calls 1-2 ran the wrong backend...
     torch.testing.assert_close(outputs[2], expected)  # ...call 3 was checked: eager's result, backend retired
     assert tuned.stats["guard"]["graph0"]["checks"] == 1
+    assert tuned.stats["backend_calls"] == 2  # calls 1-2 answered by the backend; call 3 by the check
 
 
 def test_default_interval_keeps_eager_reruns_within_two_percent():

@@ -138,3 +138,18 @@ def test_a_candidate_that_crashed_is_remembered_and_skipped(fast_profiling, tmp_
     registry = CrashRegistry(tmp_path / "crashes.json")
     assert [entry["backend"] for entry in registry.entries()] == ["test_crashing_child"]
     assert registry.clear() == 1 and registry.entries() == []
+
+
+def test_aitune_env_lists_and_clears_recorded_crashes(tmp_path, monkeypatch, capsys):
+    from aitune.cli import main
+    from aitune.torch.crashes import CrashRegistry
+
+    monkeypatch.setenv("AITUNE_CACHE_DIR", str(tmp_path))
+    CrashRegistry(tmp_path / "crashes.json").record(CrashingAotBuild(), "cpu", "SIGSEGV", "killed by signal SIGSEGV",
+                                                    str(tmp_path / "child.log"))
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "crashed their build child" in out and "CrashingAotBuild" in out and "SIGSEGV" in out
+    assert main(["env", "--clear-crashes"]) == 0
+    assert "forgot 1 recorded crash" in capsys.readouterr().out
+    assert CrashRegistry(tmp_path / "crashes.json").entries() == []
