@@ -151,34 +151,34 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
 
     def search_space(self, module, graph, device) -> list["Backend"]:
         """The configurations worth trying (issue "Search"): on CPU plain and with ``freezing``; on CUDA
-        reduce-overhead (CUDA graphs) with and without freezing, default, and the max-autotune modes (marked
-        expensive: tried only when the time budget allows). Models with 2-D convolutions and 4-D inputs also
-        get channels-last variants of the best-known composite."""
+        reduce-overhead (CUDA graphs), then — with a time budget — reduce-overhead with freezing, default mode,
+        and the max-autotune modes (expensive). Models with 2-D convolutions and 4-D inputs also get a
+        channels-last variant (with freezing)."""
         config = self.config
         if config != TorchInductorJitBackendConfig():  # a configuration the user chose is tried as given
             return [self]
         device = torch.device(device)
         if device.type == "cuda":
-            configs = [dict(mode="reduce-overhead", freezing=True), dict(mode="reduce-overhead"), dict(),
+            configs = [dict(mode="reduce-overhead"), dict(mode="reduce-overhead", freezing=True), dict(),
                        dict(mode="max-autotune-no-cudagraphs", freezing=True), dict(mode="max-autotune", freezing=True)]
             if module is not None and graph is not None and has_4d_convolution(module, graph):
-                configs.insert(1, dict(mode="reduce-overhead", freezing=True, memory_format="channels_last"))
+                configs.insert(2, dict(mode="reduce-overhead", freezing=True, memory_format="channels_last"))
         else:
             configs = [dict(), dict(freezing=True)]
             if module is not None and graph is not None and has_4d_convolution(module, graph):
                 configs.append(dict(freezing=True, memory_format="channels_last"))
         variants = [TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)) for kwargs in configs]
         if device.type == "cuda":
-            for variant in variants:
-                if variant.config.mode is None:  # default mode: no CUDA graphs, dominated at small batches
-                    variant._tier = 1
+            for variant in variants[1:]:  # with a time budget: freezing, channels-last, default mode
+                variant._tier = 1
         return variants
 
     @property
     def search_tier(self) -> int:
         """max-autotune modes benchmark many kernels while compiling (minutes on a large model): tier 2. On
-        CUDA the default mode (no CUDA graphs; dominated by reduce-overhead at small batches in our H200
-        measurements) is an extra: tier 1. See :meth:`Backend.search_tier`."""
+        CUDA, reduce-overhead is tried by default and the other variants (freezing, channels-last, default mode)
+        are extras (tier 1): on the H200 with torch 2.11 plain reduce-overhead beat them on ResNet-50 b1 and
+        BERT-base b32 (benchmarks/RESULTS.md), and each costs a compile. See :meth:`Backend.search_tier`."""
         if (self.config.mode or "").startswith("max-autotune"):
             return 2
         return getattr(self, "_tier", 0)
