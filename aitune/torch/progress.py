@@ -40,6 +40,16 @@ def progress_enabled(requested: bool | None) -> bool:
     return Console(stderr=True).is_terminal
 
 
+def _terminal_stream():
+    """A text stream on a duplicate of standard error's descriptor (None when stderr has no descriptor)."""
+    import sys
+
+    try:
+        return os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1, encoding="utf-8", errors="replace")
+    except (AttributeError, OSError, ValueError):  # captured or replaced stderr without a descriptor
+        return None
+
+
 class TuneProgress:
     """The progress display of one ``tune`` run (a no-op object when disabled).
 
@@ -52,6 +62,7 @@ class TuneProgress:
         self._progress: Any = None
         self._task: Any = None
         self._label = ""
+        self._stream = None
 
     def __enter__(self) -> "TuneProgress":
         if self.enabled:
@@ -66,10 +77,15 @@ class TuneProgress:
                 TimeRemainingColumn,
             )
 
+            # NOTE [progress during builds]: builds send file descriptors 1 and 2 to their build.log
+            # (aitune.utils.logging.control_output); the display keeps its own duplicate of the terminal's
+            # descriptor, so it stays on screen while a build runs.
+            self._stream = _terminal_stream()
+            console = Console(file=self._stream) if self._stream is not None else Console(stderr=True)
             self._progress = Progress(SpinnerColumn(), TextColumn("{task.fields[label]}"), BarColumn(bar_width=20),
                                       MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
                                       TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
-                                      console=Console(stderr=True), refresh_per_second=4)
+                                      console=console, refresh_per_second=4)
             self._progress.start()
         return self
 
@@ -77,6 +93,9 @@ class TuneProgress:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     def start_graph(self, label: str, candidates: int) -> None:
         """A new graph: ``label`` (``module/graph``) with ``candidates`` evaluations to go (eager included)."""
