@@ -20,13 +20,17 @@ import wrapt
 from aitune.errors import ConfigError
 from aitune.torch.config import config
 from aitune.torch.guard import GuardConfig, StateWatch
+from aitune.torch.module_arguments import validate_dynamic_shapes, validate_strategies
 from aitune.torch.pytree import tree_flatten
-from aitune.torch.samples import DynamicDim, Recorder, make_graph_key
+from aitune.torch.samples import Recorder, make_graph_key
 
 logger = logging.getLogger(__name__)
 
 
 class ModuleState(str, enum.Enum):
+    """Where a wrapper is in its life: INIT (never called), RECORDING (calls run eager and are recorded),
+    TUNED (calls go to the selected backends), PASSTHROUGH (calls run the original module, nothing recorded)."""
+
     INIT = "init"
     RECORDING = "recording"
     TUNED = "tuned"
@@ -84,10 +88,10 @@ class Module(wrapt.ObjectProxy):
 
         if strategy is not None and not isinstance(strategy, TuneStrategy):
             raise ConfigError(f"strategy must be a TuneStrategy such as MaxThroughputStrategy(), got {strategy!r}")
-        strategies = _validate_strategies(strategy, strategies, TuneStrategy)
+        strategies = validate_strategies(strategy, strategies, TuneStrategy)
         if name is not None and (not isinstance(name, str) or not name):
             raise ConfigError(f"name must be a non-empty string, got {name!r}")
-        _validate_dynamic_shapes(dynamic_shapes)
+        validate_dynamic_shapes(dynamic_shapes)
         if max_samples is None:
             max_samples = config.samples_per_graph()
         if not isinstance(max_samples, int) or max_samples < 1:
@@ -556,23 +560,6 @@ def _flat_call_key(args: tuple, kwargs: dict):
     return len(args), tuple(parts)
 
 
-def check_unique_names(wrappers, where: str) -> None:
-    """Wrapper names key reports, build caches and checkpoints: two different wrappers of one model (or one
-    tune run) may not share one.
-
-    Raises:
-        ConfigError: naming the duplicated name and the two wrapped classes.
-    """
-    seen: dict[str, Any] = {}
-    for wrapper in wrappers:
-        other = seen.get(wrapper.name)
-        if other is not None and other is not wrapper:
-            raise ConfigError(f"{where}: two wrapped modules are named {wrapper.name!r} ({type(other.module).__name__} "
-                              f"and {type(wrapper.module).__name__}); names identify modules in reports, caches and "
-                              "checkpoints — give each ait.Module a distinct name")
-        seen[wrapper.name] = wrapper
-
-
 def graph_device(graph) -> torch.device:
     """The device of a graph's first recorded tensor input (CPU when it has none)."""
     for sample in graph.samples[:1]:
@@ -587,45 +574,3 @@ def _contiguous(value):
     from aitune.torch.pytree import tree_unflatten
 
     return tree_unflatten(spec, [leaf.contiguous() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
-
-
-def _validate_strategies(strategy, strategies, strategy_class) -> list | dict | None:
-    """``strategies`` as a list or a dict of TuneStrategy (exclusive with ``strategy``)."""
-    if strategies is None:
-        return None
-    if strategy is not None:
-        raise ConfigError("give either strategy (one for every graph) or strategies (one per graph), not both")
-    if isinstance(strategies, (list, tuple)):
-        values = list(strategies)
-    elif isinstance(strategies, dict):
-        for key in strategies:
-            if not isinstance(key, (str, int)) or isinstance(key, bool):
-                raise ConfigError(f"strategies keys are graph names ('graph0') or indices (0), got {key!r}")
-        values = list(strategies.values())
-    else:
-        raise ConfigError(f"strategies must be a list (one per graph, in order) or a dict keyed by graph name, "
-                          f"got {type(strategies).__name__}")
-    if not values:
-        raise ConfigError("strategies is empty: give one strategy per graph")
-    for value in values:
-        if not isinstance(value, strategy_class):
-            raise ConfigError(f"strategies must hold TuneStrategy instances, got {value!r}")
-    return values if isinstance(strategies, (list, tuple)) else dict(strategies)
-
-
-def _validate_dynamic_shapes(dynamic_shapes) -> None:
-    if dynamic_shapes is None:
-        return
-    if not isinstance(dynamic_shapes, dict):
-        raise ConfigError("dynamic_shapes must be a dict {input path: (int | DynamicDim | BatchDim, ...)}")
-    by_name: dict[str, DynamicDim] = {}
-    for path, dims in dynamic_shapes.items():
-        if not isinstance(dims, (tuple, list)):
-            raise ConfigError(f"dynamic_shapes[{path!r}] must be a tuple with one entry per axis")
-        for dim in dims:
-            if isinstance(dim, DynamicDim):
-                previous = by_name.setdefault(dim.name, dim)
-                if previous != dim:
-                    raise ConfigError(f"dims named {dim.name!r} differ ({previous} vs {dim}); same name, same bounds")
-            elif not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
-                raise ConfigError(f"dynamic_shapes[{path!r}]: {dim!r} is neither a size >= 0 nor a DynamicDim")

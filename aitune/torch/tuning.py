@@ -17,7 +17,8 @@ from aitune.torch import dataloader, telemetry
 from aitune.torch.config import config
 from aitune.torch.environment import environment
 from aitune.torch.max_batch_size import search_for_graph
-from aitune.torch.module import Module, ModuleState, check_unique_names, _recording_context, registered_modules
+from aitune.torch.module import Module, ModuleState, _recording_context, registered_modules
+from aitune.torch.module_arguments import check_unique_names
 from aitune.torch.report import GraphReport, TuneReport
 from aitune.torch.samples import clone_tree
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy

@@ -128,8 +128,6 @@ def compile_arguments(mode: str | None, options: dict | None, freezing: bool) ->
 
 
 class TorchInductorJitBackend(AutocastMixin, Backend):
-    _channels_last = False
-    _tier = 0  # search tier of a search-space variant (see search_tier)
     """``torch.compile(module, backend="inductor")``, warmed up on every recorded sample at build.
 
     Wraps: TorchInductor (CPU: C++/OpenMP; CUDA: Triton). Extra: none (torch only).
@@ -137,6 +135,9 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     Known limitations: graph breaks fall back to Python (counted in ``build_info["graph_breaks"]``);
     shapes outside the recorded range may recompile. Checkpoints keep weights + samples and recompile on load.
     """
+
+    _channels_last = False
+    _tier = 0  # search tier of a search-space variant (see search_tier)
 
     name = "inductor_jit"
     config_class = TorchInductorJitBackendConfig

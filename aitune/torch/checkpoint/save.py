@@ -24,7 +24,7 @@ from aitune.torch.checkpoint.manifest import (
 )
 from aitune.torch.checkpoint.wrappers import WrapperEntry, find_wrappers, path_text
 from aitune.torch.jsonsafe import json_safe
-from aitune.torch.module import check_unique_names
+from aitune.torch.module_arguments import check_unique_names
 
 logger = logging.getLogger(__name__)
 

@@ -37,6 +37,8 @@ _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
 class JitState(str, enum.Enum):
+    """A patched module's state; the transitions are described in this module's docstring."""
+
     RECORDING = "recording"
     TUNING = "tuning"
     TUNED = "tuned"

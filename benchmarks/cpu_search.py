@@ -1,0 +1,125 @@
+"""Issue "Search" on this CPU: aitune's default tune vs hand-picked anchors, MiniLM 8 × 128, in one process.
+
+The all-MiniLM-L6-v2 sentence encoder (real weights, ``aitune.demo.SentenceEncoder``) at batch 8 × 128 tokens:
+
+1. eager and hand-picked anchors: ``torch.compile()``, ``torch.compile`` with Inductor ``freezing``, and —
+   where TorchAO is installed — TorchAO int8 dynamic activation / int8 weight + compile + freezing;
+2. ``ait.tune`` with the default strategy (quantizing candidates measured but not selectable);
+3. ``ait.tune`` with ``allow_quantization=True``;
+
+each tuned module timed again after tuning beside eager, with the cosine similarity of its sentence
+embeddings to eager's. Targets (issue "Search"): ≥ 2.5x eager at cosine ≥ 0.99 with quantization allowed,
+≥ 1.25x without. Usage (repository root)::
+
+    python -m benchmarks.cpu_search [--json results/cpu_search.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+import aitune.torch as ait
+from aitune.torch.backend.inductor_jit import compile_arguments
+
+
+def p50_ms(function, seconds: float = 3.0, warmup: int = 3) -> float:
+    """Median wall time of ``function()`` in ms (CPU: perf_counter around each call)."""
+    with torch.no_grad():
+        for _ in range(warmup):
+            function()
+        times, started = [], time.perf_counter()
+        while time.perf_counter() - started < seconds or len(times) < 10:
+            begin = time.perf_counter()
+            function()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Smallest per-sentence cosine similarity of two embedding batches ``[B, 384]``."""
+    return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).min())
+
+
+def anchors(model, inputs, expected) -> dict:
+    results = {}
+    with torch.no_grad():
+        plain = torch.compile(copy.deepcopy(model))
+        results["hand-picked torch.compile()"] = plain
+        mode, options = compile_arguments(None, None, True)
+        results["hand-picked torch.compile(freezing)"] = torch.compile(copy.deepcopy(model), mode=mode,
+                                                                      options=options)
+        try:
+            from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+            quantized = copy.deepcopy(model)
+            quantize_(quantized, Int8DynamicActivationInt8WeightConfig())
+            results["hand-picked torchao int8 dyn + compile(freezing)"] = torch.compile(quantized, mode=mode,
+                                                                                      options=options)
+        except ImportError:
+            pass
+    rows = {}
+    for label, compiled in results.items():
+        with torch.no_grad():
+            out = compiled(**inputs)
+        rows[label] = {"p50_ms": p50_ms(lambda compiled=compiled: compiled(**inputs)),
+                       "cosine_min": cosine(out, expected)}
+    return rows
+
+
+def tune_row(model, inputs, dataset, expected, allow_quantization: bool, cache_dir: str) -> dict:
+    strategy = ait.MaxThroughputStrategy(allow_quantization=allow_quantization)
+    wrapped = ait.Module(model, "minilm-quant" if allow_quantization else "minilm", strategy=strategy)
+    started = time.perf_counter()
+    report = ait.tune(lambda batch: wrapped(**batch), dataset, progress=False, ready_batches=True,
+                      cache_dir_path=cache_dir)
+    wall = time.perf_counter() - started
+    print(report.describe())
+    with torch.no_grad():
+        out = wrapped(**inputs)
+    return {"selected": report.selected(wrapped.name, "graph0"), "tune_wall_s": wall,
+            "p50_ms": p50_ms(lambda: wrapped(**inputs)), "cosine_min": cosine(out, expected)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the figures here as JSON")
+    args = parser.parse_args(argv)
+    from aitune.demo import SENTENCES, SentenceEncoder, load_minilm, make_batches
+
+    bert, tokenizer = load_minilm()
+    model = SentenceEncoder(bert).eval()
+    sentences = [SENTENCES[i % len(SENTENCES)] for i in range(8)]
+    inputs = dict(tokenizer(sentences, padding="max_length", truncation=True, max_length=128, return_tensors="pt"))
+    dataset = make_batches(tokenizer, SENTENCES)
+    with torch.no_grad():
+        expected = model(**inputs)
+    result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    rows = {"eager": {"p50_ms": p50_ms(lambda: model(**inputs)), "cosine_min": 1.0}}
+    rows.update(anchors(model, inputs, expected))
+    with tempfile.TemporaryDirectory() as cache_dir:
+        rows["ait.tune (default)"] = tune_row(model, inputs, dataset, expected, False, cache_dir)
+        rows["ait.tune (allow_quantization)"] = tune_row(model, inputs, dataset, expected, True, cache_dir)
+    rows["eager (again)"] = {"p50_ms": p50_ms(lambda: model(**inputs)), "cosine_min": 1.0}
+    eager = min(rows["eager"]["p50_ms"], rows["eager (again)"]["p50_ms"])
+    print(f"\nMiniLM sentence encoder 8 x 128, CPU, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"{'run':52s} {'p50 ms':>8s} {'x eager':>8s} {'cosine':>9s}  selected / tune wall")
+    for label, row in rows.items():
+        row["speedup"] = eager / row["p50_ms"]
+        extra = f"  {row['selected']} / {row['tune_wall_s']:.0f} s" if "selected" in row else ""
+        print(f"{label:52s} {row['p50_ms']:8.1f} {row['speedup']:8.2f} {row['cosine_min']:9.5f}{extra}")
+    result["rows"] = rows
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
