@@ -125,6 +125,24 @@ class Outer(torch.nn.Module):
         return self.inner(x)
 
 
+def test_a_call_that_cannot_be_described_still_runs_and_is_timed(monkeypatch):
+    model = Top().eval()
+    runtime.enable_inspection()
+    model(torch.randn(2, 16))
+    original = inspection.TypeSignatures.add
+
+    def add(self, args, kwargs, *rest, **options):
+        if args and isinstance(args[0], torch.Tensor) and args[0].shape[-1] == 4:  # the head's output
+            raise RuntimeError("cannot describe this")
+        return original(self, args, kwargs, *rest, **options)
+
+    monkeypatch.setattr(inspection.TypeSignatures, "add", add)
+    x = torch.randn(3, 16)
+    assert torch.equal(model(x), model.head(model.blocks[1](model.blocks[0](x))))
+    head = _by_name()["Top.head"]
+    assert head.calls == 3 and "outputs not described" in head.note
+
+
 def test_self_time_leaves_out_the_modules_inside():
     model = Outer()
     runtime.enable_inspection()
@@ -133,6 +151,18 @@ def test_self_time_leaves_out_the_modules_inside():
     outer, inner = _by_name()["Outer"], _by_name()["Outer.inner"]
     assert inner.self_s >= 0.08 and outer.self_s >= 0.01
     assert outer.self_s < inner.self_s and outer.total_s >= inner.total_s + outer.self_s - 1e-9
+
+
+def test_cuda_modules_are_synchronised_before_and_after_each_call(monkeypatch):
+    synchronised = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synchronised.append(device))
+    model = Top().eval()
+    runtime.enable_inspection()
+    model(torch.randn(2, 16))
+    assert synchronised == []  # parameters and inputs on the CPU
+    _by_name()["Top.head"].sync_device = "cuda:1"  # what parameters on cuda:1 give
+    model(torch.randn(2, 16))
+    assert synchronised == ["cuda:1", "cuda:1"]
 
 
 def test_exclusions_depth_and_a_module_called_on_its_own_first():

@@ -73,6 +73,7 @@ class InspectState(str, enum.Enum):
 
 
 _TIMED = (InspectState.INIT, InspectState.INSPECT)
+_INFER = object()
 
 
 # ============================================================================================ type signatures
@@ -92,9 +93,9 @@ class TypeSignatures:
         self._entries: dict[Any, dict] = {}
         self.other_calls = 0
 
-    def add(self, args: tuple, kwargs: dict, batch_size: Any = "infer",
+    def add(self, args: tuple, kwargs: dict, batch_size: Any = _INFER,
             first_call_only: bool = False) -> tuple[list[Any], int | None]:
-        """Count one call of ``(args, kwargs)``; ``batch_size``: the call's (``"infer"``: dim 0 of its first
+        """Count one call of ``(args, kwargs)``; ``batch_size``: the call's (default: dim 0 of its first
         tensor). Returns its flattened leaves and that batch size."""
         if kwargs:
             kwargs = dict(sorted(kwargs.items()))
@@ -108,7 +109,7 @@ class TypeSignatures:
             key = (spec, tuple(("tensor", leaf.dtype, leaf.dim(), leaf.device.type)
                                if isinstance(leaf, torch.Tensor) else ("value", type(leaf).__qualname__)
                                for leaf in leaves))
-        if batch_size == "infer":
+        if batch_size is _INFER:
             batch_size = infer_batch_size(leaves)
         entry = self._entries.get(key)
         if entry is None:
@@ -170,6 +171,8 @@ class InspectModule:
             under its parent (``""`` at the top). level: 0 at the top.
         class_name: qualified class name. num_parameters: parameter elements (its children's included).
             precisions: dtype names of its parameters. device: where its first parameter or buffer lives.
+        sync_device: the CUDA device synchronised around its calls (its parameters'; None when they are not
+            on CUDA: then a call's first CUDA input's device, if any).
         state: :class:`InspectState`. reason: why it is skipped. note: what was not tracked below it.
         calls: calls timed. total_s / max_s: time in its calls, all / the longest, s.
         inputs / outputs: :class:`TypeSignatures`. children: tracked children, in attribute order.
@@ -188,7 +191,7 @@ class InspectModule:
         if first is None:
             first = next(module.buffers(), None)
         self.device = str(first.device) if first is not None else None
-        self._cuda_device = first.device if first is not None and first.device.type == "cuda" else None
+        self.sync_device = first.device if first is not None and first.device.type == "cuda" else None
         self.state = InspectState.INIT
         self.reason = ""
         self.note = ""
@@ -283,9 +286,13 @@ _record_lock = threading.Lock()
 def _open(node: InspectModule, args: tuple, kwargs: dict, first_call_only: bool) -> _Timing:
     begin = time.perf_counter()
     timing = _Timing(node)
-    with _record_lock:
-        leaves, timing.batch_size = node.inputs.add(args, kwargs, first_call_only=first_call_only)
-    cuda_device = node._cuda_device
+    try:
+        with _record_lock:
+            leaves, timing.batch_size = node.inputs.add(args, kwargs, first_call_only=first_call_only)
+    except Exception:  # noqa: BLE001 - describing a call never breaks it
+        leaves, timing.batch_size = [], None
+        _recording_failed(node, "inputs")
+    cuda_device = node.sync_device
     if cuda_device is None:
         cuda_device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_cuda), None)
     timing.cuda_device = cuda_device
@@ -312,9 +319,13 @@ def _close(timing: _Timing, output: Any, raised: bool = False) -> None:
     elif timing in stack:  # a frame left open by a call that never returned to us
         del stack[stack.index(timing):]
     node = timing.node
+    if not raised:
+        try:
+            with _record_lock:
+                node.outputs.add((output,), {}, timing.batch_size)
+        except Exception:  # noqa: BLE001 - describing a call never breaks it
+            _recording_failed(node, "outputs")
     with _record_lock:
-        if not raised:
-            node.outputs.add((output,), {}, timing.batch_size)
         node.calls += 1
         node.total_s += elapsed
         node.max_s = max(node.max_s, elapsed)
@@ -326,6 +337,12 @@ def _close(timing: _Timing, output: Any, raised: bool = False) -> None:
         caller = stack[-1]
         caller.inner_s += elapsed
         caller.inner_overhead_s += timing.overhead_s + (time.perf_counter() - ended)
+
+
+def _recording_failed(node: InspectModule, side: str) -> None:
+    if f"{side} not described" not in node.note:
+        node.note = (node.note + "; " if node.note else "") + f"{side} not described (recording them failed)"
+        logger.debug("aitune jit: describing the %s of %s failed", side, node.name, exc_info=True)
 
 
 def begin_discovering_call(module: torch.nn.Module, node: InspectModule, args: tuple) -> None:
@@ -378,7 +395,8 @@ def _track(module: torch.nn.Module, name: str, path: str, level: int, parent: In
 def _track_children(node: InspectModule, module: torch.nn.Module) -> None:
     children = list(child_modules(module))
     if children and node.level + 1 >= jit_config.max_depth_level:
-        node.note = f"{len(children)} child module(s) not inspected (jit_config.max_depth_level={jit_config.max_depth_level})"
+        node.note = (f"{len(children)} child module(s) not inspected "
+                     f"(jit_config.max_depth_level={jit_config.max_depth_level})")
         return
     elsewhere = []
     for path, child in children:
