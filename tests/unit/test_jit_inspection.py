@@ -208,6 +208,17 @@ def test_import_switches_on_and_disable_puts_classes_and_settings_back(tmp_path)
     assert jit.is_enabled() and inspection.modules() == []
 
 
+def test_inspect_mode_from_the_environment(monkeypatch):
+    monkeypatch.setenv("AITUNE_JIT_MODE", "inspect")
+    jit.enable()  # what AUTOWRAPT_BOOTSTRAP runs
+    model = Top().eval()
+    model(torch.randn(2, 16))
+    assert inspection.is_running() and _by_name()["Top.head"].calls == 1
+    assert _by_name()["Top.blocks.0.act"].state is InspectState.SKIPPED  # min_parameters as configured (1)
+    jit.disable()
+    assert jit.jit_config.mode is jit.JITMode.TUNE_EAGER
+
+
 def test_bad_setting_leaves_settings_as_they_were():
     with pytest.raises(ConfigError, match="max_depth_level"):
         runtime.enable_inspection(max_depth_level=0)

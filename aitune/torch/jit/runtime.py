@@ -25,15 +25,19 @@ INSPECTION_SETTINGS = {"mode": JITMode.INSPECT, "max_depth_level": 7, "min_param
 def enable(**settings) -> None:
     """Tune, just in time, the top-level modules this process calls (idempotent).
 
-    Settings come, in this order, from ``$AITUNE_JIT_MODE`` (``tune_eager`` / ``tune_deferred``),
+    Settings come, in this order, from ``$AITUNE_JIT_MODE`` (``tune_eager`` / ``tune_deferred`` / ``inspect``:
+    see :func:`enable_inspection`, which also sets the depth),
     ``$AITUNE_JIT_SETUP`` (``"package.module:function"``, called with :data:`jit_config` — the way to
     configure a run whose code you do not change) and ``settings`` (names of :class:`JitConfig` fields).
 
     Raises:
         ConfigError: an unknown setting or a bad value (also from the environment variables).
     """
+    before = {name: getattr(jit_config, name) for name in INSPECTION_SETTINGS}
     apply_environment()
     jit_config.update(**settings)
+    if jit_config.mode is JITMode.INSPECT:
+        inspection.begin(before)  # also when inspect mode comes from $AITUNE_JIT_MODE or a setting
     was_enabled = discovery.globally_enabled()
     discovery.install(global_enable=True)
     _register_exit()
@@ -59,13 +63,14 @@ def enable_inspection(**settings) -> None:
     if any(isinstance(node, PatchedModule) for node in list(state.seen.values())):
         logger.warning("aitune jit: inspection starts while modules are tracked for tuning: those stay as they "
                        "are (call aitune.torch.jit.disable() first to inspect them)")
-    starting = not inspection.is_running()
-    inspection.begin({name: getattr(jit_config, name) for name in INSPECTION_SETTINGS})
+    before = {name: getattr(jit_config, name) for name in INSPECTION_SETTINGS}
+    running = inspection.is_running()
     try:
         enable(**{**INSPECTION_SETTINGS, **settings})
     except Exception:
-        if starting:
-            jit_config.update(**inspection.end())
+        if not running:
+            inspection.end()
+            jit_config.update(**before)
         raise
 
 
