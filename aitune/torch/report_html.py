@@ -1,9 +1,12 @@
-"""Self-contained HTML pages: a tune report and an ``ait.inspect`` result, to look at rather than read.
+"""Self-contained HTML pages: a tune report, an ``ait.inspect`` result and a JIT inspection, to look at rather
+than read.
 
 A tune report page shows, per graph, the selected backend and why, the latency distribution of every
 measured candidate, speed-up vs eager beside the error vs eager, probes passed per candidate and the full
 candidates table; then everything that failed, was rejected, skipped or unavailable with its whole reason,
-and the environment. An inspection page shows which modules of a pipeline take the time.
+and the environment. An inspection page shows which modules of a pipeline take the time. The JIT
+inspection page ("Model Inspector") shows the module tree a run called, as collapsible ``<details>``
+elements, with each module's self and total time, calls, parameters, input/output types and batch axes.
 
 NOTE [self-contained pages]: a page is one file that fetches nothing: CSS and figures are inline (figures
 as inline SVG, text kept as text), there is no script, and a Content-Security-Policy meta tag
@@ -44,6 +47,10 @@ _STATUS_STYLE = {
     "unsupported": ("#999999", 6),
     "unavailable": ("#999999", 7),
     "skipped": ("#999999", 8),
+    # JIT inspection states
+    "inspect": ("#0072B2", 10),
+    "init": ("#999999", 11),
+    "detached": ("#777777", 12),
 }
 _UNKNOWN_STYLE = ("#777777", 9)
 
@@ -81,6 +88,15 @@ figure.chart figcaption { display: table-caption; caption-side: bottom; font-siz
 .summary td:first-child { font-weight: 600; }
 details { margin: 6px 0; } summary { cursor: pointer; color: var(--muted); }
 ul.reasons { padding-left: 18px; } ul.reasons li { margin: 4px 0; white-space: pre-wrap; overflow-wrap: anywhere; }
+.tree details.node { margin: 1px 0; }
+.tree details.node > summary { color: var(--ink); padding: 2px 0; }
+.tree details.node > summary .node-times { color: var(--muted); font-size: 12.5px; margin-left: 6px; }
+.tree .node-body { margin-left: 7px; padding: 2px 0 2px 14px; border-left: 1px dotted var(--line); }
+.tree details.info { margin: 2px 0 4px; } .tree details.info > summary { font-size: 12.5px; }
+.tree table.node-info { margin: 4px 0 6px; } .tree table.node-info td:first-child { color: var(--muted); }
+span.share { display: inline-block; width: 110px; height: 8px; margin-left: 8px; background: #e8e8e8;
+             vertical-align: middle; } span.share > span { display: block; height: 100%; background: #0072B2; }
+td.types { min-width: 220px; max-width: 520px; overflow-wrap: anywhere; }
 """
 
 _CSP = "default-src 'none'; style-src 'unsafe-inline'"
@@ -311,6 +327,187 @@ def render_inspection(modules: list[dict], total_ms: float, iterations: int,
     return _page("aitune inspect", body)
 
 
+# ============================================================================================ JIT inspection
+
+_TREE_OPEN_LEVELS = 2  # tree levels shown unfolded
+_TOP_MODULES = 15  # modules in the time-share figure
+
+
+def render_jit_inspection(data: dict) -> str:
+    """The "Model Inspector" page of a JIT inspection: summary, time-share figure, collapsible module tree
+    (``<details>``, no script) and the modules by self time.
+
+    Args:
+        data: :func:`aitune.torch.jit.inspection.to_dict` — ``model_name``, ``total_s`` (s), ``overhead_s``,
+            ``modules`` (nested trees of per-module dicts: ``name``, ``class``, ``state``, ``calls``,
+            ``total_s``, ``self_s``, ``avg_s``, ``max_s`` (s), ``num_parameters``, ``inputs``/``outputs``
+            (signatures with ``text`` and ``calls``), ``batch_axes``, ``children``...), ``settings``,
+            ``environment``.
+
+    Returns:
+        The page (self-contained: NOTE [self-contained pages]).
+    """
+    figures = _FigureMaker()
+    nodes = []
+
+    def walk(items: list[dict]) -> None:
+        for item in items:
+            nodes.append(item)
+            walk(item.get("children") or [])
+
+    walk(data.get("modules") or [])
+    ids = {id(node): f"module-{index}" for index, node in enumerate(nodes)}
+    total_ms = 1e3 * (data.get("total_s") or 0.0)
+    timed = sorted((node for node in nodes if node.get("calls")), key=lambda node: -node.get("self_s", 0.0))
+    model_name = data.get("model_name") or "model"
+    body = [f"<h1>aitune Model Inspector — {_e(model_name)}</h1>",
+            f'<p class="meta">JIT inspection · started {_e(data.get("started_at") or "?")} · saved '
+            f'{_e(data.get("created_at") or "?")} · {len(nodes)} module(s) tracked, {len(timed)} called · '
+            f"{_num(total_ms, ',.3f')} ms in the top-level calls</p>",
+            _jit_summary(data, nodes, ids, timed, total_ms)]
+    if not figures.available:
+        body.append(f'<p class="note" id="no-figures">Figures need matplotlib: <code>{_e(REPORT_EXTRA)}</code>. '
+                    "The tables below hold the numbers.</p>")
+    elif timed:
+        body.append(figures.module_time_share("time-share", timed, total_ms))
+    body.append('<h2 id="tree">Module tree</h2>')
+    if nodes:
+        body.append('<p class="muted">Click a module to fold or unfold it. Self time leaves out the inspected '
+                    "modules called inside; the bar is the module's self share of the top-level calls.</p>")
+        body.append('<div class="tree">' + "".join(_tree_node(node, ids, total_ms) for node in data["modules"])
+                    + "</div>")
+    else:
+        body.append("<p>No module was called while inspection was on.</p>")
+    body.append(_jit_modules_table(timed, ids, total_ms))
+    body.append(_jit_not_inspected(nodes, ids))
+    body.append('<p class="note" id="how-measured">How it was measured: <code>time.perf_counter</code> around '
+                "each call of a tracked module, with <code>torch.cuda.synchronize</code> before and after when its "
+                "parameters or inputs are on CUDA. Self time = total time minus the inspected calls made inside it "
+                "and aitune's bookkeeping of them; total times include that bookkeeping "
+                f"({_num(1e3 * (data.get('overhead_s') or 0.0), ',.3f')} ms in all). A top-level module's first "
+                "call is seen by a hook that gets its positional arguments only: a signature seen only on that call "
+                "is marked <i>first call</i>. Calls that bypass <code>module(...)</code> count as their caller's "
+                "self time.</p>")
+    body.append(_environment_section(data.get("environment") or {}))
+    body.append(f'<p class="meta">Page made by aitune {_e(__version__)}.</p>')
+    return _page(f"aitune Model Inspector — {model_name}", body)
+
+
+def _jit_summary(data: dict, nodes: list[dict], ids: dict, timed: list[dict], total_ms: float) -> str:
+    roots = data.get("modules") or []
+    states: dict[str, int] = {}
+    for node in nodes:
+        states[node.get("state", "?")] = states.get(node.get("state", "?"), 0) + 1
+    settings = data.get("settings") or {}
+    devices = sorted({node["device"] for node in nodes if node.get("device")})
+    precisions = sorted({precision for node in nodes for precision in node.get("precisions") or []})
+    deepest = max((node.get("level", 0) for node in nodes), default=0)
+    rows = [["model", _e(data.get("model_name"))],
+            ["top-level modules", ", ".join(f'<a href="#{ids[id(root)]}"><code>{_e(root["name"])}</code></a>'
+                                            for root in roots) or "none"],
+            ["modules tracked", f"{len(nodes)} — " + ", ".join(f"{count} {_e(name)}" for name, count in
+                                                              sorted(states.items(), key=lambda i: _style(i[0])[1]))],
+            ["module calls timed", f"{sum(node.get('calls', 0) for node in nodes):,}"],
+            ["time in the top-level calls", f"{_num(total_ms, ',.3f')} ms"],
+            ["parameters", f"{sum(root.get('num_parameters', 0) for root in roots):,}"
+                           + (f" ({_e(', '.join(precisions))})" if precisions else "")],
+            ["devices", _e(", ".join(devices) or "no parameters")],
+            ["deepest level", f"{deepest} (jit_config.max_depth_level = {_e(settings.get('max_depth_level'))})"]]
+    if timed and total_ms:
+        busiest = timed[0]
+        rows.append(["most self time", f'<code>{_e(busiest["name"])}</code> — '
+                                       f'{_num(100 * 1e3 * busiest.get("self_s", 0.0) / total_ms, ".1f")} %'])
+    rows.append(["aitune bookkeeping", f"{_num(1e3 * (data.get('overhead_s') or 0.0), ',.3f')} ms (in total times "
+                                       "only)"])
+    if data.get("running"):
+        rows.append(["", '<span class="muted">inspection was still running: later calls are not in this page'
+                         "</span>"])
+    return '<h2 id="summary">Summary</h2>' + _table(["", ""], rows, css_class="summary", header=False)
+
+
+
+def _signatures_html(signatures: list[dict], other_calls: int = 0) -> str:
+    lines = [f'<code>{_e(signature["text"])}</code> <span class="muted">× {signature["calls"]}'
+             + (" (first call)" if signature.get("first_call_only") else "") + "</span>" for signature in signatures]
+    if other_calls:
+        lines.append(f'<span class="muted">{other_calls} call(s) of further signatures (not kept)</span>')
+    return "<br>".join(lines) or '<span class="muted">not called</span>'
+
+
+def _share_text(seconds: float | None, total_ms: float) -> str:
+    return _num(100 * 1e3 * (seconds or 0.0) / total_ms, ".1f") if total_ms else ""
+
+
+def _tree_node(node: dict, ids: dict, total_ms: float) -> str:
+    called = bool(node.get("calls"))
+    share = 1e3 * node.get("self_s", 0.0) / total_ms if total_ms else 0.0
+    times = (f'{_num(1e3 * node.get("self_s", 0.0), ",.3f")} ms self · {_num(1e3 * node.get("total_s", 0.0), ",.3f")}'
+             f' ms total · {node.get("calls", 0)} call(s)') if called else "not timed"
+    summary = (f'<summary><code>{_e(node.get("name"))}</code> <span class="muted">'
+               f'{_e(str(node.get("class", "")).rsplit(".", 1)[-1])}</span> {_badge(node.get("state"))}'
+               f'<span class="node-times">{times}</span>'
+               + (f'<span class="share" title="{_num(100 * share, ".1f")} % self"><span style="width:'
+                  f'{min(100.0, 100 * share):.1f}%"></span></span>' if called else "") + "</summary>")
+    rows = [["class", f'<code>{_e(node.get("class"))}</code>'],
+            ["state", _badge(node.get("state")) + (f" {_e(node['reason'])}" if node.get("reason") else "")],
+            ["parameters", f'{node.get("num_parameters", 0):,}' + (f' ({_e(", ".join(node["precisions"]))})'
+                                                                   if node.get("precisions") else "")
+             + (f' on {_e(node["device"])}' if node.get("device") else "")]]
+    if called:
+        rows += [["calls", str(node["calls"])],
+                 ["self / total ms", f'{_num(1e3 * node.get("self_s", 0.0), ",.3f")} / '
+                                     f'{_num(1e3 * node.get("total_s", 0.0), ",.3f")}'],
+                 ["avg / max ms per call", f'{_num(1e3 * node.get("avg_s", 0.0), ",.3f")} / '
+                                           f'{_num(1e3 * node.get("max_s", 0.0), ",.3f")}'],
+                 ["share (self / total)", f'{_share_text(node.get("self_s"), total_ms)} % / '
+                                          f'{_share_text(node.get("total_s"), total_ms)} %'],
+                 ["inputs", ("", "types", _signatures_html(node.get("inputs") or [],
+                                                            node.get("other_input_calls", 0)))],
+                 ["outputs", ("", "types", _signatures_html(node.get("outputs") or [],
+                                                             node.get("other_output_calls", 0)))],
+                 ["batch axes", _e(", ".join(node.get("batch_axes") or []))
+                  or '<span class="muted">none seen (needs calls with two batch sizes)</span>']]
+    if node.get("note"):
+        rows.append(["note", _e(node["note"])])
+    info = _table(["", ""], rows, css_class="node-info", header=False)
+    children = "".join(_tree_node(child, ids, total_ms) for child in node.get("children") or [])
+    if children:  # its own details fold away, so that an unfolded node lists its children
+        info = f'<details class="info"><summary>details of {_e(node.get("name"))}</summary>{info}</details>'
+    opened = " open" if children and node.get("level", 0) < _TREE_OPEN_LEVELS else ""
+    return (f'<details class="node" id="{ids[id(node)]}"{opened}>{summary}<div class="node-body">'
+            + info + children + "</div></details>")
+
+
+def _jit_modules_table(timed: list[dict], ids: dict, total_ms: float) -> str:
+    if not timed:
+        return '<h2 id="modules">Modules by self time</h2><p>No module was called.</p>'
+    rows = [[f'<a href="#{ids[id(node)]}"><code>{_e(node["name"])}</code></a>',
+             _e(str(node.get("class", "")).rsplit(".", 1)[-1]), _badge(node.get("state")),
+             ("", "num", str(node.get("calls", 0))),
+             ("", "num", _num(1e3 * node.get("self_s", 0.0), ",.3f")),
+             ("", "num", _num(1e3 * node.get("total_s", 0.0), ",.3f")),
+             ("", "num", _num(1e3 * node.get("avg_s", 0.0), ",.3f")),
+             ("", "num", _share_text(node.get("self_s"), total_ms)),
+             ("", "num", _share_text(node.get("total_s"), total_ms)),
+             ("", "num", f'{node.get("num_parameters", 0):,}'),
+             ("", "types", _signatures_html(node.get("inputs") or [], node.get("other_input_calls", 0))),
+             ("", "types", _signatures_html(node.get("outputs") or [], node.get("other_output_calls", 0))),
+             _e(", ".join(node.get("batch_axes") or []))] for node in timed]
+    return ('<h2 id="modules">Modules by self time</h2>'
+            + _table(["module", "class", "state", "calls", "self ms", "total ms", "avg ms", "% self", "% total",
+                      "params", "inputs", "outputs", "batch axes"], rows, css_class="modules"))
+
+
+def _jit_not_inspected(nodes: list[dict], ids: dict) -> str:
+    rows = [[f'<a href="#{ids[id(node)]}"><code>{_e(node["name"])}</code></a>', _badge(node.get("state")),
+             ("", "reason", _e(node.get("reason") or node.get("note") or "tracked, but never called"))]
+            for node in nodes if not node.get("calls")]
+    if not rows:
+        return ""
+    return ('<h2 id="not-inspected">Not timed, and why</h2>'
+            + _table(["module", "state", "why"], rows, css_class="not-inspected"))
+
+
 # ============================================================================================ figures
 
 
@@ -494,6 +691,39 @@ class _FigureMaker:
         caption = "Share of the timed run spent in each top-most executed module (tuning candidates: the longest bars)."
         if len(modules) > len(shown):
             caption += f" The {len(modules) - len(shown)} smallest are in the table only."
+        return self._svg(figure, key, "time-share", caption)
+
+    def module_time_share(self, key: str, modules: list[dict], total_ms: float) -> str:
+        """JIT inspection: the modules with the most self time (sorted), each with its self share (dark bar)
+        over its total share (light bar: the modules called inside it included) of the top-level calls."""
+        shown = modules[:_TOP_MODULES]
+        if not shown or not total_ms:
+            return ""
+        labels, self_shares, total_shares = [], [], []
+        for module in shown:
+            label = f"{module['name']} ({str(module.get('class', '')).rsplit('.', 1)[-1]})"
+            labels.append(_escape_mathtext(label if len(label) <= 52 else "…" + label[-51:]))
+            self_shares.append(100 * 1e3 * module.get("self_s", 0.0) / total_ms)
+            total_shares.append(100 * 1e3 * module.get("total_s", 0.0) / total_ms)
+        labels, self_shares, total_shares = labels[::-1], self_shares[::-1], total_shares[::-1]
+        figure = self._figure(len(labels), width=8.2)
+        axes = figure.subplots()
+        positions = range(len(labels))
+        axes.barh(positions, total_shares, color="#56B4E9", alpha=0.45, height=0.72, label="total (with inner modules)")
+        axes.barh(positions, self_shares, color="#0072B2", height=0.42, label="self")
+        for position, own, whole in zip(positions, self_shares, total_shares):
+            axes.text(max(own, whole) + 1, position, f"self {own:.1f} %  ·  total {whole:.1f} %", va="center",
+                      fontsize=8.5, color="#333333")
+        axes.set_yticks(list(positions), labels)
+        axes.set_xlim(0, max(total_shares + self_shares + [1]) * 1.45 + 2)
+        axes.set_ylim(-0.6, len(labels) - 0.4)
+        axes.set_xlabel("% of the time in the top-level calls")
+        figure.legend(loc="outside upper center", fontsize=8, frameon=False, ncols=2)
+        self._tidy(axes)
+        caption = ("Where the time goes: the modules with the most self time (their own work, without the inspected "
+                   "modules they call), dark, over their total time, light.")
+        if len(modules) > len(shown):
+            caption += f" The other {len(modules) - len(shown)} called module(s) are in the table."
         return self._svg(figure, key, "time-share", caption)
 
     # ---------------------------------------------------------------------------- helpers

@@ -17,8 +17,10 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -1217,8 +1219,45 @@ def test_jit_patch_for_jit_tuning():
 
 
 @pytest.mark.skipif(not _jit_available(), reason=_JIT)
-def test_jit_inspection_report():
-    assert importlib.util.find_spec("aitune.torch.jit.enable_inspection") is not None
+def test_jit_inspection_report(tmp_path):
+    # Reference usage: `import aitune.torch.jit.enable_inspection as inspection`, run the pipeline,
+    # `inspection.save_report(path, model_name)`; a self-contained "Model Inspector" page, nothing tuned.
+    import aitune.torch.jit as jit
+    from chromium_pages import check_inspection_page, launch
+
+    started = time.perf_counter()
+    pipe = DiffusionPipeline()
+    prompts = ["a cat", ["a dog", "two birds"]]
+    with torch.no_grad():
+        expected = [pipe(prompt, num_inference_steps=2) for prompt in prompts]
+    sys.modules.pop("aitune.torch.jit.enable_inspection", None)  # so that the import acts, as in a fresh script
+    try:
+        import aitune.torch.jit.enable_inspection as inspection
+
+        with torch.no_grad():
+            outputs = [pipe(prompt, num_inference_steps=2) for prompt in prompts]
+        assert all(torch.equal(a, b) for a, b in zip(outputs, expected))  # eager's, bit for bit
+        nodes = {node.name: node for node in inspection.modules()}
+        assert list(nodes) == ["TextEncoder", "TextEncoder.embed", "Denoiser", "Denoiser.net", "Denoiser.net.0",
+                               "Denoiser.net.1", "Denoiser.net.2"]
+        assert nodes["TextEncoder"].calls == 2 and nodes["Denoiser"].calls == 4 and nodes["Denoiser.net.1"].calls == 4
+        assert jit.patched_modules() == []  # nothing tracked for tuning, nothing tuned
+
+        path = inspection.save_report(tmp_path / "inspect.html", "my-pipeline")
+        page = path.read_text(encoding="utf-8")
+        assert "aitune Model Inspector — my-pipeline" in page and "<script" not in page
+        assert page.count('<details class="node"') == 7
+        assert "latents: float32[1..2b, 8], timestep: float32[1..2b]" in page and "tokens: axis 0" in page
+        denoiser = re.search(r'<tr class=""><td><a href="#module-2"><code>Denoiser</code></a>.*?</tr>', page).group(0)
+        assert re.findall(r'<td class="num">([^<]*)</td>', denoiser)[0] == "4"  # calls
+        figure = re.search(r'<figure class="chart" data-figure="time-share"[^>]*>(.*?)</figure>', page, re.S)
+        assert figure and "Denoiser.net.0 (Linear)" in figure.group(1)
+        with launch() as browser:
+            check_inspection_page(browser, path, list(nodes), ["Denoiser.net.0 (Linear)"])
+    finally:
+        jit.reset()
+    assert type(pipe.unet) is Denoiser and type(pipe.unet.net[0]) is nn.Linear  # classes put back
+    print(f"JIT inspection, report and browser check: {time.perf_counter() - started:.1f} s")
 
 
 # ============================================================================ documented usages that already worked

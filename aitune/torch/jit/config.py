@@ -27,10 +27,13 @@ class JITMode(str, enum.Enum):
     required, a varying input axis); that call pauses for the tuning and returns eager's output.
     ``TUNE_DEFERRED``: only when :func:`aitune.torch.jit.tune_now` is called (or at interpreter exit,
     with ``tune_at_exit``); until then every module only records.
+    ``INSPECT``: nothing is tuned; every discovered module and its children (down to ``max_depth_level``) are
+    timed and described (:mod:`aitune.torch.jit.enable_inspection` sets it).
     """
 
     TUNE_EAGER = "tune_eager"
     TUNE_DEFERRED = "tune_deferred"
+    INSPECT = "inspect"
 
 
 def _names(value: Any, field: str) -> list[str]:
@@ -58,7 +61,7 @@ class JitConfig:
     """Settings of just-in-time tuning (the process-wide instance is :data:`jit_config`).
 
     Args:
-        mode: :class:`JITMode` (or its value, ``"tune_eager"`` / ``"tune_deferred"``).
+        mode: :class:`JITMode` (or its value, ``"tune_eager"`` / ``"tune_deferred"`` / ``"inspect"``).
         min_samples: calls a module must have recorded before it is tuned (>= 1; default 2: one call
             cannot show which input axes vary).
         batch_axis_required: also wait until some input axis has varied across the recorded calls (a batch
@@ -87,6 +90,9 @@ class JitConfig:
         tune_at_exit: in deferred mode, tune what is still pending at interpreter exit (fills the build
             cache and writes the reports; the outputs of this run were eager's anyway).
         cache_dir: builds and reports (None: ``$AITUNE_JIT_CACHE_DIR``, else ``<aitune cache>/jit``).
+        inspection_dir: inspect mode: where the ``jit_inspect_<timestamp>.html`` page is written at exit when
+            ``save_report()`` was never called (None: the working directory of the moment inspection was
+            enabled).
 
     Raises:
         ConfigError: for any value outside the ranges above, at construction or assignment.
@@ -106,6 +112,7 @@ class JitConfig:
     replay_samples: bool = True
     tune_at_exit: bool = True
     cache_dir: str | None = None
+    inspection_dir: str | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         validate = _VALIDATORS.get(name)
@@ -188,6 +195,7 @@ _VALIDATORS = {
     "replay_samples": lambda value: _bool(value, "replay_samples"),
     "tune_at_exit": lambda value: _bool(value, "tune_at_exit"),
     "cache_dir": _optional_str("cache_dir"),
+    "inspection_dir": _optional_str("inspection_dir"),
 }
 
 jit_config = JitConfig()

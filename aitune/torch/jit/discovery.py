@@ -23,8 +23,9 @@ from typing import Any, Callable, Iterator
 import torch
 import wrapt
 
-from aitune.torch.jit import patching, state
-from aitune.torch.jit.patched_module import JitState, track
+from aitune.torch.jit import inspection, patching, state
+from aitune.torch.jit.config import JITMode, jit_config
+from aitune.torch.jit.patched_module import JitState, PatchedModule, track
 from aitune.torch.locate import MODULE, walk
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,9 @@ def _pre_hook(module: torch.nn.Module, args: Any) -> None:
     if (depth == 0 and not thread.active and not thread.suspended and module not in state.seen
             and module not in state.ignored):
         try:
-            _discover(module)
+            node = _discover(module)
+            if isinstance(node, inspection.InspectModule):
+                inspection.begin_discovering_call(module, node, args)
         except Exception:  # noqa: BLE001 - discovery never breaks the user's call
             logger.warning("aitune jit: looking at %s failed; it is left alone", type(module).__qualname__,
                            exc_info=True)
@@ -95,22 +98,39 @@ def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
     thread = state.thread
     if thread.depth:
         thread.depth -= 1
+        if thread.depth == 0:  # a top-level call ends: the discovering call of an inspected module?
+            try:
+                inspection.end_discovering_call(module, output)
+            except Exception:  # noqa: BLE001 - inspection never breaks the user's call
+                logger.warning("aitune jit: timing %s failed", type(module).__qualname__, exc_info=True)
     return None
 
 
-def _discover(module: torch.nn.Module) -> None:
+def _discover(module: torch.nn.Module) -> "PatchedModule | inspection.InspectModule | None":
     if not _global["enabled"] and module not in state.candidates:
         state.ignored.add(module)
-        return
+        return None
     with _discovery_lock:  # two threads making the same first call track it once
         if module in state.seen:
-            return
+            return None
         name = state.unique_name(patching.original_class(module).__qualname__)
-        node = track(module, name, level=0)
+        if jit_config.mode is JITMode.INSPECT:
+            node = inspection.track(module, name)
+        else:
+            node = track(module, name, level=0)
+    if isinstance(node, inspection.InspectModule):
+        logger.info("aitune jit: inspecting top-level module %s (%s) and %d module(s) below it", node.name,
+                    node.state.value + (f": {node.reason}" if node.reason else ""), _count_below(node))
+        return node
     if node.state is JitState.RECORDING:
         node.calls += 1  # this discovering call, which runs eager and unrecorded
     logger.info("aitune jit: discovered top-level module %s (%s)", node.name,
                 node.state.value + (f": {node.reason}" if node.reason else ""))
+    return node
+
+
+def _count_below(node) -> int:
+    return sum(1 + _count_below(child) for child in node.children)
 
 
 # ---- candidates (decorator / context manager)

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import logging
 
-from aitune.torch.jit import state
-from aitune.torch.jit.config import jit_config
+from aitune.torch.jit import inspection, state
+from aitune.torch.jit.config import JITMode, jit_config
 from aitune.torch.jit.patched_module import JitState, PatchedModule
 
 logger = logging.getLogger(__name__)
 
 
 def patched_modules() -> list[PatchedModule]:
-    """Every module discovery looked at, top-level ones in discovery order, each followed by the children
-    tried below it (depth first). Modules the user dropped are gone."""
+    """Every module discovery looked at for tuning, top-level ones in discovery order, each followed by the
+    children tried below it (depth first). Modules the user dropped are gone; inspected modules are
+    :func:`aitune.torch.jit.inspection.modules`."""
     ordered: list[PatchedModule] = []
 
     def visit(node: PatchedModule) -> None:
@@ -22,7 +23,7 @@ def patched_modules() -> list[PatchedModule]:
             visit(child)
 
     for node in list(state.seen.values()):
-        if node.level == 0:
+        if isinstance(node, PatchedModule) and node.level == 0:
             visit(node)
     return ordered
 
@@ -34,7 +35,8 @@ def hierarchy() -> list[dict]:
 
 def describe() -> str:
     """A table of the hierarchy: per module its level (indentation), class, parameters, state, calls, and
-    the chosen backends or the reason it runs eager or was skipped. Also logged at INFO."""
+    the chosen backends or the reason it runs eager or was skipped (in inspect mode: the inspected modules'
+    states, calls and times). Also logged at INFO."""
     text = render()
     logger.info("%s", text)
     return text
@@ -43,6 +45,9 @@ def describe() -> str:
 def render() -> str:
     """:func:`describe`'s text, not logged."""
     from tabulate import tabulate
+
+    if jit_config.mode is JITMode.INSPECT:
+        return inspection.render()
 
     rows = []
     for node in patched_modules():
