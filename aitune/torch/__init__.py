@@ -32,6 +32,7 @@ from aitune.torch.tuning import tune
 
 # Last: just-in-time tuning builds on everything above. Importing it enables nothing.
 from aitune.torch.jit import PatchedModule, jit_config, patch_for_jit_tuning  # noqa: E402
+from aitune.torch.jit import reset as jit_reset  # noqa: E402 - the reference's name
 
 __all__ = [
     "BatchDim",
@@ -60,6 +61,7 @@ __all__ = [
     "config",
     "inspect",
     "jit_config",
+    "jit_reset",
     "load",
     "patch_for_jit_tuning",
     "profile",

@@ -43,6 +43,11 @@ _counter = 0
 _recording_context: dict[str, Any] = {"batch_size": None}
 
 
+def set_recording_batch_size(batch_size: int | None) -> None:
+    """The batch size ``ait.tune`` is recording now (each wrapper records its calls under it); None after."""
+    _recording_context["batch_size"] = batch_size
+
+
 def registered_modules() -> list["Module"]:
     """Live :class:`Module` wrappers in creation order."""
     return [module for _, module in sorted(_REGISTRY.items())]

@@ -17,7 +17,7 @@ from aitune.torch import dataloader, telemetry
 from aitune.torch.config import config
 from aitune.torch.environment import environment
 from aitune.torch.max_batch_size import search_for_graph
-from aitune.torch.module import Module, ModuleState, _recording_context, registered_modules
+from aitune.torch.module import Module, ModuleState, registered_modules, set_recording_batch_size
 from aitune.torch.module_arguments import check_unique_names
 from aitune.torch.report import GraphReport, TuneReport
 from aitune.torch.samples import clone_tree
@@ -119,7 +119,7 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
         try:
             with torch.no_grad():
                 for batch_size, args, kwargs in calls:
-                    _recording_context["batch_size"] = batch_size
+                    set_recording_batch_size(batch_size)
                     try:
                         # the caller's sample tensors are never touched (U3)
                         _call(func, clone_tree(args), clone_tree(kwargs), ready)
@@ -131,7 +131,7 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
                             f"{type(exc).__name__}: {exc}. {_calling_rule(ready)}") from exc
                     count += 1
         finally:
-            _recording_context["batch_size"] = None
+            set_recording_batch_size(None)
             for snapshot in snapshots.values():
                 snapshot.restore()
         logger.info("aitune: recorded %d call(s)", count)

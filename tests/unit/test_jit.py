@@ -97,8 +97,12 @@ def test_environment_settings(monkeypatch, tmp_path):
 def test_public_surface():
     assert set(jit.__all__) == {"JITMode", "JitConfig", "JitState", "PatchedModule", "describe", "disable",
                                 "enable", "hierarchy", "is_enabled", "jit_config", "patch_for_jit_tuning",
-                                "patched_modules", "prepare_for_jit_tuning", "reset", "tune_now"}
+                                "patched_modules", "prepare_for_jit_tuning", "reset", "tune", "tune_now"}
     assert ait.jit_config is jit.jit_config and ait.patch_for_jit_tuning is jit.patch_for_jit_tuning
+    assert ait.jit_reset is jit.reset
+    jit.enable()  # eager mode: the reference's deferred() refuses, naming the setting
+    with pytest.raises(ConfigError, match="tune_deferred"):
+        jit.tune.deferred()
 
 
 def test_pyproject_declares_extra_and_entry_point():

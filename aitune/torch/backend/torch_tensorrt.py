@@ -554,7 +554,7 @@ class TorchTensorRTAotBackend(Backend):
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
         from aitune.torch.serialization import output_template_from_json
-        from aitune.torch.backend.tensorrt.backend import _StoredGraph, _StoredTensorSpec
+        from aitune.torch.backend.tensorrt.backend import StoredGraph, StoredTensorSpec
 
         artifact = directory / metadata.get("artifact", ARTIFACT_FILE)
         if not artifact.is_file():
@@ -563,7 +563,7 @@ class TorchTensorRTAotBackend(Backend):
                         for entry in metadata["inputs"]]
         self._leaf_indices = [int(entry["leaf_index"]) for entry in metadata["inputs"]]
         template = output_template_from_json(metadata["outputs"], getattr(graph, "output_spec", None))
-        io_graph = _StoredGraph([_StoredTensorSpec(entry["name"], index, entry["name"])
+        io_graph = StoredGraph([StoredTensorSpec(entry["name"], index, entry["name"])
                                  for entry, index in zip(self._inputs, self._leaf_indices)])
         self._io = FlatIO(io_graph, template)
         self._artifact = artifact

@@ -19,6 +19,7 @@ from aitune.torch.jit.discovery import patch_for_jit_tuning, prepare_for_jit_tun
 from aitune.torch.jit.hierarchy import describe, hierarchy, patched_modules
 from aitune.torch.jit.patched_module import JitState, PatchedModule
 from aitune.torch.jit.runtime import disable, enable, is_enabled, reset, tune_now
+from aitune.torch.jit import tune  # noqa: E402 - tune.deferred(), the reference's deferred-mode call
 
 __all__ = [
     "JITMode",
@@ -35,5 +36,6 @@ __all__ = [
     "patched_modules",
     "prepare_for_jit_tuning",
     "reset",
+    "tune",
     "tune_now",
 ]

@@ -34,15 +34,17 @@ UNSUPPORTED_INPUT_DTYPES = (torch.float64, torch.complex64, torch.complex128, to
                             torch.uint32, torch.uint64)
 
 
-class _StoredTensorSpec:
+class StoredTensorSpec:
     """The part of a TensorSpec that :class:`FlatIO` needs, rebuilt from checkpoint metadata."""
 
     def __init__(self, name: str, leaf_index: int, path: str):
         self.name, self.leaf_index, self.path = name, leaf_index, path
 
 
-class _StoredGraph:
-    def __init__(self, tensor_specs: list[_StoredTensorSpec]):
+class StoredGraph:
+    """The input list of a graph rebuilt from checkpoint metadata (no samples): what :class:`FlatIO` reads."""
+
+    def __init__(self, tensor_specs: list[StoredTensorSpec]):
         self.tensor_specs = tensor_specs
 
 
@@ -351,7 +353,7 @@ class TensorRTBackend(Backend):
         self._output_names = list(metadata["output_names"])
         template = output_template_from_json(metadata["outputs"], getattr(graph, "output_spec", None))
 
-        io_graph = _StoredGraph([_StoredTensorSpec(entry["name"], int(entry["leaf_index"]), entry.get("path", ""))
+        io_graph = StoredGraph([StoredTensorSpec(entry["name"], int(entry["leaf_index"]), entry.get("path", ""))
                                  for entry in inputs])
         self._io = FlatIO(io_graph, template)
         self._engine_path = engine_path
