@@ -228,7 +228,6 @@ def wrap(obj: Any, modules: list[ModuleInfo], strategy=None, strategies=None) ->
     from aitune.torch.module import Module
 
     from aitune.torch.checkpoint.wrappers import find_wrappers
-    from aitune.torch.module_arguments import check_unique_names
 
     result = obj
     for info in modules:

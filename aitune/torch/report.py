@@ -12,7 +12,6 @@ from typing import Any
 
 from aitune import __version__
 from aitune.errors import ConfigError
-from aitune.torch.environment import environment  # noqa: F401 - re-exported (reports record it)
 from aitune.torch.jsonsafe import json_safe
 from aitune.torch.report_html import probes_text, render_tune_report
 

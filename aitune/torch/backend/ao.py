@@ -19,8 +19,8 @@ from aitune.torch.backend.base import (
     Check,
     Requirement,
     _to_jsonable,
-    validate_flags,
 )
+from aitune.torch.requirements import validate_flags
 from aitune.torch.backend.inductor_jit import (
     COMPILE_MODES,
     allow_many_variants,

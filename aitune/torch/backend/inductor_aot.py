@@ -35,7 +35,8 @@ from typing import Any, ClassVar
 import torch
 
 from aitune.errors import BackendBuildError, CheckpointError, ConfigError, IsolatedStepError
-from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, torch_version_at_least
+from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check
+from aitune.torch.requirements import torch_version_at_least
 from aitune.torch.backend.accepted import AcceptedInputs, batch_axes
 from aitune.torch.backend.flat import FlatIO, eager_output
 from aitune.torch.dtypes import dtype_name

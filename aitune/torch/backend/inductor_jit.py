@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from aitune.errors import ConfigError
-from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype, validate_flags
+from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
+from aitune.torch.requirements import validate_flags
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.pytree import tree_flatten, tree_unflatten
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from aitune.errors import BackendBuildError, BackendRuntimeError, ConfigError
-from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, Requirement, one_line
+from aitune.errors import BackendBuildError, BackendRuntimeError, ConfigError, one_line
+from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, Requirement
 from aitune.torch.backend.onnx_call_io import OnnxCallIO
 from aitune.torch.backend.onnx_export import export_onnx, training_mode_reason
 from aitune.torch.backend.onnx_graph import external_data_files

@@ -31,8 +31,8 @@ from aitune.torch.backend.base import (
     Check,
     Requirement,
     parse_dtype,
-    validate_flags,
 )
+from aitune.torch.requirements import validate_flags
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.backend.flat import FlatIO, eager_output
 from aitune.torch.dtypes import dtype_from_name, dtype_name

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from aitune.errors import BackendRuntimeError, CheckpointError, ConfigError
-from aitune.torch.backend.base import Backend, BuildMode, Check, Requirement, probe_requirement
+from aitune.torch.backend.base import Backend, BuildMode, Check, Requirement
+from aitune.torch.requirements import probe_requirement
 from aitune.torch.backend.flat import FlatIO
 from aitune.torch.backend.tensorrt import profiles as profile_rules
 from aitune.torch.backend.tensorrt.config import (
