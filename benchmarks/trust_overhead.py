@@ -27,15 +27,21 @@ from aitune.torch.profiling import ProfilingConfig
 PROFILING = ProfilingConfig(time_budget_s=0.5)
 
 
-def median(function, calls: int, warmup: int) -> float:
-    for _ in range(warmup):
-        function()
-    samples = []
-    for _ in range(calls):
-        started = time.perf_counter_ns()
-        function()
-        samples.append(time.perf_counter_ns() - started)
-    return statistics.median(samples) / 1e6  # ms
+def interleaved_medians(functions: list, calls: int, warmup: int, rounds: int = 10) -> list[float]:
+    """Median ms per call of each function, measured in ``rounds`` alternating blocks (A B C A B C ...) so that
+    a change in machine load (2 shared cores) hits every variant alike."""
+    for function in functions:
+        for _ in range(warmup):
+            function()
+    samples: list[list[int]] = [[] for _ in functions]
+    per_round = max(1, calls // rounds)
+    for _ in range(rounds):
+        for function, kept in zip(functions, samples):
+            for _ in range(per_round):
+                started = time.perf_counter_ns()
+                function()
+                kept.append(time.perf_counter_ns() - started)
+    return [statistics.median(kept) / 1e6 for kept in samples]
 
 
 def tune(model, backend_name: str, data, name: str, probes: bool, guard=None):
@@ -54,9 +60,8 @@ def per_call(model, backend_name, data, call, calls, warmup, unit):
     backend = guarded.backends["graph0"]
     kwargs = backend.graph.signature.normalize((), call)[1]
     with torch.no_grad():
-        direct = median(lambda: backend.run((), kwargs), calls, warmup)
-        off = median(lambda: unguarded(**call), calls, warmup)
-        on = median(lambda: guarded(**call), calls, warmup)
+        direct, off, on = interleaved_medians(
+            [lambda: backend.run((), kwargs), lambda: unguarded(**call), lambda: guarded(**call)], calls, warmup)
     scale = 1000.0 if unit == "µs" else 1.0
     stats = guarded.stats["guard"].get("graph0", {"checks": 0, "calls": 0, "check_every": "-"})
     print(f"  {backend_name:12s} direct {direct * scale:8.3f} {unit}  guard off {off * scale:8.3f} {unit}  "
@@ -91,10 +96,10 @@ def main() -> int:
         _, on_s, row = tune(model, backend_name, data, "probes_on", probes=True)
         print(f"  {backend_name:12s} probes off {off_s:6.1f} s   on {on_s:6.1f} s   extra {on_s - off_s:+6.1f} s "
               f"({row.probes['checked']} probes checked, kinds {', '.join(row.probes['kinds'])}; status {row.status})")
-    print("2. per call, MiniLM 8 x 128 (median of 30):")
+    print("2. per call, MiniLM 8 x 128 (median of 40, interleaved):")
     for backend_name in ("inductor_jit", args.backend):
-        per_call(model, backend_name, data, inputs, calls=30, warmup=5, unit="ms")
-    print("3. per call, tiny module (median of 20000):")
+        per_call(model, backend_name, data, inputs, calls=40, warmup=5, unit="ms")
+    print("3. per call, tiny module (median of 20000, interleaved):")
     tiny = Tiny().eval()
     call = {"input_ids": torch.randn(4, 8), "attention_mask": torch.ones(4, 8)}
     for backend_name in ("eager", "inductor_jit", args.backend):
