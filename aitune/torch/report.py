@@ -41,7 +41,8 @@ class CandidateResult:
         speedup: throughput / eager throughput measured in the same run.
         comparison: errors vs eager (samples and probes) and the thresholds used.
         probes: probe counts (``checked``, ``passed``, ``not_accepted`` by the artifact, ``not_run`` for lack of
-            time, ``kinds``), see :mod:`aitune.torch.probes`; None when probes were off.
+            time, ``dropped_memory`` for ``ProbeConfig.max_reference_bytes``, ``kinds``), see
+            :mod:`aitune.torch.probes`; None when probes were off.
         log_path: full build log. details: backend-specific facts (graph breaks, exporter, profiles...).
     """
 
@@ -274,9 +275,16 @@ def render_table(rows: list[CandidateResult]) -> str:
             row.status + (" (cached)" if row.cached else ""), reason,
             _fmt(row.build_s, ".1f"), _fmt(measurement.get("p50_ms"), ".3f"), _fmt(measurement.get("p90_ms"), ".3f"),
             _fmt(measurement.get("throughput"), ".1f"),
-            "" if row.speedup is None else f"{row.speedup:.2f}x", error_text, probes_text(row.probes)])
+            "" if row.speedup is None else f"{row.speedup:.2f}x", error_text, _probes_cell(row.probes)])
     table = tabulate(body, headers=headers, tablefmt="github")
     return table + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def _probes_cell(probes: dict | None) -> str:
+    """:func:`probes_text` plus the probes dropped for their reference memory."""
+    text = probes_text(probes)
+    dropped = (probes or {}).get("dropped_memory")
+    return f"{text} ({dropped} dropped: memory)" if dropped else text
 
 
 def _config_text(description: str) -> str:

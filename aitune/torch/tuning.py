@@ -18,6 +18,7 @@ from aitune.torch.config import config
 from aitune.torch.environment import environment
 from aitune.torch.max_batch_size import search_for_graph
 from aitune.torch.module import Module, ModuleState, check_unique_names, _recording_context, registered_modules
+from aitune.torch.references import ReferenceStore, spill_bytes_from_env
 from aitune.torch.report import GraphReport, TuneReport
 from aitune.torch.samples import clone_tree
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
@@ -270,14 +271,18 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
             bar.start_graph(f"{module.name}/{graph.name}", len(strategy.candidates(target_device, module.module, graph)) + 1)
             context.progress, context.crashes = bar, crashes
             context.deadline = budget.next_graph() if budget is not None else None
-            backend, rows, why = strategy.tune(context)
+            try:
+                backend, rows, why = strategy.tune(context)
+                checked = context.checked_signatures()
+            finally:
+                context.release()  # eager's references and their spilled files
             bar.graph_done(backend.describe())
             entry.candidates.extend(rows)
             entry.selected, entry.selection_reason = backend.describe(), why
             entries.append((graph, backend))
             selected_rows[graph.name] = next((row.to_dict() for row in rows if row.status == "selected"), None)
             guards[graph.key] = guard_for(module.guard_config, graph, backend, strategy.tolerance,
-                                          selected_rows[graph.name], context.checked_signatures(),
+                                          selected_rows[graph.name], checked,
                                           list(strategy.runners_up))
             snapshot.restore()
         module.install_tuned(entries, tune_rows=selected_rows)  # the rows are kept by ait.save
@@ -299,22 +304,33 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
         snapshot.restore()
 
 
-def _graph_context(module: Module, graph, device: torch.device, root: Path, cache, restore_state=None) -> GraphContext:
+def _graph_context(module: Module, graph, device: torch.device, root: Path, cache, restore_state=None,
+                   spill_bytes: int | None = None) -> GraphContext:
     """Eager reference outputs per sample, computed once on cloned inputs under no_grad, in order (for a
-    stateful graph from the module's starting state, which ``restore_state`` puts back)."""
+    stateful graph from the module's starting state, which ``restore_state`` puts back).
+
+    The outputs — and, for a graph that changes its inputs in place, the inputs after the call — are kept by
+    a :class:`~aitune.torch.references.ReferenceStore`: on the host, spilled to a temporary file in the
+    graph's workdir once they pass ``spill_bytes`` (default ``$AITUNE_REFERENCE_SPILL_BYTES`` or 256 MiB).
+    One sample's inputs and outputs are alive at a time.
+    """
     original = module.__wrapped__
-    outputs, inputs_after = [], []
+    workdir = root / _safe(module.name) / graph.name
+    store = ReferenceStore(workdir, module=original,
+                           spill_bytes=spill_bytes_from_env() if spill_bytes is None else spill_bytes)
+    outputs, inputs_after = [], [] if graph.mutated_inputs else None
     if restore_state is not None:
         restore_state()
     with torch.no_grad():
         for sample in graph.samples:
             inputs = sample.clone()
-            outputs.append(clone_tree(original(*inputs.args, **inputs.kwargs)))
-            inputs_after.append(inputs.leaves())
-    workdir = root / _safe(module.name) / graph.name
+            outputs.append(store.keep(original(*inputs.args, **inputs.kwargs)))
+            if inputs_after is not None:
+                inputs_after.append(store.keep(inputs.leaves()))
+            del inputs
     return GraphContext(module=original, module_name=module.name, graph=graph, device=device, workdir=workdir,
                         reference_outputs=outputs, reference_inputs_after=inputs_after, cache=cache,
-                        restore_state=restore_state)
+                        restore_state=restore_state, references=store)
 
 
 def _safe(name: str) -> str:
