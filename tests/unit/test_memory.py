@@ -1,13 +1,17 @@
 """Memory while tuning (aitune/torch/memory.py, references, probes' bound): peaks measured and reported,
 spilled references judged like in-memory ones, probes dropped past their reference bound."""
 
+import json
+
 import pytest
 import torch
 
 import aitune.torch as ait
 from aitune.errors import ConfigError
 from aitune.torch.backend import TorchEagerBackend
+from aitune.torch.memory import PeakMemory, host_peak_bytes, reset_host_peak
 from aitune.torch.probes import ProbeConfig, make_probes
+from aitune.torch.report import TuneReport
 from aitune.torch.samples import record_graphs
 
 MiB = 2**20
@@ -52,6 +56,31 @@ def tune(fast_profiling, backends, probe_config=None):
         backends, profiling_config=fast_profiling, probe_config=probe_config).enable_performance_validation(False))
     data = [torch.rand(b, 16) for b in (2, 4)]
     return ait.tune(wrapped, data, ready_batches=True)
+
+
+def test_peak_memory_counts_the_work_and_leaves_out_pauses():
+    if not reset_host_peak():
+        pytest.skip("/proc/self/clear_refs cannot be written here: the peak cannot be reset")
+    peak = PeakMemory()
+    peak.start()
+    before = host_peak_bytes()
+    held = torch.ones(32 * MiB // 4)  # 32 MiB, touched
+    with peak.paused():
+        left_out = torch.ones(96 * MiB // 4)
+        del left_out
+    figures = peak.result()
+    del held
+    assert figures["host_method"] == "VmHWM" and figures["device_bytes"] is None
+    assert before + 30 * MiB <= figures["host_bytes"] < before + 90 * MiB
+
+
+def test_the_report_carries_the_tuning_peak_memory(fast_profiling, tmp_path):
+    report = tune(fast_profiling, [TorchEagerBackend()])
+    peak = report.peak_memory
+    assert peak["host_bytes"] > 50 * MiB and peak["device_bytes"] is None  # a CPU tune: no device figure
+    assert "peak memory while tuning: host" in report.describe()
+    again = TuneReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again.peak_memory == peak
 
 
 @pytest.mark.parametrize("spill_bytes", ["0", None], ids=["spilled", "in-memory"])
