@@ -2,6 +2,7 @@
 spilled references judged like in-memory ones, probes dropped past their reference bound."""
 
 import json
+import mmap
 
 import pytest
 import torch
@@ -58,18 +59,25 @@ def tune(fast_profiling, backends, probe_config=None):
     return ait.tune(wrapped, data, ready_batches=True)
 
 
+def touched(size: int) -> mmap.mmap:
+    """Fresh anonymous memory with every page written (malloc could reuse pages already resident)."""
+    memory = mmap.mmap(-1, size)
+    for offset in range(0, size, mmap.PAGESIZE):
+        memory[offset] = 1
+    return memory
+
+
 def test_peak_memory_counts_the_work_and_leaves_out_pauses():
     if not reset_host_peak():
         pytest.skip("/proc/self/clear_refs cannot be written here: the peak cannot be reset")
     peak = PeakMemory()
     peak.start()
     before = host_peak_bytes()
-    held = torch.ones(32 * MiB // 4)  # 32 MiB, touched
+    held = touched(32 * MiB)
     with peak.paused():
-        left_out = torch.ones(96 * MiB // 4)
-        del left_out
+        touched(96 * MiB).close()
     figures = peak.result()
-    del held
+    held.close()
     assert figures["host_method"] == "VmHWM" and figures["device_bytes"] is None
     assert before + 30 * MiB <= figures["host_bytes"] < before + 90 * MiB
 
