@@ -17,19 +17,35 @@ Rules, per output leaf:
      precision". The rule and numbers follow PyTorch's own accuracy check for compiled models
      (``torch._dynamo.utils.same`` with an fp64 reference: ``res_error <= multiplier * ref_error + tol / 10``,
      multiplier 2). The report says when a leaf passed this way.
+
+NOTE [chunked comparison]: leaves are compared a chunk at a time (:data:`~aitune.torch.references.CHUNK_ELEMENTS`,
+2^20 elements) on the candidate output's device, in float32 for fp32/fp16/bf16 values and float64 for float64
+ones; maxima, counts and the SQNR/cosine sums run across chunks (sums of squares scaled by each chunk's largest
+magnitude, accumulated in float64 scalars). An fp16 output of 2^31 elements used to need ~10 full copies
+(CPU, then float64, differences, masks); now the check holds one chunk's temporaries. Results equal the
+float64 ones within float32 rounding.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from aitune.errors import ConfigError, ShapeMismatchError, ToleranceExceededError
 from aitune.torch.arguments import KnownFields
 from aitune.torch.pytree import leaf_paths, path_to_str, tree_flatten
+from aitune.torch.references import (
+    CHUNK_ELEMENTS,
+    StoredTensor,
+    chunk_plan,
+    flat_piece,
+    flatten_outputs,
+    memory_format,
+)
+
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -140,78 +156,214 @@ class ComparisonResult:
                 "leaves": [dataclasses.asdict(leaf) for leaf in self.leaves]}
 
 
-def _rmse(candidate: torch.Tensor, reference: torch.Tensor) -> float:
-    return float(torch.sqrt(torch.mean((candidate - reference) ** 2))) if reference.numel() else 0.0
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype values of ``dtype`` are compared in: float64 stays float64, other floating types (fp16, bf16,
+    fp8) become float32, complex types their real counterpart at the same rule (compared as real and
+    imaginary parts); integers and bools float64 (only the public SQNR/cosine helpers compare those)."""
+    if dtype in (torch.float64, torch.complex128) or not (dtype.is_floating_point or dtype.is_complex):
+        return torch.float64
+    return torch.float32
+
+
+def _pieces(leaves: list, device: torch.device, chunk_elements: int) -> Iterator[list[torch.Tensor]]:
+    """For leaves of one shape (tensors or :class:`StoredTensor`), the same flattened piece of each, on
+    ``device``, as real values of their :func:`compute_dtype` (a complex piece as its real and imaginary parts)."""
+    for index, start, stop in chunk_plan(leaves[0].shape, chunk_elements):
+        pieces = []
+        for leaf in leaves:
+            piece = leaf.piece(index, start, stop) if isinstance(leaf, StoredTensor) else flat_piece(leaf, index)
+            piece = piece.detach().to(device)
+            if piece.is_complex():
+                piece = torch.view_as_real(piece.resolve_conj()).reshape(-1)
+            pieces.append(piece.to(compute_dtype(leaf.dtype)))
+        yield pieces
+
+
+def _sum_of_squares(values: torch.Tensor) -> torch.Tensor:
+    """``sum(values ** 2)`` as a float64 scalar on ``values``' device, computed in ``values``' dtype scaled by
+    its largest magnitude (no overflow of float32 squares above 1.8e19, no underflow of tiny ones)."""
+    if values.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=values.device)
+    scale = values.abs().max()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (values / scale).square().sum().double() * scale.double().square()
+
+
+def _dot(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``sum(first * second)`` as a float64 scalar, scaled like :func:`_sum_of_squares`."""
+    if first.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=first.device)
+    scales = [values.abs().max() for values in (first, second)]
+    scales = [torch.where(scale > 0, scale, torch.ones_like(scale)) for scale in scales]
+    return ((first / scales[0]) * (second / scales[1])).sum().double() * scales[0].double() * scales[1].double()
+
+
+class _Norms:
+    """Running sums for SQNR and cosine over chunks: ||ref||², ||ref - cand||², ||cand||², <ref, cand>, and
+    whether ref == cand everywhere (float64 scalars on the device)."""
+
+    def __init__(self, device: torch.device):
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.signal, self.noise, self.candidate, self.dot = zero, zero.clone(), zero.clone(), zero.clone()
+        self.unequal = torch.zeros((), dtype=torch.int64, device=device)
+
+    def add(self, reference: torch.Tensor, candidate: torch.Tensor) -> None:
+        self.signal = self.signal + _sum_of_squares(reference)
+        self.noise = self.noise + _sum_of_squares(reference - candidate)
+        self.candidate = self.candidate + _sum_of_squares(candidate)
+        self.dot = self.dot + _dot(reference, candidate)
+        self.unequal = self.unequal + (reference != candidate).sum()
+
+    def sqnr_db(self) -> float:
+        """``20 * log10(||ref|| / ||ref - cand||)``: inf without noise, -inf without signal."""
+        noise, signal = float(self.noise), float(self.signal)
+        if noise == 0:
+            return math.inf
+        if signal == 0:
+            return -math.inf
+        return 10 * math.log10(signal / noise)
+
+    def cosine(self) -> float:
+        """``<ref, cand> / (||ref|| ||cand||)``; with a zero norm, 1.0 when both are equal, else 0.0."""
+        norms = math.sqrt(float(self.signal)) * math.sqrt(float(self.candidate))
+        if norms == 0:
+            return 1.0 if int(self.unequal) == 0 else 0.0
+        return float(self.dot) / norms
+
+
+def _norms(reference: torch.Tensor, candidate: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> _Norms:
+    reference, candidate = reference.detach().flatten(), candidate.detach().flatten()
+    norms = _Norms(reference.device)
+    for pieces in _pieces([reference, candidate], reference.device, chunk_elements):
+        norms.add(*pieces)
+    return norms
 
 
 def sqnr_db(reference: torch.Tensor, candidate: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB: ``20 * log10(||ref|| / ||ref - cand||)`` (torchao's definition)."""
-    reference = reference.double()
-    noise = torch.linalg.vector_norm(reference - candidate.double())
-    signal = torch.linalg.vector_norm(reference)
-    if noise == 0:
-        return math.inf
-    if signal == 0:
-        return -math.inf
-    return float(20 * torch.log10(signal / noise))
+    """Signal-to-quantization-noise ratio in dB: ``20 * log10(||ref|| / ||ref - cand||)`` (torchao's definition).
+
+    Computed in chunks, in float32 for fp32/fp16/bf16 values (float64 sums of scaled squares)."""
+    return _norms(reference, candidate).sqnr_db()
 
 
 def cosine_similarity(reference: torch.Tensor, candidate: torch.Tensor) -> float:
     """Cosine similarity of the flattened tensors (1.0 when both are all-zero)."""
-    reference, candidate = reference.double().flatten(), candidate.double().flatten()
-    norms = torch.linalg.vector_norm(reference) * torch.linalg.vector_norm(candidate)
-    if norms == 0:
-        return 1.0 if torch.equal(reference, candidate) else 0.0
-    return float(torch.dot(reference, candidate) / norms)
+    return _norms(reference, candidate).cosine()
+
+
+class _LeafErrors:
+    """What one float leaf's comparison accumulates over its chunks (scalars on the device until the end)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, quantized: bool):
+        count = lambda: torch.zeros((), dtype=torch.int64, device=device)  # noqa: E731
+        self.non_finite, self.extra_finite, self.sign, self.excess, self.finite = (count() for _ in range(5))
+        self.max_abs = torch.zeros((), dtype=dtype, device=device)
+        self.max_expected = torch.zeros((), dtype=dtype, device=device)
+        self.norms = _Norms(device) if quantized else None
+
+    def add(self, expected: torch.Tensor, actual: torch.Tensor, atol: float, rtol: float) -> None:
+        # Few chunk-sized temporaries, reused in place: they are what a check holds beyond the two outputs.
+        expected_finite, actual_finite = torch.isfinite(expected), torch.isfinite(actual)
+        both = expected_finite & actual_finite
+        finite = both.sum()
+        self.non_finite += expected_finite.sum() - finite
+        self.extra_finite += actual_finite.sum() - finite
+        del expected_finite, actual_finite
+        if not bool(finite == both.numel()):
+            neither = ~(torch.isfinite(expected) | torch.isfinite(actual))
+            self.sign += (expected[neither].nan_to_num() != actual[neither].nan_to_num()).sum()
+            expected, actual = expected[both], actual[both]
+        del both
+        if expected.numel() == 0:
+            return
+        self.finite += expected.numel()
+        difference = actual - expected
+        difference.abs_()
+        magnitude = expected.abs()
+        self.max_abs = torch.maximum(self.max_abs, difference.max())
+        self.max_expected = torch.maximum(self.max_expected, magnitude.max())
+        if self.norms is not None:
+            del difference, magnitude
+            self.norms.add(expected, actual)
+        else:
+            self.excess += (difference > magnitude.mul_(rtol).add_(atol)).sum()  # |a - e| > atol + rtol * |e|
+
+
+def _leaf_facts(leaf: torch.Tensor | StoredTensor) -> tuple[torch.Size, torch.dtype, torch.device, str]:
+    layout = leaf.memory_format if isinstance(leaf, StoredTensor) else memory_format(leaf)
+    return leaf.shape, leaf.dtype, leaf.device, layout
+
+
+def _dense(leaf: Any) -> Any:
+    """Sparse/other layouts are compared as dense tensors (the chunked path needs strided ones)."""
+    return leaf.to_dense() if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided else leaf
 
 
 class OutputComparator:
     """Accumulates per-leaf errors over samples; raises on the first violation.
 
+    Leaves are compared in chunks of ``chunk_elements`` on the candidate output's device, fp16/bf16 upcast to
+    float32 (never fp32 to float64): the check holds one chunk of temporaries, whatever the output's size.
+    The reference side may be a :class:`~aitune.torch.references.StoredOutputs` (host memory or a spilled
+    file, read chunk by chunk).
+
     Args:
         tolerance: thresholds. quantized: use SQNR/cosine floors for float leaves instead of atol/rtol.
         low_precision: the candidate computes fp32 outputs in reduced precision (TF32, autocast): fp32 leaves
             get the fp16/bf16 tolerances (DESIGN.md §5: "tf32 and bf16/fp16 1e-2/1e-2").
+        chunk_elements: elements compared at a time (default :data:`~aitune.torch.references.CHUNK_ELEMENTS`).
     """
 
-    def __init__(self, tolerance: Tolerance | None = None, quantized: bool = False, low_precision: bool = False):
+    def __init__(self, tolerance: Tolerance | None = None, quantized: bool = False, low_precision: bool = False,
+                 *, chunk_elements: int = CHUNK_ELEMENTS):
         self.tolerance = tolerance or Tolerance()
         self.quantized = quantized
         self.low_precision = low_precision  # computes fp32 in reduced precision (TF32, autocast): fp16 tolerances
+        self.chunk_elements = chunk_elements
         self._errors: dict[str, LeafError] = {}
 
     def compare(self, reference: Any, candidate: Any, reference_fp32: Any = None) -> None:
         """Compare one sample's outputs. Raises ShapeMismatchError or ToleranceExceededError.
 
+        ``reference`` (and ``reference_fp32``) may be kept outputs (:class:`~aitune.torch.references.StoredOutputs`).
         ``reference_fp32``: the same call run in float32 (same structure); enables rule 5 for fp16/bf16 leaves.
         """
-        reference_leaves, reference_spec = tree_flatten(reference)
+        reference_leaves, reference_spec = flatten_outputs(reference)
         candidate_leaves, candidate_spec = tree_flatten(candidate)
         if _structure(reference_spec) != _structure(candidate_spec):
             raise ShapeMismatchError(f"output structure differs from eager: expected {_describe(reference_spec)}, "
                                      f"got {_describe(candidate_spec)}")
-        fp32_leaves = tree_flatten(reference_fp32)[0] if reference_fp32 is not None else [None] * len(reference_leaves)
+        fp32_leaves = flatten_outputs(reference_fp32)[0] if reference_fp32 is not None else \
+            [None] * len(reference_leaves)
         if len(fp32_leaves) != len(reference_leaves):
             fp32_leaves = [None] * len(reference_leaves)
         for path, expected, actual, expected32 in zip(leaf_paths(reference_spec), reference_leaves, candidate_leaves,
                                                       fp32_leaves):
+            expected, actual = _dense(expected), _dense(actual)
             try:
                 self._compare_leaf(path_to_str(path), expected, actual)
             except ToleranceExceededError as exc:
-                if not self._parity_rescues(path_to_str(path), exc, expected, actual, expected32):
+                if not self._parity_rescues(path_to_str(path), exc, expected, actual, _dense(expected32)):
                     raise
 
     def _parity_rescues(self, path: str, exc: ToleranceExceededError, expected, actual, expected32) -> bool:
         """Rule 5: a fp16/bf16 leaf as close to the fp32 result as eager's own (see the module docstring)."""
-        if (self.quantized or not self.tolerance.fp32_parity or not isinstance(expected32, torch.Tensor)
-                or not isinstance(expected, torch.Tensor) or expected.dtype not in LOW_PRECISION
+        if (self.quantized or not self.tolerance.fp32_parity or not _is_tensor(expected32)
+                or not _is_tensor(expected) or expected.dtype not in LOW_PRECISION
                 or not exc.tolerance.startswith("atol=") or expected32.shape != expected.shape):
             return False
-        reference = expected32.detach().cpu().double()
-        finite = torch.isfinite(reference) & torch.isfinite(expected.detach().cpu())
-        reference = reference[finite]
-        candidate_rmse = _rmse(actual.detach().cpu().double()[finite], reference)
-        eager_rmse = _rmse(expected.detach().cpu().double()[finite], reference)
+        candidate_sum = eager_sum = torch.zeros((), dtype=torch.float64, device=actual.device)
+        count = 0
+        for reference, eager, candidate in _pieces([expected32, expected, actual], actual.device,
+                                                   self.chunk_elements):
+            finite = torch.isfinite(reference) & torch.isfinite(eager)
+            if not bool(finite.all()):
+                reference, eager, candidate = reference[finite], eager[finite], candidate[finite]
+            candidate_sum = candidate_sum + _sum_of_squares(candidate - reference)
+            eager_sum = eager_sum + _sum_of_squares(eager - reference)
+            count += reference.numel()
+        candidate_rmse = math.sqrt(float(candidate_sum) / count) if count else 0.0
+        eager_rmse = math.sqrt(float(eager_sum) / count) if count else 0.0
         bound = self.tolerance.fp32_parity_multiplier * eager_rmse + self.tolerance.low_precision_atol / 10
         if candidate_rmse > bound:
             exc.args = (f"{exc.args[0]}; and vs an fp32 run its RMSE {candidate_rmse:.3g} exceeds "
@@ -229,7 +381,7 @@ class OutputComparator:
         return ComparisonResult(list(self._errors.values()), metric, self.tolerance.to_dict())
 
     def _compare_leaf(self, path: str, expected: Any, actual: Any) -> None:
-        if not isinstance(expected, torch.Tensor):
+        if not _is_tensor(expected):
             if isinstance(actual, torch.Tensor):
                 raise ShapeMismatchError(f"output {path}: expected a {type(expected).__name__}, got a tensor")
             if type(expected) is not type(actual):
@@ -241,47 +393,50 @@ class OutputComparator:
             return
         if not isinstance(actual, torch.Tensor):
             raise ShapeMismatchError(f"output {path}: expected a tensor, got {type(actual).__name__}")
-        if expected.shape != actual.shape:
-            raise ShapeMismatchError(f"output {path}: shape {tuple(actual.shape)} != eager {tuple(expected.shape)}")
-        if expected.dtype != actual.dtype:
-            raise ShapeMismatchError(f"output {path}: dtype {actual.dtype} != eager {expected.dtype}")
-        if expected.device.type != actual.device.type:
-            raise ShapeMismatchError(f"output {path}: device {actual.device} != eager {expected.device}")
-        expected_layout, actual_layout = memory_format(expected), memory_format(actual)
+        shape, dtype, device, expected_layout = _leaf_facts(expected)
+        if shape != actual.shape:
+            raise ShapeMismatchError(f"output {path}: shape {tuple(actual.shape)} != eager {tuple(shape)}")
+        if dtype != actual.dtype:
+            raise ShapeMismatchError(f"output {path}: dtype {actual.dtype} != eager {dtype}")
+        if device.type != actual.device.type:
+            raise ShapeMismatchError(f"output {path}: device {actual.device} != eager {device}")
+        actual_layout = memory_format(actual)
         if expected_layout != actual_layout and "channels_last" in expected_layout + actual_layout:
             raise ShapeMismatchError(f"output {path}: memory format {actual_layout} != eager {expected_layout}")
         record = self._errors.setdefault(path, LeafError(path))
-        if not (expected.is_floating_point() or expected.is_complex()):
-            if not torch.equal(expected.cpu(), actual.cpu()):
-                mismatches = int((expected.cpu() != actual.cpu()).sum())
-                raise ToleranceExceededError(f"output {path}: {mismatches} of {expected.numel()} integer/bool "
+        numel = actual.numel()
+        if not (dtype.is_floating_point or dtype.is_complex):
+            mismatches = torch.zeros((), dtype=torch.int64, device=actual.device)
+            for index, start, stop in chunk_plan(shape, self.chunk_elements):
+                piece = expected.piece(index, start, stop) if isinstance(expected, StoredTensor) else \
+                    flat_piece(expected, index)
+                mismatches += (piece.to(actual.device) != flat_piece(actual, index)).sum()
+            if int(mismatches):
+                raise ToleranceExceededError(f"output {path}: {int(mismatches)} of {numel} integer/bool "
                                              "elements differ from eager", leaf=path, tolerance="exact")
             return
-        leaf_dtype = expected.dtype
-        expected, actual = expected.detach().cpu(), actual.detach().cpu()
-        if expected.is_complex():  # compare real and imaginary parts (.double() would drop the imaginary)
-            expected, actual = torch.view_as_real(expected.resolve_conj()), torch.view_as_real(actual.resolve_conj())
-        expected_finite, actual_finite = torch.isfinite(expected), torch.isfinite(actual)
-        if not torch.equal(expected_finite, actual_finite):
-            bad = int((expected_finite & ~actual_finite).sum())
-            extra = int((~expected_finite & actual_finite).sum())
+        atol, rtol = self.tolerance.for_dtype(torch.float16 if self.low_precision else dtype)
+        errors = _LeafErrors(actual.device, compute_dtype(dtype), self.quantized)
+        for expected_piece, actual_piece in _pieces([expected, actual], actual.device, self.chunk_elements):
+            errors.add(expected_piece, actual_piece, atol, rtol)
+        bad, extra = int(errors.non_finite), int(errors.extra_finite)
+        if bad or extra:
             raise ToleranceExceededError(
                 f"output {path}: {bad} non-finite values where eager is finite"
                 + (f", {extra} finite where eager is NaN/Inf" if extra else ""), leaf=path, tolerance="finite")
-        if not torch.equal(expected[~expected_finite].nan_to_num(), actual[~actual_finite].nan_to_num()):
+        if int(errors.sign):
             raise ToleranceExceededError(f"output {path}: infinities of a different sign than eager", leaf=path,
                                          tolerance="finite")
-        expected, actual = expected[expected_finite].double(), actual[actual_finite].double()
-        if expected.numel() == 0:
+        finite = int(errors.finite)
+        if finite == 0:
             return
-        difference = (actual - expected).abs()
-        max_abs = float(difference.max())
+        max_abs = float(errors.max_abs)
         # Relative to the leaf's scale, not element-wise: |a-b|/|b| explodes where eager is near zero.
-        max_rel = max_abs / max(float(expected.abs().max()), 1e-12)
+        max_rel = max_abs / max(float(errors.max_expected), 1e-12)
         record.max_abs_error = max(record.max_abs_error, max_abs)
         record.max_rel_error = max(record.max_rel_error, max_rel)
         if self.quantized:
-            sqnr, cosine = sqnr_db(expected, actual), cosine_similarity(expected, actual)
+            sqnr, cosine = errors.norms.sqnr_db(), errors.norms.cosine()
             record.sqnr_db = sqnr if record.sqnr_db is None else min(record.sqnr_db, sqnr)
             record.cosine = cosine if record.cosine is None else min(record.cosine, cosine)
             if sqnr < self.tolerance.min_sqnr_db or cosine < self.tolerance.min_cosine:
@@ -291,25 +446,16 @@ class OutputComparator:
                     max_rel_error=max_rel, tolerance=f"sqnr>={self.tolerance.min_sqnr_db}dB,"
                                                      f"cosine>={self.tolerance.min_cosine}")
             return
-        atol, rtol = self.tolerance.for_dtype(torch.float16 if self.low_precision else leaf_dtype)
-        excess = difference - (atol + rtol * expected.abs())
-        if bool((excess > 0).any()):
-            count = int((excess > 0).sum())
+        count = int(errors.excess)
+        if count:
             raise ToleranceExceededError(
-                f"output {path}: {count} of {expected.numel()} values off by more than atol={atol:g} + "
+                f"output {path}: {count} of {finite} values off by more than atol={atol:g} + "
                 f"rtol={rtol:g}*|eager| (max abs error {max_abs:.3g}, max rel error {max_rel:.3g})",
                 leaf=path, max_abs_error=max_abs, max_rel_error=max_rel, tolerance=f"atol={atol:g},rtol={rtol:g}")
 
 
-def memory_format(tensor: torch.Tensor) -> str:
-    """``"channels_last"`` / ``"channels_last_3d"`` (4-D / 5-D tensors in that layout and not plain
-    contiguous), ``"contiguous"``, or ``"strided"`` (any other strides)."""
-    if tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last):
-        return "channels_last"
-    if tensor.dim() == 5 and not tensor.is_contiguous() and \
-            tensor.is_contiguous(memory_format=torch.channels_last_3d):
-        return "channels_last_3d"
-    return "contiguous" if tensor.is_contiguous() else "strided"
+def _is_tensor(leaf: Any) -> bool:
+    return isinstance(leaf, (torch.Tensor, StoredTensor))
 
 
 def _constants_equal(expected: Any, actual: Any) -> bool:

@@ -31,9 +31,10 @@ from aitune.torch.backend.base import Backend, BackendState, BuildMode, one_line
 from aitune.torch.correctness import ComparisonResult, OutputComparator, Tolerance
 from aitune.torch.crashes import crash_signal
 from aitune.torch.isolation import BACKGROUND_BUILDS, BUILD_DEADLINE
-from aitune.torch.probes import Probe, ProbeConfig, make_probes, run_probes
+from aitune.torch.probes import Probe, ProbeConfig, ProbeSet, make_probes, run_probes
 from aitune.torch.profiling import Measurement, ProfilingConfig, measure
 from aitune.torch.pytree import tree_flatten, tree_unflatten
+from aitune.torch.references import ReferenceStore
 from aitune.torch.report import (
     FAILED,
     NO_OP,
@@ -44,7 +45,6 @@ from aitune.torch.report import (
     UNSUPPORTED,
     CandidateResult,
 )
-from aitune.torch.samples import clone_tree
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,13 @@ class GraphContext:
         module: the user's module (never modified). module_name: report name.
         graph: the :class:`~aitune.torch.samples.GraphSpec` with recorded samples.
         device: where to build and run. workdir: ``<cache>/<module>/<graph>``.
-        reference_outputs: eager outputs per sample (computed once on cloned inputs under no_grad).
-        reference_inputs_after: per sample, the input leaves after the eager call (for in-place ops).
+        reference_outputs: eager outputs per sample (computed once on cloned inputs under no_grad), as kept by
+            ``references`` (:class:`~aitune.torch.references.StoredOutputs`).
+        reference_inputs_after: per sample, the input leaves after the eager call (for in-place ops; None when
+            the graph changes no input).
+        references: where eager's outputs on samples, probes and rule 5's fp32 runs are kept — host memory,
+            spilled to a file in the workdir once large (:mod:`aitune.torch.references`); :meth:`release`
+            removes its files.
         cache: optional build cache (see :mod:`aitune.torch.cache`).
         eager_measurement: eager's figures, measured once per graph (set by :func:`eager_candidate`).
         restore_state: for a module that changes its own parameters/buffers in ``forward`` (a stateful
@@ -93,25 +98,28 @@ class GraphContext:
     progress: Any = None  # a TuneProgress (aitune/torch/progress.py); None: nothing shown
     crashes: Any = None  # a CrashRegistry (aitune/torch/crashes.py); None: crashes are not remembered
     deadline: float | None = None  # perf_counter() by which this graph's evaluations should end (time budget)
+    references: ReferenceStore = dataclasses.field(default_factory=ReferenceStore)
     _probes: dict = dataclasses.field(default_factory=dict)
     _fp32_outputs: dict = dataclasses.field(default_factory=dict)
     _fp32_unavailable: bool = False
 
     def run_eager(self, sample) -> Any:
-        """Eager's outputs (cloned) on a clone of ``sample``, under no_grad, from the starting state."""
+        """Eager's outputs on a clone of ``sample``, under no_grad, from the starting state (as returned: pass
+        them to ``references.keep`` to hold on to them)."""
         if self.restore_state is not None:
             self.restore_state()
         inputs = sample.clone()
         with torch.no_grad():
-            return clone_tree(self.module(*inputs.args, **inputs.kwargs))
+            return self.module(*inputs.args, **inputs.kwargs)
 
-    def probes(self, config: ProbeConfig) -> list[Probe]:
+    def probes(self, config: ProbeConfig) -> ProbeSet:
         """The graph's probes with eager's outputs (derived once per graph and config, shared by candidates)."""
-        key = (config.max_probes, config.seed) if config.enabled else None
-        if key is None:
-            return []
+        if not config.enabled:
+            return ProbeSet([])
+        key = (config.max_probes, config.seed, config.max_reference_bytes)
         if key not in self._probes:
-            self._probes[key] = make_probes(self.graph, self.run_eager, config, self.reference_outputs)
+            self._probes[key] = make_probes(self.graph, self.run_eager, config, self.reference_outputs,
+                                            keep=self.references.keep)
             if self.restore_state is not None:
                 self.restore_state()
         return self._probes[key]
@@ -120,14 +128,23 @@ class GraphContext:
         """Input signatures (tensor shapes) every candidate was checked on: the samples and the probes."""
         from aitune.torch.guard import signature
 
-        probes = [probe for probes in self._probes.values() for probe in probes]
+        probes = [probe for probe_set in self._probes.values() for probe in probe_set.probes]
         return {signature(s.leaves()) for s in self.graph.samples} | {signature(p.sample.leaves()) for p in probes}
+
+    def release(self) -> None:
+        """Drop the references (probes', rule 5's) and remove spilled files once the graph is tuned."""
+        self._probes.clear()
+        self._fp32_outputs.clear()
+        self.reference_outputs = []
+        self.reference_inputs_after = None
+        self.references.close()
 
     def fp32_reference(self, index: int) -> Any:
         """Outputs of a float32 copy of the module on sample ``index`` (fp16/bf16 inputs upcast), or None.
 
-        Computed lazily, only when an fp16/bf16 candidate misses the plain tolerance (correctness rule 5);
-        the copy is dropped right after. None when the copy or the call fails (e.g. out of memory).
+        Computed lazily, only when an fp16/bf16 candidate misses the plain tolerance (correctness rule 5),
+        and kept like eager's references (``references``); the copy is dropped right after. None when the copy
+        or the call fails (e.g. out of memory).
         """
         if self._fp32_unavailable:
             return None
@@ -137,7 +154,7 @@ class GraphContext:
                 with torch.no_grad():
                     for position, sample in enumerate(self.graph.samples):
                         args, kwargs = _upcast(sample.clone())
-                        self._fp32_outputs[position] = clone_tree(module32(*args, **kwargs))
+                        self._fp32_outputs[position] = self.references.keep(module32(*args, **kwargs))
                 del module32
             except Exception:  # noqa: BLE001 - rule 5 is a second chance, never a new failure
                 logger.debug("no fp32 reference for %s/%s", self.module_name, self.graph.name, exc_info=True)
@@ -155,7 +172,7 @@ class GraphContext:
             module32 = copy.deepcopy(self.module).float()
             with torch.no_grad():
                 args, kwargs = _upcast(sample.clone())
-                return clone_tree(module32(*args, **kwargs))
+                return module32(*args, **kwargs)
         except Exception:  # noqa: BLE001 - rule 5 is a second chance, never a new failure
             logger.debug("no fp32 reference for a probe of %s/%s", self.module_name, self.graph.name, exc_info=True)
             return None
@@ -486,8 +503,10 @@ def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tole
     """Run ``backend`` on a fresh clone of every sample, in order, and compare with eager: outputs, in-place
     effects on inputs, and — where eager leaves its inputs alone — that the candidate does too.
 
-    Outputs are cloned right after each call, before the next one (case C20, U4). For a stateful graph the
-    module's state is first put back to where eager's reference run started, so both see the same sequence.
+    Outputs on CUDA are cloned right after each call, before anything else runs (case C20, U4; NOTE [output
+    clones in checks]); one sample's inputs and outputs are dropped before the next sample runs. For a stateful
+    graph the module's state is first put back to where eager's reference run started, so both see the same
+    sequence.
 
     Returns:
         The worst errors per output leaf and the thresholds used.
@@ -502,7 +521,7 @@ def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tole
     for index, sample in enumerate(graph.samples):
         inputs = sample.clone()
         with torch.no_grad():
-            output = clone_tree(backend.infer(*inputs.args, **inputs.kwargs))
+            output = owned_outputs(backend.infer(*inputs.args, **inputs.kwargs))
         _compare(comparator, context.reference_outputs[index], output, tolerance, backend,
                  lambda: context.fp32_reference(index))
         if graph.mutated_inputs and context.reference_inputs_after is not None:
@@ -512,7 +531,22 @@ def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tole
                 raise type(exc)(f"input mutation not preserved: {exc}") from exc
         elif not graph.mutated_inputs:
             _check_inputs_untouched(graph, sample, inputs)
+        del inputs, output  # one sample's tensors at a time: the next call allocates its own
     return comparator.result()
+
+
+# NOTE [output clones in checks]: backends that replay CUDA graphs return tensors that the next replay
+# overwrites (case C20), so a check clones a candidate's CUDA outputs at once. Only CUDA ones: no backend
+# reuses output buffers on the CPU (Inductor's CUDA-graph trees, eager's CUDA-graph runner and TensorRT's
+# runtime are CUDA-only), and cloning a CPU output would double the memory a check needs for large outputs.
+# The device decides rather than the backend because user-written backends can capture CUDA graphs too.
+def owned_outputs(value: Any) -> Any:
+    """``value`` with its CUDA tensors cloned (see NOTE [output clones in checks]); other leaves as they are."""
+    leaves, spec = tree_flatten(value)
+    if not any(isinstance(leaf, torch.Tensor) and leaf.is_cuda for leaf in leaves):
+        return value
+    return tree_unflatten(spec, [leaf.detach().clone() if isinstance(leaf, torch.Tensor) and leaf.is_cuda else leaf
+                                 for leaf in leaves])
 
 
 def _compare(comparator: OutputComparator, reference, output, tolerance: Tolerance, backend: Backend,
@@ -538,9 +572,10 @@ def _check_inputs_untouched(graph, sample, inputs) -> None:
 
 
 def _same_values(before: torch.Tensor, after: torch.Tensor) -> bool:
-    before, after = before.detach().cpu(), after.detach().cpu()
+    before, after = before.detach(), after.detach()
     if before.shape != after.shape or before.dtype != after.dtype:
         return False
+    before = before.to(after.device)
     if torch.equal(before, after):
         return True
     return bool(before.is_floating_point() and torch.equal(before.isnan(), after.isnan())
@@ -552,27 +587,37 @@ def check_probes(backend: Backend, context: GraphContext, settings: EvaluationSe
     """Check ``backend`` on the graph's probes (:mod:`aitune.torch.probes`) with the same rules as the samples.
 
     Returns:
-        ``{"checked", "passed", "not_accepted", "not_run", "kinds"}`` (None with probes off).
+        ``{"checked", "passed", "not_accepted", "not_run", "kinds"}``, plus ``"dropped_memory"`` when probes
+        were dropped for ``ProbeConfig.max_reference_bytes`` (None with probes off).
 
     Raises:
         CorrectnessError: on the first probe the candidate gets wrong; the exception carries ``probe``.
     """
     if not settings.probes.enabled:
         return None
-    probes = context.probes(settings.probes)
+    probe_set = context.probes(settings.probes)
+    probes = probe_set.probes
 
     def check(probe: Probe) -> None:
         if context.restore_state is not None:
             context.restore_state()
         inputs = probe.sample.clone()
         with torch.no_grad():
-            output = clone_tree(backend.infer(*inputs.args, **inputs.kwargs))
+            output = owned_outputs(backend.infer(*inputs.args, **inputs.kwargs))
         _compare(comparator, probe.reference_outputs, output, settings.tolerance, backend,
                  lambda: context.fp32_reference_for(probe.sample))
 
-    counts = run_probes(probes, backend.accepts, check, settings.probes.max_seconds)
+    try:
+        counts = run_probes(probes, backend.accepts, check, settings.probes.max_seconds)
+    except Exception as exc:
+        failed_counts = getattr(exc, "probe_counts", None)
+        if failed_counts is not None and probe_set.dropped_memory:
+            failed_counts["dropped_memory"] = probe_set.dropped_memory
+        raise
     if context.restore_state is not None:
         context.restore_state()
+    if probe_set.dropped_memory:
+        counts["dropped_memory"] = probe_set.dropped_memory
     counts["kinds"] = sorted({probe.kind for probe in probes})
     return counts
 
@@ -582,7 +627,8 @@ def verify_round_trip(backend: Backend, context: GraphContext, tolerance: Tolera
 
     The loaded copy must match eager on the first sample by the same rule and ``tolerance`` the built
     candidate was judged by (a reloaded artifact may pick other kernels; what matters is that it is still
-    correct); the copy is then dropped.
+    correct); the copy is then dropped. The built candidate is deactivated first (its next call reactivates
+    it), so one copy of the artifact's weights is held at a time.
 
     Raises:
         Whatever save/load raise, or CorrectnessError.
@@ -590,14 +636,16 @@ def verify_round_trip(backend: Backend, context: GraphContext, tolerance: Tolera
     sample = context.graph.samples[0]
     with tempfile.TemporaryDirectory(prefix="aitune-roundtrip-") as directory:
         metadata = backend.save(Path(directory))
+        backend.deactivate()
         restored = type(backend).from_checkpoint(Path(directory), backend.config, metadata, None, context.graph,
                                                  context.device)
         try:
             with torch.no_grad():
                 inputs = sample.clone()
-                actual = clone_tree(restored.infer(*inputs.args, **inputs.kwargs))
+                actual = owned_outputs(restored.infer(*inputs.args, **inputs.kwargs))
         finally:
             restored.deactivate()
+            del restored
     reference = context.reference_outputs[0]
     try:
         comparator_for(backend, tolerance).compare(reference, actual)
@@ -609,8 +657,12 @@ def verify_round_trip(backend: Backend, context: GraphContext, tolerance: Tolera
 
 
 def measure_backend(backend: Backend, context: GraphContext, config: ProfilingConfig) -> Measurement:
-    """Latency and throughput of ``backend`` over the graph's samples (see :func:`aitune.torch.profiling.measure`)."""
-    samples = [sample.clone() for sample in context.graph.samples]
+    """Latency and throughput of ``backend`` over the graph's samples (see :func:`aitune.torch.profiling.measure`).
+
+    Calls take the recorded samples themselves: a candidate that writes into inputs eager leaves alone was
+    rejected by :func:`check_against_eager` before it is measured, so no copy of every sample is held.
+    """
+    samples = list(context.graph.samples)
     batch_sizes = [sample.batch_size or 1 for sample in samples]
     if context.graph.mutated_inputs:
         # The module changes its inputs in place: each call gets a fresh copy (for every candidate alike),

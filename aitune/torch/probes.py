@@ -22,7 +22,9 @@ value probes
 A probe on which eager raises, or turns non-finite where the recorded samples' outputs were finite, is
 dropped (it says nothing about the candidate). A candidate whose artifact does not accept a probe (shape
 outside its range, see ``Backend.rejects``) is not run on it: such calls run eager at run time too. The
-number of probes and the time spent on them per candidate are bounded by :class:`ProbeConfig`.
+number of probes, the time spent on them per candidate and the bytes of eager's outputs kept for them
+(``max_reference_bytes``: a model with 2 GiB of logits per call would otherwise keep 2 GiB per probe) are
+bounded by :class:`ProbeConfig`; probes dropped for that bound are counted in the report.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from aitune.errors import ConfigError
 from aitune.torch.arguments import KnownFields
 from aitune.torch.pytree import tree_flatten, tree_unflatten
+from aitune.torch.references import all_finite, tensor_nbytes
 from aitune.torch.samples import BATCH, STATIC, Sample, clone_tree
 
 logger = logging.getLogger(__name__)
@@ -53,15 +56,19 @@ class ProbeConfig(KnownFields):
         max_seconds: time a candidate may spend on its probes, s (default 10); the rest are not run and
             the report says how many were checked.
         seed: seed of the generator that draws probe values (probes are the same for every candidate).
+        max_reference_bytes: bytes of eager's outputs kept for all probes of a graph together (default 1 GiB;
+            in memory or spilled to the workdir, see :mod:`aitune.torch.references`); probes past it are
+            dropped and the report rows count them (``dropped_memory``). None: no bound.
 
     Raises:
-        ConfigError: for a negative count or time.
+        ConfigError: for a negative count, time or byte bound.
     """
 
     enabled: bool = True
     max_probes: int = 12
     max_seconds: float = 10.0
     seed: int = 0
+    max_reference_bytes: int | None = 2**30
 
     def __post_init__(self):
         if not isinstance(self.enabled, bool):
@@ -72,6 +79,10 @@ class ProbeConfig(KnownFields):
             raise ConfigError(f"ProbeConfig.max_seconds must be a number >= 0 (seconds), got {self.max_seconds!r}")
         if not isinstance(self.seed, int):
             raise ConfigError(f"ProbeConfig.seed must be an int, got {self.seed!r}")
+        if self.max_reference_bytes is not None and (not isinstance(self.max_reference_bytes, int) or isinstance(
+                self.max_reference_bytes, bool) or self.max_reference_bytes < 0):
+            raise ConfigError(f"ProbeConfig.max_reference_bytes must be an int >= 0 (bytes) or None, got "
+                              f"{self.max_reference_bytes!r}")
 
 
 @dataclasses.dataclass
@@ -84,6 +95,14 @@ class Probe:
     description: str
 
 
+@dataclasses.dataclass
+class ProbeSet:
+    """A graph's probes, and how many more ``max_probes`` allowed were dropped for ``max_reference_bytes``."""
+
+    probes: list[Probe]
+    dropped_memory: int = 0
+
+
 def describe_inputs(sample: Sample, paths: list[str]) -> str:
     """``img: uint8[3, 3, 16, 16]; scale=0.5`` for messages."""
     parts = []
@@ -93,42 +112,62 @@ def describe_inputs(sample: Sample, paths: list[str]) -> str:
     return "; ".join(parts)
 
 
-def make_probes(graph, run_eager: Callable[[Sample], Any], config: ProbeConfig,
-                sample_outputs: list | None = None) -> list[Probe]:
+def make_probes(graph, run_eager: Callable[[Sample], Any], config: ProbeConfig, sample_outputs: list | None = None,
+                keep: Callable[[Any], Any] | None = None) -> ProbeSet:
     """Derive probes from ``graph``'s recorded samples and compute eager's outputs on them.
 
     Args:
         graph: the :class:`~aitune.torch.samples.GraphSpec` (its samples and tensor specs).
         run_eager: runs the user's module on a (cloned) sample under no_grad, from the module's tuning
-            starting state; returns its outputs (cloned).
+            starting state; returns its outputs.
         config: bounds.
-        sample_outputs: eager's outputs on the recorded samples (to tell "turns non-finite" from "always was").
+        sample_outputs: eager's outputs on the recorded samples, in order (to tell "turns non-finite" from
+            "always was", and to foresee the size of a probe's outputs from a sample of the same shapes).
+        keep: how a probe's eager outputs are held (``ReferenceStore.keep``); default: as returned.
 
     Returns:
-        At most ``config.max_probes`` probes (eager raised or turned non-finite on the dropped ones).
+        At most ``config.max_probes`` probes (eager raised or turned non-finite on the dropped ones), and the
+        number dropped because their outputs would pass ``config.max_reference_bytes``: such a probe is not
+        run when a sample of the same input shapes shows its outputs would not fit.
     """
     if not config.enabled or config.max_probes == 0 or not graph.samples:
-        return []
+        return ProbeSet([])
     generator = torch.Generator().manual_seed(config.seed)
     candidates: list[tuple[str, Sample]] = []
     size_budget = max(1, config.max_probes // 2) if graph.is_dynamic else 0
     candidates += _size_probes(graph)[:size_budget]
     candidates += _value_probes(graph, generator)
-    samples_finite = sample_outputs is None or all(_all_finite(output) for output in sample_outputs)
-    probes: list[Probe] = []
+    samples_finite = sample_outputs is None or all(all_finite(output) for output in sample_outputs)
+    foreseen = {sample.shapes(): tensor_nbytes(output) for sample, output in zip(graph.samples, sample_outputs or [])}
+    bound = config.max_reference_bytes
+    result, kept_bytes = ProbeSet([]), 0
     for kind, sample in candidates:
-        if len(probes) >= config.max_probes:
+        if len(result.probes) + result.dropped_memory >= config.max_probes:
             break
+        if bound is not None and kept_bytes + foreseen.get(sample.shapes(), 0) > bound:
+            result.dropped_memory += 1
+            logger.debug("probe %s dropped: its outputs would pass max_reference_bytes", kind)
+            continue
         try:
             reference = run_eager(sample)
         except Exception as exc:  # noqa: BLE001 - a probe eager cannot run says nothing about candidates
             logger.debug("probe %s dropped: eager raised %s", kind, exc)
             continue
-        if samples_finite and not _all_finite(reference):
+        if samples_finite and not all_finite(reference):
             logger.debug("probe %s dropped: eager's output is not finite", kind)
             continue
-        probes.append(Probe(kind, sample, reference, describe_inputs(sample, graph.input_paths)))
-    return probes
+        size = tensor_nbytes(reference)
+        if bound is not None and kept_bytes + size > bound:
+            result.dropped_memory += 1
+            logger.debug("probe %s dropped: its outputs (%d bytes) pass max_reference_bytes", kind, size)
+            continue
+        kept_bytes += size
+        reference = keep(reference) if keep is not None else reference
+        result.probes.append(Probe(kind, sample, reference, describe_inputs(sample, graph.input_paths)))
+    if result.dropped_memory:
+        logger.info("aitune: %s: %d probe(s) dropped: their eager outputs would pass ProbeConfig.max_reference_bytes "
+                    "(%d bytes)", graph.name, result.dropped_memory, bound)
+    return result
 
 
 def run_probes(probes: list[Probe], accepts: Callable[[list], bool], check: Callable[[Probe], None],
@@ -370,10 +409,3 @@ def _constant_rows(tensor: torch.Tensor, generator: torch.Generator, _range) -> 
     constant[row] = tensor[row].float().mean().to(tensor.dtype)
     return constant
 
-
-def _all_finite(value: Any) -> bool:
-    for leaf in tree_flatten(value)[0]:
-        if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
-            if not bool(torch.isfinite(leaf).all()):
-                return False
-    return True

@@ -40,7 +40,8 @@ class CandidateResult:
         speedup: throughput / eager throughput measured in the same run.
         comparison: errors vs eager (samples and probes) and the thresholds used.
         probes: probe counts (``checked``, ``passed``, ``not_accepted`` by the artifact, ``not_run`` for lack of
-            time, ``kinds``), see :mod:`aitune.torch.probes`; None when probes were off.
+            time, ``dropped_memory`` for ``ProbeConfig.max_reference_bytes``, ``kinds``), see
+            :mod:`aitune.torch.probes`; None when probes were off.
         log_path: full build log. details: backend-specific facts (graph breaks, exporter, profiles...).
     """
 
@@ -111,6 +112,10 @@ class TuneReport:
         started_at: ISO time (for a report read from a checkpoint: when it was saved). duration_s: s.
         path: the file it was written to or read from. checkpoint_rows_only: read from a ``.ait`` manifest, which
             keeps only the chosen backend's row per graph (:meth:`from_manifest`).
+        peak_memory: the tuning's peak memory, ``{"host_bytes", "device_bytes", "host_method"}`` (bytes; the
+            process's resident high-water mark and PyTorch's largest CUDA allocation peak, recording pass
+            included, max-batch-size search excluded: NOTE [measuring peak memory] in
+            :mod:`aitune.torch.memory`); None for reports that did not measure it.
     """
 
     graphs: list[GraphReport] = dataclasses.field(default_factory=list)
@@ -121,6 +126,7 @@ class TuneReport:
     path: str | None = None
     dry_run: bool = False
     checkpoint_rows_only: bool = False
+    peak_memory: dict | None = None
 
     @property
     def rows(self) -> list[CandidateResult]:
@@ -135,7 +141,8 @@ class TuneReport:
     def to_dict(self) -> dict:
         return {"schema_version": 1, "aitune_version": __version__, "started_at": self.started_at,
                 "duration_s": self.duration_s, "dry_run": self.dry_run, "environment": self.environment,
-                "module_errors": self.module_errors, "graphs": [graph.to_dict() for graph in self.graphs]}
+                "module_errors": self.module_errors, "peak_memory": self.peak_memory,
+                "graphs": [graph.to_dict() for graph in self.graphs]}
 
     def write_json(self, path: Path | str) -> Path:
         path = Path(path)
@@ -157,7 +164,7 @@ class TuneReport:
         return cls(graphs=[GraphReport.from_dict(graph) for graph in data["graphs"]],
                    module_errors=dict(data.get("module_errors") or {}), environment=dict(data.get("environment") or {}),
                    started_at=str(data.get("started_at", "")), duration_s=float(data.get("duration_s") or 0.0),
-                   path=path)
+                   path=path, peak_memory=data.get("peak_memory"))
 
     @classmethod
     def from_json(cls, path: Path | str) -> "TuneReport":
@@ -241,6 +248,8 @@ class TuneReport:
                 lines.append(f"  max batch size: {found}")
         for module, error in self.module_errors.items():
             lines.append(f"{module}: tuning failed, runs eager — {error}")
+        if self.peak_memory:
+            lines.append(f"peak memory while tuning: {peak_memory_text(self.peak_memory)}")
         if self.path:
             lines.append(f"report: {self.path}")
         return "\n".join(lines)
@@ -273,9 +282,26 @@ def render_table(rows: list[CandidateResult]) -> str:
             row.status + (" (cached)" if row.cached else ""), reason,
             _fmt(row.build_s, ".1f"), _fmt(measurement.get("p50_ms"), ".3f"), _fmt(measurement.get("p90_ms"), ".3f"),
             _fmt(measurement.get("throughput"), ".1f"),
-            "" if row.speedup is None else f"{row.speedup:.2f}x", error_text, probes_text(row.probes)])
+            "" if row.speedup is None else f"{row.speedup:.2f}x", error_text, _probes_cell(row.probes)])
     table = tabulate(body, headers=headers, tablefmt="github")
     return table + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def _probes_cell(probes: dict | None) -> str:
+    """:func:`probes_text` plus the probes dropped for their reference memory."""
+    text = probes_text(probes)
+    dropped = (probes or {}).get("dropped_memory")
+    return f"{text} ({dropped} dropped: memory)" if dropped else text
+
+
+def peak_memory_text(peak_memory: dict) -> str:
+    """``host 3.21 GiB (VmHWM), device 0.80 GiB`` from a report's ``peak_memory``."""
+    parts = []
+    if peak_memory.get("host_bytes") is not None:
+        parts.append(f"host {peak_memory['host_bytes'] / 2**30:.2f} GiB ({peak_memory.get('host_method', '?')})")
+    if peak_memory.get("device_bytes") is not None:
+        parts.append(f"device {peak_memory['device_bytes'] / 2**30:.2f} GiB (PyTorch allocator)")
+    return ", ".join(parts) or "not measured"
 
 
 def _config_text(description: str) -> str:

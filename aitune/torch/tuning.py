@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -17,8 +18,10 @@ from aitune.torch import dataloader, telemetry
 from aitune.torch.config import config
 from aitune.torch.environment import environment
 from aitune.torch.max_batch_size import search_for_graph
+from aitune.torch.memory import PeakMemory
 from aitune.torch.module import Module, ModuleState, registered_modules, set_recording_batch_size
 from aitune.torch.module_arguments import check_unique_names
+from aitune.torch.references import ReferenceStore, spill_bytes_from_env
 from aitune.torch.report import GraphReport, TuneReport
 from aitune.torch.samples import clone_tree
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
@@ -107,6 +110,8 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
             raise ConfigError(f"batch_sizes must be a non-empty list of ints >= 1, got {batch_sizes!r}")
     root = Path(cache_dir_path).expanduser() if cache_dir_path else cache_dir()
     _warn_low_disk(root)
+    peak_memory = PeakMemory()
+    peak_memory.start()  # the report's peak memory covers the recording pass too
     with libraries_logging(disable_external_logging), annotate("tune", color="yellow"):
         calls = _calls(dataset, ready, list(batch_sizes or dataloader.DEFAULT_BATCH_SIZES),
                        max_num_batches_per_batch_size)
@@ -157,7 +162,7 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
         report = tune_modules(targets, device=device, cache_dir_path=root, report_path=report_path,
                               ignore_failing_modules=ignore_failing_modules, use_cache=use_cache,
                               snapshots=snapshots, started=started, progress=progress,
-                              time_budget_s=time_budget_s)
+                              time_budget_s=time_budget_s, peak_memory=peak_memory)
         _offload_after_tuning(targets)
         telemetry.end_run(report)
         return report
@@ -175,13 +180,13 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
                  cache_dir_path: str | Path | None = None, report_path: str | Path | None = None,
                  ignore_failing_modules: bool = True, use_cache: bool = True, snapshots: dict | None = None,
                  started: float | None = None, progress: bool | None = None,
-                 time_budget_s: float | None = None) -> TuneReport:
+                 time_budget_s: float | None = None, peak_memory: PeakMemory | None = None) -> TuneReport:
     """Tune wrappers that have already recorded calls (their graphs hold samples), graph by graph.
 
     This is what :func:`tune` does after its recording pass; just-in-time tuning calls it for modules
     recorded during the user's own run. Arguments as for :func:`tune`; ``snapshots`` (``id(wrapper)`` ->
-    state snapshot taken before recording) and ``started`` (``perf_counter()`` at the start) are passed by
-    :func:`tune` itself.
+    state snapshot taken before recording), ``started`` (``perf_counter()`` at the start) and ``peak_memory``
+    (measuring since the recording pass) are passed by :func:`tune` itself.
 
     Returns:
         The :class:`~aitune.torch.report.TuneReport` (also written as JSON and logged as a table).
@@ -190,6 +195,9 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
         ConfigError: for an entry that is not an :class:`~aitune.torch.Module`, or a bad ``device``.
     """
     started = time.perf_counter() if started is None else started
+    if peak_memory is None:
+        peak_memory = PeakMemory()
+        peak_memory.start()
     targets = list(modules)
     for module in targets:
         if not isinstance(module, Module):
@@ -216,13 +224,14 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
     with TuneProgress(progress) as bar:
         for module in targets:
             _tune_module(module, report, snapshots.get(id(module)) or _Snapshot(module.__wrapped__), device, root,
-                         cache, ignore_failing_modules, bar, crashes, budget)
+                         cache, ignore_failing_modules, bar, crashes, budget, peak_memory)
 
     for module in targets:
         snapshot = snapshots.get(id(module))
         if snapshot is not None:
             snapshot.restore()
     report.duration_s = time.perf_counter() - started
+    report.peak_memory = peak_memory.result()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     report.write_json(report_path or root / "reports" / f"tune-{stamp}.json")
     logger.info("aitune: tuning report\n%s", report.describe())
@@ -246,7 +255,8 @@ class _Budget:
 
 
 def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", device, root: Path, cache,
-                 ignore_failing_modules: bool, bar: TuneProgress, crashes=None, budget: _Budget | None = None) -> None:
+                 ignore_failing_modules: bool, bar: TuneProgress, crashes=None, budget: _Budget | None = None,
+                 peak_memory: PeakMemory | None = None) -> None:
     """Tune every graph of one wrapper with its strategy; on success it becomes TUNED (guards armed), else it
     runs eager (PASSTHROUGH) and ``report.module_errors`` says why. The module's state is restored after."""
     target_device = _resolve_device(module, device)
@@ -260,7 +270,9 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
             if not graph.samples:
                 continue
             strategy = (module.strategy_for(graph) or strategy_template).clone()
-            search = search_for_graph(strategy, module.__wrapped__, graph, target_device, snapshot.restore)
+            # The max-batch-size search grows batches until memory runs out: not part of the peak reported.
+            with peak_memory.paused() if peak_memory is not None else contextlib.nullcontext():
+                search = search_for_graph(strategy, module.__wrapped__, graph, target_device, snapshot.restore)
             context = _graph_context(module, graph, target_device, root, cache,
                                      snapshot.restore if graph.stateful else None)
             entry = GraphReport(module=module.name, graph=graph.name, spec=graph.describe(),
@@ -271,14 +283,18 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
             bar.start_graph(f"{module.name}/{graph.name}", len(strategy.candidates(target_device, module.module, graph)) + 1)
             context.progress, context.crashes = bar, crashes
             context.deadline = budget.next_graph() if budget is not None else None
-            backend, rows, why = strategy.tune(context)
+            try:
+                backend, rows, why = strategy.tune(context)
+                checked = context.checked_signatures()
+            finally:
+                context.release()  # eager's references and their spilled files
             bar.graph_done(backend.describe())
             entry.candidates.extend(rows)
             entry.selected, entry.selection_reason = backend.describe(), why
             entries.append((graph, backend))
             selected_rows[graph.name] = next((row.to_dict() for row in rows if row.status == "selected"), None)
             guards[graph.key] = guard_for(module.guard_config, graph, backend, strategy.tolerance,
-                                          selected_rows[graph.name], context.checked_signatures(),
+                                          selected_rows[graph.name], checked,
                                           list(strategy.runners_up))
             snapshot.restore()
         module.install_tuned(entries, tune_rows=selected_rows)  # the rows are kept by ait.save
@@ -300,22 +316,33 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
         snapshot.restore()
 
 
-def _graph_context(module: Module, graph, device: torch.device, root: Path, cache, restore_state=None) -> GraphContext:
+def _graph_context(module: Module, graph, device: torch.device, root: Path, cache, restore_state=None,
+                   spill_bytes: int | None = None) -> GraphContext:
     """Eager reference outputs per sample, computed once on cloned inputs under no_grad, in order (for a
-    stateful graph from the module's starting state, which ``restore_state`` puts back)."""
+    stateful graph from the module's starting state, which ``restore_state`` puts back).
+
+    The outputs — and, for a graph that changes its inputs in place, the inputs after the call — are kept by
+    a :class:`~aitune.torch.references.ReferenceStore`: on the host, spilled to a temporary file in the
+    graph's workdir once they pass ``spill_bytes`` (default ``$AITUNE_REFERENCE_SPILL_BYTES`` or 256 MiB).
+    One sample's inputs and outputs are alive at a time.
+    """
     original = module.__wrapped__
-    outputs, inputs_after = [], []
+    workdir = root / _safe(module.name) / graph.name
+    store = ReferenceStore(workdir, module=original,
+                           spill_bytes=spill_bytes_from_env() if spill_bytes is None else spill_bytes)
+    outputs, inputs_after = [], [] if graph.mutated_inputs else None
     if restore_state is not None:
         restore_state()
     with torch.no_grad():
         for sample in graph.samples:
             inputs = sample.clone()
-            outputs.append(clone_tree(original(*inputs.args, **inputs.kwargs)))
-            inputs_after.append(inputs.leaves())
-    workdir = root / _safe(module.name) / graph.name
+            outputs.append(store.keep(original(*inputs.args, **inputs.kwargs)))
+            if inputs_after is not None:
+                inputs_after.append(store.keep(inputs.leaves()))
+            del inputs
     return GraphContext(module=original, module_name=module.name, graph=graph, device=device, workdir=workdir,
                         reference_outputs=outputs, reference_inputs_after=inputs_after, cache=cache,
-                        restore_state=restore_state)
+                        restore_state=restore_state, references=store)
 
 
 def _safe(name: str) -> str:

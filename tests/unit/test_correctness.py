@@ -100,3 +100,158 @@ def test_fp32_parity_never_rescues_nan_or_fp32_leaves():
         OutputComparator().compare(exact.half(), torch.tensor([1.0, float("nan")]).half(), reference_fp32=exact)
     with pytest.raises(ToleranceExceededError):
         OutputComparator().compare(exact, exact + 0.5, reference_fp32=exact)
+
+
+# ---- chunked comparison (NOTE [chunked comparison]) against the float64 one it replaced
+
+
+def _float64_verdict(expected, actual, quantized=False, atol=1e-4, rtol=1e-3):
+    """The comparison before chunking: both leaves on the CPU in float64, whole (kept here as the oracle)."""
+    expected, actual = expected.detach().cpu(), actual.detach().cpu()
+    if not (expected.is_floating_point() or expected.is_complex()):
+        mismatches = int((expected != actual).sum())
+        return ("exact", mismatches) if mismatches else ("ok",)
+    if expected.is_complex():
+        expected, actual = torch.view_as_real(expected.resolve_conj()), torch.view_as_real(actual.resolve_conj())
+    expected_finite, actual_finite = torch.isfinite(expected), torch.isfinite(actual)
+    if not torch.equal(expected_finite, actual_finite):
+        return ("finite", int((expected_finite & ~actual_finite).sum()), int((~expected_finite & actual_finite).sum()))
+    if not torch.equal(expected[~expected_finite].nan_to_num(), actual[~actual_finite].nan_to_num()):
+        return ("sign",)
+    expected, actual = expected[expected_finite].double(), actual[actual_finite].double()
+    if expected.numel() == 0:
+        return ("ok",)
+    difference = (actual - expected).abs()
+    max_abs = float(difference.max())
+    max_rel = max_abs / max(float(expected.abs().max()), 1e-12)
+    if quantized:
+        noise, signal = torch.linalg.vector_norm(expected - actual), torch.linalg.vector_norm(expected)
+        sqnr = math.inf if noise == 0 else (-math.inf if signal == 0 else float(20 * torch.log10(signal / noise)))
+        norms = signal * torch.linalg.vector_norm(actual)
+        cosine = (1.0 if torch.equal(expected, actual) else 0.0) if norms == 0 else float(
+            torch.dot(expected, actual) / norms)
+        return ("quantized", max_abs, max_rel, sqnr, cosine)
+    count = int(((difference - (atol + rtol * expected.abs())) > 0).sum())
+    return ("allclose", max_abs, max_rel, count, expected.numel())
+
+
+def _chunked_verdict(expected, actual, quantized=False, chunk_elements=1000):
+    comparator = OutputComparator(quantized=quantized, chunk_elements=chunk_elements)
+    try:
+        comparator.compare(expected, actual)
+    except ToleranceExceededError as exc:
+        return exc, comparator.result()
+    return None, comparator.result()
+
+
+def _with_non_finite(values: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    values = values.clone()
+    flat = values.view(-1)
+    positions = torch.randperm(flat.numel(), generator=generator)[:30]
+    flat[positions[:10]] = float("nan")
+    flat[positions[10:20]] = float("inf")
+    flat[positions[20:]] = -float("inf")
+    return values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("chunk_elements", [7, 1000, 2**22])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "channels_last"])
+def test_chunked_comparison_equals_float64_on_random_data(dtype, chunk_elements, layout):
+    generator = torch.Generator().manual_seed(1)
+    shape = (3, 4, 25, 30)  # 9000 elements: several chunks of 1000, one of 2^22
+    exact = torch.randn(shape, generator=generator) * 10
+    noise = torch.randn(shape, generator=generator) * (1e-3 if dtype in (torch.float32, torch.float64) else 3e-2)
+    expected = _with_non_finite(exact, generator).to(dtype)
+    actual = (expected.float() + noise).to(dtype)  # same NaN/inf positions (inf + noise stays inf)
+    within = (expected.float() + noise / 1000).to(dtype)  # passes
+    if layout == "transposed":  # strided eager vs contiguous candidate: compared in logical order
+        expected, actual, within = expected.transpose(1, 3), actual.transpose(1, 3).contiguous(), \
+            within.transpose(1, 3).contiguous()
+    elif layout == "channels_last":
+        expected, actual, within = (t.contiguous(memory_format=torch.channels_last) for t in (expected, actual, within))
+    atol, rtol = Tolerance().for_dtype(dtype)
+    oracle = _float64_verdict(expected, actual, atol=atol, rtol=rtol)
+    assert oracle[0] == "allclose" and oracle[3] > 0  # some values off: the message carries the count
+    error, result = _chunked_verdict(expected, actual, chunk_elements=chunk_elements)
+    assert error is not None and f"{oracle[3]} of {oracle[4]} values off" in str(error)
+    assert error.max_abs_error == pytest.approx(oracle[1], rel=1e-6)
+    assert error.max_rel_error == pytest.approx(oracle[2], rel=1e-6)
+    assert result.leaves[0].max_abs_error == pytest.approx(oracle[1], rel=1e-6)
+
+    error, result = _chunked_verdict(expected, within, chunk_elements=chunk_elements)
+    oracle = _float64_verdict(expected, within, atol=atol, rtol=rtol)
+    assert error is None and oracle[3] == 0
+    assert result.max_abs_error == pytest.approx(oracle[1], rel=1e-6)
+    assert result.max_rel_error == pytest.approx(oracle[2], rel=1e-6)
+
+
+@pytest.mark.parametrize("chunk_elements", [5, 64, 2**22])
+def test_chunked_non_finite_positions_and_signs_as_before(chunk_elements):
+    generator = torch.Generator().manual_seed(2)
+    expected = _with_non_finite(torch.randn(40, 50, generator=generator), generator)
+    moved = expected.clone()
+    nan_at = torch.isnan(expected).view(-1).nonzero()[0]
+    moved.view(-1)[nan_at] = 0.0  # finite where eager is NaN
+    moved.view(-1)[(torch.isfinite(expected).view(-1)).nonzero()[:3]] = float("nan")  # NaN where eager is finite
+    oracle = _float64_verdict(expected, moved)
+    assert oracle == ("finite", 3, 1)
+    error, _ = _chunked_verdict(expected, moved, chunk_elements=chunk_elements)
+    assert str(error).endswith("3 non-finite values where eager is finite, 1 finite where eager is NaN/Inf")
+    flipped = expected.clone()
+    flipped[torch.isposinf(expected)] = -float("inf")
+    assert _float64_verdict(expected, flipped) == ("sign",)
+    error, _ = _chunked_verdict(expected, flipped, chunk_elements=chunk_elements)
+    assert "infinities of a different sign" in str(error)
+    error, result = _chunked_verdict(expected, expected.clone(), chunk_elements=chunk_elements)
+    assert error is None and result.max_abs_error == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool])
+def test_chunked_integer_leaves_count_every_mismatch(dtype):
+    generator = torch.Generator().manual_seed(3)
+    expected = torch.randint(0, 2 if dtype is torch.bool else 100, (3000,), generator=generator).to(dtype)
+    actual = expected.clone()
+    actual[::97] = ~actual[::97] if dtype is torch.bool else actual[::97] + 1
+    oracle = _float64_verdict(expected, actual)
+    error, _ = _chunked_verdict(expected, actual, chunk_elements=100)  # 30 chunks
+    assert f"{oracle[1]} of 3000 integer/bool elements differ" in str(error)
+    assert _chunked_verdict(expected, expected.clone(), chunk_elements=100)[0] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.complex64])
+def test_chunked_sqnr_and_cosine_equal_float64(dtype):
+    generator = torch.Generator().manual_seed(4)
+    expected = torch.randn(5000, generator=generator, dtype=torch.complex64 if dtype.is_complex else torch.float32)
+    actual = expected + 0.05 * torch.randn(5000, generator=generator, dtype=expected.dtype)
+    expected, actual = expected.to(dtype), actual.to(dtype)
+    oracle = _float64_verdict(expected, actual, quantized=True)
+    error, result = _chunked_verdict(expected, actual, quantized=True, chunk_elements=333)
+    assert error is None
+    assert result.min_sqnr_db == pytest.approx(oracle[3], rel=1e-5)
+    assert result.min_cosine == pytest.approx(oracle[4], rel=1e-6)
+    assert result.max_abs_error == pytest.approx(oracle[1], rel=1e-6)
+    assert sqnr_db(expected, actual) == pytest.approx(oracle[3], rel=1e-5)
+    assert cosine_similarity(expected, actual) == pytest.approx(oracle[4], rel=1e-6)
+
+
+def test_sums_of_squares_do_not_overflow_float32():
+    reference = torch.full((1000,), 1e30)  # squares overflow float32; scaled sums do not
+    assert cosine_similarity(reference, reference) == pytest.approx(1.0)
+    assert sqnr_db(reference, reference * (1 + 1e-3)) == pytest.approx(60.0, abs=0.01)
+    assert cosine_similarity(torch.zeros(4), torch.zeros(4)) == 1.0
+    assert cosine_similarity(torch.zeros(4), torch.ones(4)) == 0.0
+    assert sqnr_db(torch.zeros(4), torch.ones(4)) == -math.inf and sqnr_db(torch.ones(4), torch.ones(4)) == math.inf
+
+
+def test_chunked_fp32_parity_rmse_equals_float64():
+    generator = torch.Generator().manual_seed(5)
+    exact = torch.randn(4096, generator=generator) * 20
+    eager = (exact + 0.05 * torch.randn(4096, generator=generator)).half()
+    candidate = (exact + 0.05 * torch.randn(4096, generator=generator)).half()
+    comparator = OutputComparator(chunk_elements=100)
+    comparator.compare(eager, candidate, reference_fp32=exact)
+    parity = comparator.result().leaves[0].fp32_parity
+    for key, values in (("candidate_rmse", candidate), ("eager_rmse", eager)):
+        float64 = float(torch.sqrt(torch.mean((values.double() - exact.double()) ** 2)))
+        assert parity[key] == pytest.approx(float64, rel=1e-6)

@@ -1,0 +1,114 @@
+"""Peak memory of a stretch of work (``ait.tune``), on the host and on CUDA devices (issue "Search", point 6).
+
+NOTE [measuring peak memory]: the host figure is the process's resident-set high-water mark, ``VmHWM`` in
+``/proc/self/status``, which the kernel keeps exactly (no sampling that could miss a short peak). Writing
+``5`` to ``/proc/self/clear_refs`` resets it to the current resident size (Linux >= 4.0, proc(5)), so a
+measurement starts from "now" rather than from the process's start. Where that file cannot be written (other
+systems, a locked-down ``/proc``), the figure is ``ru_maxrss`` of ``getrusage``, the high-water mark since
+the process started, and the result says so (``host_method``). Resident memory counts everything the process
+maps — Python, PyTorch's libraries, the model's weights — not only what tuning allocates; memory of build
+steps that run in child processes (:mod:`aitune.torch.isolation`) is not included. Resetting the mark is
+process-wide: another reader of ``VmHWM`` in this process sees it restart.
+
+The device figure is ``torch.cuda.max_memory_allocated`` per CUDA device PyTorch had initialised when the
+measurement started, reset at the start; the result is the largest device's. It counts PyTorch's caching
+allocator only: memory ONNX Runtime or TensorRT take through their own allocators is not in it.
+
+Pauses (:meth:`PeakMemory.paused`) leave out work whose memory use is the point, such as the max-batch-size
+search, which grows batches until memory runs out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import resource
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def host_peak_bytes() -> int | None:
+    """The process's resident high-water mark in bytes (``VmHWM``), or None where /proc has none."""
+    try:
+        match = re.search(r"^VmHWM:\s+(\d+)\s+kB", _STATUS.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+def reset_host_peak() -> bool:
+    """Reset ``VmHWM`` to the current resident size; False where the kernel does not allow it."""
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return host_peak_bytes() is not None
+
+
+def _max_rss_bytes() -> int:
+    value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return value if sys.platform == "darwin" else value * 1024  # bytes on macOS, KiB on Linux
+
+
+class PeakMemory:
+    """High-water marks of host and device memory from :meth:`start` to :meth:`result` (see the module note).
+
+    Usage::
+
+        peak = PeakMemory()
+        peak.start()
+        ...                       # the work measured
+        with peak.paused():
+            ...                   # work left out
+        figures = peak.result()   # {"host_bytes", "device_bytes", "host_method"}
+    """
+
+    def __init__(self):
+        self.host_bytes: int | None = None
+        self.device_bytes: int | None = None
+        self.host_method = "VmHWM"
+        self._devices: list[int] = []
+        self._running = False
+
+    def start(self) -> None:
+        """Start (or restart after a pause) measuring from the current usage."""
+        if not self._devices and torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._devices = list(range(torch.cuda.device_count()))
+        if self.host_method == "VmHWM" and not reset_host_peak():
+            self.host_method = "ru_maxrss"  # since the process started: an upper bound
+        for device in self._devices:
+            torch.cuda.reset_peak_memory_stats(device)
+        self._running = True
+
+    def stop(self) -> None:
+        """Fold the marks since :meth:`start` into the figures."""
+        if not self._running:
+            return
+        self._running = False
+        host = host_peak_bytes() if self.host_method == "VmHWM" else _max_rss_bytes()
+        if host is not None:
+            self.host_bytes = max(self.host_bytes or 0, host)
+        for device in self._devices:
+            self.device_bytes = max(self.device_bytes or 0, torch.cuda.max_memory_allocated(device))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the work inside out of the figures."""
+        running = self._running
+        self.stop()
+        try:
+            yield
+        finally:
+            if running:
+                self.start()
+
+    def result(self) -> dict:
+        """``{"host_bytes", "device_bytes", "host_method"}`` (bytes; ``device_bytes`` None without CUDA)."""
+        self.stop()
+        return {"host_bytes": self.host_bytes, "device_bytes": self.device_bytes, "host_method": self.host_method}

@@ -1,0 +1,64 @@
+"""Memory while tuning on CUDA (marked gpu): references kept on the host (in memory and spilled) judge CUDA
+candidates like device references, the check holds no second copy of a large output, the report carries the
+device peak."""
+
+import pytest
+import torch
+
+import aitune.torch as ait
+from aitune.errors import ShapeMismatchError, ToleranceExceededError
+from aitune.torch.backend import TorchEagerBackend
+from aitune.torch.correctness import OutputComparator
+from aitune.torch.references import ReferenceStore
+
+pytestmark = pytest.mark.gpu
+
+
+def outputs() -> dict:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(4, 50, 6, device="cuda", generator=generator)
+    return {"logits": logits.transpose(1, 2), "half": torch.randn(300, device="cuda", generator=generator).half(),
+            "ids": torch.arange(12, device="cuda"), "image": torch.randn(
+                2, 3, 4, 5, device="cuda", generator=generator).contiguous(memory_format=torch.channels_last)}
+
+
+def verdict(reference, candidate) -> str:
+    try:
+        OutputComparator(chunk_elements=37).compare(reference, candidate)
+    except (ToleranceExceededError, ShapeMismatchError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_host_references_judge_cuda_candidates_like_device_ones(spill, tmp_path):
+    eager = outputs()
+    store = ReferenceStore(tmp_path, spill_bytes=0 if spill else None)
+    kept = store.keep(outputs())
+    assert all(leaf.device.type == "cuda" for leaf in kept.leaves)  # where eager returned them...
+    assert all(leaf.tensor().device.type == "cpu" for leaf in kept.leaves)  # ...kept on the host
+    for candidate in (eager, {**eager, "logits": eager["logits"] + 0.01}, {**eager, "ids": eager["ids"] + 1},
+                      {**eager, "image": eager["image"].contiguous()}, {**eager, "half": eager["half"].cpu()}):
+        assert verdict(kept, candidate) == verdict(eager, candidate)
+    store.close()
+
+
+def test_a_check_holds_no_second_copy_of_a_large_output():
+    reference = torch.randn(64 * 2**20 // 4, device="cuda")  # 64 MiB
+    candidate = reference + 1e-6
+    kept = ReferenceStore(None).keep([reference])
+    del reference
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    OutputComparator().compare(kept, [candidate])
+    assert torch.cuda.max_memory_allocated() - before < 32 * 2**20  # chunk temporaries only
+
+
+def test_the_report_carries_the_device_peak(fast_profiling):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)).cuda().eval()
+    wrapped = ait.Module(model, "mlp", strategy=ait.MaxThroughputStrategy(
+        [TorchEagerBackend()], profiling_config=fast_profiling))
+    report = ait.tune(wrapped, [torch.randn(b, 64, device="cuda") for b in (2, 8)], ready_batches=True)
+    assert report.peak_memory["device_bytes"] > 0
+    assert "device" in report.describe()
