@@ -486,3 +486,10 @@ def _describe(spec) -> str:
         f"{key}: {_describe(child)}" if spec.context else _describe(child)
         for key, child in zip(spec.context or range(len(spec.children)), spec.children))
     return f"{name}({inner})"
+
+
+def comparator_for(backend, tolerance: Tolerance) -> OutputComparator:
+    """The comparator a backend (:class:`aitune.torch.backend.Backend`) is judged with: SQNR/cosine when it
+    quantizes (``backend.is_quantizing``), fp16 tolerances for TF32/autocast (``backend.low_precision``)."""
+    return OutputComparator(tolerance, quantized=backend.is_quantizing,
+                            low_precision=bool(getattr(backend, "low_precision", False)))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,14 @@ from aitune.errors import (
     BackendBuildError,
     BackendUnavailableError,
     CorrectnessError,
-    ShapeMismatchError,
-    ToleranceExceededError,
     TuningError,
 )
 from aitune.torch.backend.base import Backend, BackendState, BuildMode, one_line
-from aitune.torch.correctness import ComparisonResult, OutputComparator, Tolerance
+from aitune.torch.checks import check_against_eager, check_probes, verify_round_trip
+from aitune.torch.correctness import Tolerance, comparator_for
 from aitune.torch.crashes import crash_signal
 from aitune.torch.isolation import BACKGROUND_BUILDS, BUILD_DEADLINE
-from aitune.torch.probes import Probe, ProbeConfig, ProbeSet, make_probes, run_probes
+from aitune.torch.probes import ProbeConfig, ProbeSet, make_probes
 from aitune.torch.profiling import Measurement, ProfilingConfig, measure
 from aitune.torch.pytree import tree_flatten, tree_unflatten
 from aitune.torch.references import ReferenceStore
@@ -490,170 +488,6 @@ def _upcast(sample) -> tuple[tuple, dict]:
     leaves = [leaf.float() if isinstance(leaf, torch.Tensor) and leaf.dtype in (torch.float16, torch.bfloat16)
               else leaf for leaf in leaves]
     return tree_unflatten(spec, leaves)
-
-
-def comparator_for(backend: Backend, tolerance: Tolerance) -> OutputComparator:
-    """The comparator a backend is judged with: SQNR/cosine when quantizing, fp16 tolerances for TF32/autocast."""
-    return OutputComparator(tolerance, quantized=backend.is_quantizing,
-                            low_precision=bool(getattr(backend, "low_precision", False)))
-
-
-def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tolerance,
-                        comparator: OutputComparator | None = None) -> ComparisonResult:
-    """Run ``backend`` on a fresh clone of every sample, in order, and compare with eager: outputs, in-place
-    effects on inputs, and — where eager leaves its inputs alone — that the candidate does too.
-
-    Outputs on CUDA are cloned right after each call, before anything else runs (case C20, U4; NOTE [output
-    clones in checks]); one sample's inputs and outputs are dropped before the next sample runs. For a stateful
-    graph the module's state is first put back to where eager's reference run started, so both see the same
-    sequence.
-
-    Returns:
-        The worst errors per output leaf and the thresholds used.
-
-    Raises:
-        CorrectnessError (ShapeMismatchError / ToleranceExceededError): on the first violation.
-    """
-    comparator = comparator or comparator_for(backend, tolerance)
-    graph = context.graph
-    if context.restore_state is not None:
-        context.restore_state()
-    for index, sample in enumerate(graph.samples):
-        inputs = sample.clone()
-        with torch.no_grad():
-            output = owned_outputs(backend.infer(*inputs.args, **inputs.kwargs))
-        _compare(comparator, context.reference_outputs[index], output, tolerance, backend,
-                 lambda: context.fp32_reference(index))
-        if graph.mutated_inputs and context.reference_inputs_after is not None:
-            try:
-                comparator.compare(context.reference_inputs_after[index], inputs.leaves())
-            except CorrectnessError as exc:
-                raise type(exc)(f"input mutation not preserved: {exc}") from exc
-        elif not graph.mutated_inputs:
-            _check_inputs_untouched(graph, sample, inputs)
-        del inputs, output  # one sample's tensors at a time: the next call allocates its own
-    return comparator.result()
-
-
-# NOTE [output clones in checks]: backends that replay CUDA graphs return tensors that the next replay
-# overwrites (case C20), so a check clones a candidate's CUDA outputs at once. Only CUDA ones: no backend
-# reuses output buffers on the CPU (Inductor's CUDA-graph trees, eager's CUDA-graph runner and TensorRT's
-# runtime are CUDA-only), and cloning a CPU output would double the memory a check needs for large outputs.
-# The device decides rather than the backend because user-written backends can capture CUDA graphs too.
-def owned_outputs(value: Any) -> Any:
-    """``value`` with its CUDA tensors cloned (see NOTE [output clones in checks]); other leaves as they are."""
-    leaves, spec = tree_flatten(value)
-    if not any(isinstance(leaf, torch.Tensor) and leaf.is_cuda for leaf in leaves):
-        return value
-    return tree_unflatten(spec, [leaf.detach().clone() if isinstance(leaf, torch.Tensor) and leaf.is_cuda else leaf
-                                 for leaf in leaves])
-
-
-def _compare(comparator: OutputComparator, reference, output, tolerance: Tolerance, backend: Backend,
-             fp32_reference) -> None:
-    try:
-        comparator.compare(reference, output)
-    except ToleranceExceededError as exc:
-        # Correctness rule 5 (aitune/torch/correctness.py): fp16/bf16 leaves may pass against an fp32 run.
-        if not (tolerance.fp32_parity and exc.tolerance.startswith("atol=") and not backend.is_quantizing):
-            raise
-        reference_fp32 = fp32_reference()
-        if reference_fp32 is None:
-            raise
-        comparator.compare(reference, output, reference_fp32=reference_fp32)
-
-
-def _check_inputs_untouched(graph, sample, inputs) -> None:
-    """Eager leaves this graph's inputs alone: a candidate that writes into the caller's tensors is wrong."""
-    for path, before, after in zip(graph.input_paths, sample.leaves(), inputs.leaves()):
-        if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and not _same_values(before, after):
-            raise ShapeMismatchError(f"the candidate writes into its input {path!r} (eager leaves it unchanged): "
-                                     "the caller's tensor would be corrupted")
-
-
-def _same_values(before: torch.Tensor, after: torch.Tensor) -> bool:
-    before, after = before.detach(), after.detach()
-    if before.shape != after.shape or before.dtype != after.dtype:
-        return False
-    before = before.to(after.device)
-    if torch.equal(before, after):
-        return True
-    return bool(before.is_floating_point() and torch.equal(before.isnan(), after.isnan())
-                and torch.equal(before.nan_to_num(), after.nan_to_num()))
-
-
-def check_probes(backend: Backend, context: GraphContext, settings: EvaluationSettings,
-                 comparator: OutputComparator) -> dict | None:
-    """Check ``backend`` on the graph's probes (:mod:`aitune.torch.probes`) with the same rules as the samples.
-
-    Returns:
-        ``{"checked", "passed", "not_accepted", "not_run", "kinds"}``, plus ``"dropped_memory"`` when probes
-        were dropped for ``ProbeConfig.max_reference_bytes`` (None with probes off).
-
-    Raises:
-        CorrectnessError: on the first probe the candidate gets wrong; the exception carries ``probe``.
-    """
-    if not settings.probes.enabled:
-        return None
-    probe_set = context.probes(settings.probes)
-    probes = probe_set.probes
-
-    def check(probe: Probe) -> None:
-        if context.restore_state is not None:
-            context.restore_state()
-        inputs = probe.sample.clone()
-        with torch.no_grad():
-            output = owned_outputs(backend.infer(*inputs.args, **inputs.kwargs))
-        _compare(comparator, probe.reference_outputs, output, settings.tolerance, backend,
-                 lambda: context.fp32_reference_for(probe.sample))
-
-    try:
-        counts = run_probes(probes, backend.accepts, check, settings.probes.max_seconds)
-    except Exception as exc:
-        failed_counts = getattr(exc, "probe_counts", None)
-        if failed_counts is not None and probe_set.dropped_memory:
-            failed_counts["dropped_memory"] = probe_set.dropped_memory
-        raise
-    if context.restore_state is not None:
-        context.restore_state()
-    if probe_set.dropped_memory:
-        counts["dropped_memory"] = probe_set.dropped_memory
-    counts["kinds"] = sorted({probe.kind for probe in probes})
-    return counts
-
-
-def verify_round_trip(backend: Backend, context: GraphContext, tolerance: Tolerance) -> None:
-    """Save an AOT backend's artifact, load it back without the module and compare one output (case C23).
-
-    The loaded copy must match eager on the first sample by the same rule and ``tolerance`` the built
-    candidate was judged by (a reloaded artifact may pick other kernels; what matters is that it is still
-    correct); the copy is then dropped. The built candidate is deactivated first (its next call reactivates
-    it), so one copy of the artifact's weights is held at a time.
-
-    Raises:
-        Whatever save/load raise, or CorrectnessError.
-    """
-    sample = context.graph.samples[0]
-    with tempfile.TemporaryDirectory(prefix="aitune-roundtrip-") as directory:
-        metadata = backend.save(Path(directory))
-        backend.deactivate()
-        restored = type(backend).from_checkpoint(Path(directory), backend.config, metadata, None, context.graph,
-                                                 context.device)
-        try:
-            with torch.no_grad():
-                inputs = sample.clone()
-                actual = owned_outputs(restored.infer(*inputs.args, **inputs.kwargs))
-        finally:
-            restored.deactivate()
-            del restored
-    reference = context.reference_outputs[0]
-    try:
-        comparator_for(backend, tolerance).compare(reference, actual)
-    except ToleranceExceededError:
-        reference_fp32 = context.fp32_reference(0) if tolerance.fp32_parity else None
-        if reference_fp32 is None:
-            raise
-        comparator_for(backend, tolerance).compare(reference, actual, reference_fp32=reference_fp32)
 
 
 def measure_backend(backend: Backend, context: GraphContext, config: ProfilingConfig) -> Measurement:

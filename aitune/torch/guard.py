@@ -40,6 +40,7 @@ import torch
 
 from aitune.errors import ConfigError
 from aitune.torch.arguments import KnownFields
+from aitune.torch.correctness import comparator_for
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +200,6 @@ def guard_for(config: GuardConfig, graph, backend, tolerance, row: dict | None, 
     accurate than eager against an fp32 run) cannot be re-judged that way per call without an fp32 copy of
     the module; the guard then allows twice the largest error measured at tuning.
     """
-    from aitune.torch.evaluation import comparator_for
-
     if not config.enabled or getattr(backend, "passthrough", False) or graph.stateful or graph.mutated_inputs:
         return None
     row = row or {}

@@ -19,7 +19,7 @@ from aitune.torch.checkpoint.archive import check_member_name
 from aitune.torch.checkpoint.manifest import read_manifest
 from aitune.torch.checkpoint.plan import ModulePlan, plan_module, warn_differences
 from aitune.torch.checkpoint.wrappers import replace_at, resolve_path
-from aitune.torch.evaluation import comparator_for
+from aitune.torch.correctness import comparator_for
 from aitune.torch.guard import guard_for, signature
 from aitune.torch.module import Module
 from aitune.torch.pytree import tree_unflatten

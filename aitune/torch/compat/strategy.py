@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import Backend
-from aitune.torch.evaluation import check_against_eager, comparator_for
+from aitune.torch.checks import check_against_eager
+from aitune.torch.correctness import comparator_for
 from aitune.torch.report import SELECTED, CandidateResult
 
 if TYPE_CHECKING:
