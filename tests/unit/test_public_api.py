@@ -18,7 +18,7 @@ def test_public_surface_is_exactly_all():
         "BatchDim", "DynamicDim", "FirstWinsStrategy", "InspectedModulesInfo", "LatencyBudgetStrategy",
         "MaxThroughputStrategy", "MinLatencyStrategy", "Module", "ModuleInfo", "ModuleState", "OneBackendStrategy",
         "PatchedModule", "ProbeConfig", "ProfilingConfig", "Tolerance", "TuneReport", "TuneStrategy", "aitune_cache_dir",
-        "inspect", "jit_config", "load", "patch_for_jit_tuning", "save", "tune", "wrap",
+        "inspect", "jit_config", "jit_reset", "load", "patch_for_jit_tuning", "save", "tune", "wrap",
         # the reference system's names (issue #13)
         "DataLoaderFactory", "LocalTorchStorage", "ModuleFunctionKernelProfiler", "PerformanceProfile", "config",
         "profile", "snapshot_tuning_data"}

@@ -31,10 +31,13 @@ from aitune.errors import (
 from aitune.torch.arguments import KnownFields
 from aitune.torch.build_log import into_build_log
 from aitune.torch.dtypes import dtype_from_name, dtype_name
-from aitune.torch.requirements import (
+from aitune.torch.requirements import (  # noqa: F401 - re-exported for backends written against base
     Check,
     Requirement,
     check_requirements,
+    probe_requirement,
+    torch_version_at_least,
+    validate_flags,
 )
 from aitune.utils.logging import control_output
 from aitune.utils.monitoring import annotate
