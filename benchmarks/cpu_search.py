@@ -26,7 +26,7 @@ import time
 import torch
 
 import aitune.torch as ait
-from aitune.torch.backend.inductor_jit import compile_arguments
+from aitune.torch.backend.inductor_jit import parameter_freezing
 
 
 def p50_ms(function, seconds: float = 3.0, warmup: int = 3) -> float:
@@ -48,28 +48,28 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def anchors(model, inputs, expected) -> dict:
+    """Hand-picked runs; freezing as the PyTorch docs switch it on (``torch._inductor.config.freezing = True``
+    while the compiled model traces and runs: NOTE [freezing is decided while Dynamo traces])."""
     results = {}
     with torch.no_grad():
-        plain = torch.compile(copy.deepcopy(model))
-        results["hand-picked torch.compile()"] = plain
-        mode, options = compile_arguments(None, None, True)
-        results["hand-picked torch.compile(freezing)"] = torch.compile(copy.deepcopy(model), mode=mode,
-                                                                      options=options)
+        results["hand-picked torch.compile()"] = (torch.compile(copy.deepcopy(model)), False)
+        results["hand-picked torch.compile(freezing)"] = (torch.compile(copy.deepcopy(model)), True)
         try:
             from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
             quantized = copy.deepcopy(model)
             quantize_(quantized, Int8DynamicActivationInt8WeightConfig())
-            results["hand-picked torchao int8 dyn + compile(freezing)"] = torch.compile(quantized, mode=mode,
-                                                                                      options=options)
+            results["hand-picked torchao int8 dyn + compile(freezing)"] = (torch.compile(quantized), True)
         except ImportError:
             pass
     rows = {}
-    for label, compiled in results.items():
+    for label, (compiled, freezing) in results.items():
+        def call(compiled=compiled, freezing=freezing):
+            with parameter_freezing(freezing):
+                return compiled(**inputs)
         with torch.no_grad():
-            out = compiled(**inputs)
-        rows[label] = {"p50_ms": p50_ms(lambda compiled=compiled: compiled(**inputs)),
-                       "cosine_min": cosine(out, expected)}
+            out = call()
+        rows[label] = {"p50_ms": p50_ms(call), "cosine_min": cosine(out, expected)}
     return rows
 
 

@@ -89,6 +89,31 @@ def test_channels_last_variant_matches_eager_and_leaves_the_module_alone(fast_pr
     assert tuned.backends["graph0"].bakes_weights
 
 
+@pytest.mark.parametrize("freezing", [True, False])
+def test_freezing_variant_really_folds_the_weights(freezing, fast_profiling):
+    """torch.compile(options={"freezing": True}) alone leaves the parameters as graph inputs (Dynamo decides
+    that while tracing, from the global Inductor config): NOTE [freezing is decided while Dynamo traces]. A
+    frozen build no longer reads the module's weights, so an in-place edit after the build does not reach it;
+    an unfrozen build follows the edit."""
+    model = _net()
+    backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(freezing=freezing))
+    tuned = ait.Module(model, f"frozen-{freezing}", strategy=ait.OneBackendStrategy(
+        backend, profiling_config=fast_profiling).enable_performance_validation(False))
+    x = torch.randn(2, 16)
+    ait.tune(tuned, [x], ignore_failing_modules=False, ready_batches=True)
+    built = tuned.backends["graph0"]
+    before = built.run((x,), {})
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)
+        after = built.run((x,), {})
+        edited = model(x)
+    if freezing:
+        torch.testing.assert_close(after, before)  # folded at build: the edit is not seen
+        assert not torch.allclose(after, edited, atol=1e-4)
+    else:
+        torch.testing.assert_close(after, edited, atol=1e-4, rtol=1e-3)
+
+
 def test_expensive_candidates_need_a_budget_and_a_spent_budget_skips(fast_profiling):
     expensive = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="max-autotune-no-cudagraphs"))
     assert expensive.expensive

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -27,6 +28,7 @@ from aitune.torch.backend.inductor_jit import (
     clone_output,
     compile_arguments,
     graph_break_count,
+    parameter_freezing,
     uses_cuda_graphs,
 )
 
@@ -286,6 +288,7 @@ class TorchAOBackend(Backend):
     is_quantizing = True
     rank = 40
     requirements = (Requirement("torchao", ("torchao",), "torchao", "0.12"),)
+    _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
 
     def search_space(self, module, graph, device) -> list["Backend"]:
         """Issue "Search": at the default configuration, the device's preset compiled with ``freezing`` (on CUDA
@@ -402,6 +405,7 @@ class TorchAOBackend(Backend):
                                preset or type(torchao_config).__name__, type(module).__name__)
             logger.debug("torchao: quantized %d modules with %s", len(changed), preset or torchao_config)
             self._clone_outputs = self.config.compile and uses_cuda_graphs(self.config.mode, None)
+            self._freezing = parameter_freezing(self.config.compile and self.config.freezing)
             if self.config.compile:
                 dynamic = self._resolved_dynamic(graph)
                 self.build_info["dynamic"] = dynamic
@@ -423,7 +427,7 @@ class TorchAOBackend(Backend):
     def _infer(self, args, kwargs):
         if self._clone_outputs:  # CUDA-graph outputs are overwritten by the next replay (case C20)
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad():
+        with torch.no_grad(), self._freezing:
             output = self._callable(*args, **kwargs)
         return clone_output(output) if self._clone_outputs else output
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
@@ -120,12 +121,60 @@ class TorchInductorJitBackendConfig(BackendConfig):
 
 def compile_arguments(mode: str | None, options: dict | None, freezing: bool) -> tuple[str | None, dict | None]:
     """``torch.compile`` takes a mode or options, not both: with ``freezing`` the mode becomes its options
-    (``torch._inductor.list_mode_options``) plus ``freezing=True``."""
+    (``torch._inductor.list_mode_options``) plus ``freezing=True``.
+
+    The options alone apply freezing only half-way: trace the first calls inside :func:`parameter_freezing`
+    (NOTE [freezing is decided while Dynamo traces])."""
     if not freezing:
         return mode, options
     from torch._inductor import list_mode_options
 
     return None, {**list_mode_options(mode or "default"), **(options or {}), "freezing": True}
+
+
+class _FreezingWhileTracing:
+    """Sets the global ``torch._inductor.config.freezing`` for the duration of a call (re-entrant; the
+    previous value is restored). A plain attribute set/restore: ~3.5 µs on this project's 2-core CPU, where
+    ``inductor_config.patch(...)`` costs ~40 µs."""
+
+    def __init__(self) -> None:
+        self._saved: list[bool] = []
+
+    def __enter__(self) -> None:
+        config = torch._inductor.config
+        self._saved.append(config.freezing)
+        config.freezing = True
+
+    def __exit__(self, *exc_info) -> None:
+        torch._inductor.config.freezing = self._saved.pop()
+
+
+_FREEZING_WHILE_TRACING: _FreezingWhileTracing | None = None
+
+
+def parameter_freezing(enabled: bool):
+    """A context in which Dynamo traces with Inductor ``freezing`` on (a no-op context when not ``enabled``).
+
+    NOTE [freezing is decided while Dynamo traces]: ``torch.compile(options={"freezing": True})`` patches
+    Inductor's config only while Inductor compiles, but whether parameters become graph constants (what
+    freezing folds) or stay graph inputs is decided earlier, while Dynamo traces, from the *global*
+    ``torch._inductor.config.freezing`` (``torch._dynamo.utils.is_parameter_freezing``). With the options
+    alone, ResNet-50 b1 fp16 reduce-overhead on the H200 ran at 0.887 ms vs 0.501 ms with freezing on while
+    tracing (0.615 ms without freezing; ``benchmarks/gpu_freezing.py``, RESULTS.md 2026-12-01), and on CPU
+    the weights were not folded at all (``tests/unit/test_search.py``). Every call of a frozen compiled
+    callable runs inside this context, not only the build's warm-up: a call that recompiles (a probe of
+    another size during tuning, a new shape later) adds a cache entry that Dynamo tries first, so an
+    unfrozen recompile would shadow the frozen one. The process-wide flag is set and restored around the
+    call; a ``torch.compile`` traced concurrently by another thread during that call sees it too.
+    """
+    global _FREEZING_WHILE_TRACING
+    if not enabled:
+        return contextlib.nullcontext()
+    if _FREEZING_WHILE_TRACING is None:
+        import torch._inductor.config  # noqa: F401 - makes torch._inductor.config an attribute
+
+        _FREEZING_WHILE_TRACING = _FreezingWhileTracing()
+    return _FREEZING_WHILE_TRACING
 
 
 class TorchInductorJitBackend(AutocastMixin, Backend):
@@ -138,6 +187,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     """
 
     _channels_last = False
+    _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
     _tier = 0  # search tier of a search-space variant (see search_tier)
 
     name = "inductor_jit"
@@ -153,7 +203,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
 
     def search_space(self, module, graph, device) -> list["Backend"]:
         """The configurations worth trying (issue "Search"): on CPU plain and with ``freezing``; on CUDA
-        reduce-overhead (CUDA graphs), then — with a time budget — reduce-overhead with freezing, default mode,
+        reduce-overhead (CUDA graphs) with and without freezing, then — with a time budget — default mode,
         and the max-autotune modes (expensive). Models with 2-D convolutions and 4-D inputs also get a
         channels-last variant (with freezing)."""
         config = self.config
@@ -171,16 +221,17 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
                 configs.append(dict(freezing=True, memory_format="channels_last"))
         variants = [TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)) for kwargs in configs]
         if device.type == "cuda":
-            for variant in variants[1:]:  # with a time budget: freezing, channels-last, default mode
+            for variant in variants[2:]:  # with a time budget: channels-last, default mode
                 variant._tier = 1
         return variants
 
     @property
     def search_tier(self) -> int:
         """max-autotune modes benchmark many kernels while compiling (minutes on a large model): tier 2. On
-        CUDA, reduce-overhead is tried by default and the other variants (freezing, channels-last, default mode)
-        are extras (tier 1): on the H200 with torch 2.11 plain reduce-overhead beat them on ResNet-50 b1 and
-        BERT-base b32 (benchmarks/RESULTS.md), and each costs a compile. See :meth:`Backend.search_tier`."""
+        CUDA, reduce-overhead with and without freezing are tried by default and the other variants
+        (channels-last, default mode) are extras (tier 1): on the H200 with torch 2.11, ResNet-50 b1 fp16 ran
+        reduce-overhead 0.615 ms, + freezing 0.501 ms, + freezing + channels-last 0.505 ms
+        (benchmarks/RESULTS.md, 2026-12-01), and each variant costs a compile. See :meth:`Backend.search_tier`."""
         if (self.config.mode or "").startswith("max-autotune"):
             return 2
         return getattr(self, "_tier", 0)
@@ -209,6 +260,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
 
             module = copy.deepcopy(module).to(memory_format=torch.channels_last)
         mode, options = self.config.compile_arguments()
+        self._freezing = parameter_freezing(bool((options or {}).get("freezing")))
         allow_many_variants()
         self._compiled = torch.compile(module, backend="inductor", mode=mode, options=options,
                                        fullgraph=self.config.fullgraph, dynamic=dynamic)
@@ -222,7 +274,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     def _run(self, args, kwargs):
         if self._clone_outputs:
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self._autocast(), self._freezing:
             output = self._compiled(*args, **kwargs)
         if self._channels_last:
             output = to_contiguous(output)

@@ -1,0 +1,85 @@
+"""Where the wrapped module's time goes over the chosen backend called directly, on the GPU (issue "Search":
+the wrapped module within 3 % of the chosen backend). ResNet-50 b1 fp16 (BatchNorm calibrated), one backend
+(Inductor reduce-overhead + freezing, which bakes the weights in, so the stale-weight watch runs per call).
+
+Times, A/B/A/B in one process with CUDA events (p50 over 2 s each): the wrapped module (guard on), the
+wrapped module with the guard off, the backend's ``run`` and the compiled callable; and the host cost of
+one stale-weight check (``StateWatch.changed``) and of the freezing flag set/restore, with perf_counter.
+
+Usage (device tool, repo root)::
+
+    python3 -m benchmarks.gpu_wrapper_cost --json $OUT/wrapper_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import aitune.torch as ait
+from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
+from aitune.torch.backend.inductor_jit import parameter_freezing
+from aitune.torch.guard import GuardConfig, StateWatch
+from benchmarks.gpu_search import p50_ms, resnet50
+
+
+def host_us(function, n: int = 5000) -> float:
+    function()
+    started = time.perf_counter()
+    for _ in range(n):
+        function()
+    return (time.perf_counter() - started) / n * 1e6
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    parser.add_argument("--freezing", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.backends.cudnn.benchmark = True
+    model, inputs = resnet50(1)
+    config = TorchInductorJitBackendConfig(mode="reduce-overhead", freezing=bool(args.freezing))
+    modules = {}
+    for label, guard in (("module", None), ("module_guard_off", GuardConfig(enabled=False))):
+        strategy = ait.OneBackendStrategy(TorchInductorJitBackend(config)).enable_performance_validation(False)
+        wrapped = ait.Module(model, f"wc-{label}", strategy=strategy, guard=guard)
+        ait.tune(lambda item, wrapped=wrapped: wrapped(**item), [inputs], progress=False, ready_batches=True)
+        modules[label] = wrapped
+    backend = modules["module"].backends["graph0"]
+    kwargs = backend.graph.signature.normalize((), inputs)[1]
+    compiled = backend._compiled
+    freezing = parameter_freezing(bool(args.freezing))
+
+    def raw():
+        torch.compiler.cudagraph_mark_step_begin()
+        with freezing:
+            return compiled(**kwargs)
+
+    calls = {"module": lambda: modules["module"](**inputs),
+             "module_guard_off": lambda: modules["module_guard_off"](**inputs),
+             "backend_run": lambda: backend.run((), kwargs), "compiled_raw": raw}
+    result = {"freezing": bool(args.freezing)}
+    for round_ in range(2):
+        for label, call in calls.items():
+            result[f"{label}_p50_ms_{round_}"] = p50_ms(call)
+    watch = StateWatch(model)
+    result["state_tensors"] = len(watch.tensors)
+    result["statewatch_changed_us"] = host_us(watch.changed)
+    result["freezing_flag_us"] = host_us(lambda: freezing.__enter__() or freezing.__exit__(None, None, None))
+    with torch.no_grad():
+        result["module_host_us"] = host_us(lambda: modules["module"](**inputs), 2000)
+        result["backend_run_host_us"] = host_us(lambda: backend.run((), kwargs), 2000)
+    result["stats"] = modules["module"].stats
+    print(json.dumps(result, indent=1, default=str))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
