@@ -95,6 +95,12 @@ def _report(args) -> int:
     from aitune.torch.report_html import REPORT_EXTRA, figures_available
 
     path = Path(args.file)
+    if not path.exists() and not path.is_absolute():  # a name given to ait.save: checkpoints/<name> (storage.py)
+        from aitune.torch.storage import LocalTorchStorage
+
+        saved = LocalTorchStorage().archive_path(path)
+        if saved.exists():
+            path = saved
     try:
         checkpoint = path.suffix == ".ait" or zipfile.is_zipfile(path)
         if args.html is None:

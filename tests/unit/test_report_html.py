@@ -195,6 +195,18 @@ def test_cli_report_html_from_json_and_checkpoint(tuned, tmp_path):
     assert missing.returncode == 1 and "Traceback" not in missing.stderr and len(missing.stderr.splitlines()) == 1
 
 
+def test_cli_report_resolves_a_saved_name_like_ait_load(tuned, tmp_path):
+    """`ait.save(m, "mlp.ait")` writes checkpoints/mlp.ait; `aitune report mlp.ait` finds it (fresh-clone trial)."""
+    import shutil
+
+    (tmp_path / "checkpoints").mkdir()
+    shutil.copy(tuned.checkpoint, tmp_path / "checkpoints" / "mlp.ait")
+    result = subprocess.run([sys.executable, "-m", "aitune.cli", "report", "mlp.ait"], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert tuned.report.selected("mlp") in result.stdout
+
+
 # ============================================================================================ browser
 
 

@@ -114,6 +114,28 @@ def test_freezing_variant_really_folds_the_weights(freezing, fast_profiling):
         torch.testing.assert_close(after, edited, atol=1e-4, rtol=1e-3)
 
 
+def test_a_frozen_variant_retuned_after_new_weights_uses_them(fast_profiling):
+    """NOTE [a frozen compile per build]: after load_state_dict (same parameter objects, new values) a re-tune
+    must fold the new weights in, not reuse Dynamo's entry with the old ones (found by a fresh-clone trial)."""
+    model = _net()
+    backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(freezing=True))
+    tuned = ait.Module(model, "refrozen", strategy=ait.OneBackendStrategy(
+        backend, profiling_config=fast_profiling).enable_performance_validation(False))
+    data = [torch.randn(2, 16), torch.randn(4, 16)]
+    ait.tune(tuned, data, ignore_failing_modules=False, ready_batches=True)
+    torch.manual_seed(1)
+    model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()})
+    assert tuned.needs_retune
+    tuned.enable_recording(force=True)
+    report = ait.tune(tuned, data, ignore_failing_modules=False, ready_batches=True)
+    row = next(r for r in report.rows if r.backend == "inductor_jit")
+    assert row.status == "selected", row.reason
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned.backends["graph0"].run((x,), {}), model(x), atol=1e-4, rtol=1e-3)
+    assert not tuned.needs_retune
+
+
 def test_expensive_candidates_need_a_budget_and_a_spent_budget_skips(fast_profiling):
     expensive = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="max-autotune-no-cudagraphs"))
     assert expensive.expensive

@@ -177,6 +177,29 @@ def parameter_freezing(enabled: bool):
     return _FREEZING_WHILE_TRACING
 
 
+def fresh_state_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """The module's structure with new parameter and buffer objects that share the original storage (no data
+    copied; the user's module is not changed).
+
+    NOTE [a frozen compile per build]: Dynamo keeps compiled code per code object (``forward.__code__``), and
+    two ``torch.compile`` calls with the same mode and options share those entries. A frozen entry guards on
+    the *identity* of the parameters whose values it folded in, so after ``load_state_dict`` (same objects,
+    new values) a re-tune's build would reuse the old entry with the old weights folded in — found by a
+    fresh-clone trial, ``tests/unit/test_search.py::test_a_frozen_variant_retuned_after_new_weights_uses_them``.
+    Compiling a copy whose tensors are new objects makes every build trace afresh.
+    """
+    import copy
+
+    memo = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if id(tensor) not in memo:
+            fresh = tensor.detach()
+            if isinstance(tensor, torch.nn.Parameter):
+                fresh = torch.nn.Parameter(fresh, requires_grad=tensor.requires_grad)
+            memo[id(tensor)] = fresh
+    return copy.deepcopy(module, memo)
+
+
 class TorchInductorJitBackend(AutocastMixin, Backend):
     """``torch.compile(module, backend="inductor")``, warmed up on every recorded sample at build.
 
@@ -255,12 +278,19 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         dynamic = self._resolved_dynamic(graph)
         self.build_info["dynamic"] = dynamic
         self._channels_last = self.config.memory_format == "channels_last"
+        mode, options = self.config.compile_arguments()
+        frozen = bool((options or {}).get("freezing"))
         if self._channels_last:  # NOTE: a copy; the user's module keeps its memory format
             import copy
 
             module = copy.deepcopy(module).to(memory_format=torch.channels_last)
-        mode, options = self.config.compile_arguments()
-        self._freezing = parameter_freezing(bool((options or {}).get("freezing")))
+        elif frozen:
+            try:
+                module = fresh_state_copy(module)
+            except Exception as exc:  # noqa: BLE001 - a module deepcopy refuses: compile it as it is
+                # (a later re-tune's build may then reuse folded old weights; the check against eager rejects it)
+                self.build_info["frozen_copy_failed"] = f"{type(exc).__name__}: {exc}"
+        self._freezing = parameter_freezing(frozen)
         allow_many_variants()
         self._compiled = torch.compile(module, backend="inductor", mode=mode, options=options,
                                        fullgraph=self.config.fullgraph, dynamic=dynamic)
