@@ -104,6 +104,31 @@ def test_c02_batch_one_sample_keeps_dynamic_batch(flatten_head_build):
     assert not backend.accepts(leaves_of(torch.randn(2, 3, 16, 16, dtype=torch.float64)))
 
 
+class EmbeddingPool(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(100, 32)
+        self.proj = torch.nn.Linear(32, 16)
+
+    def forward(self, input_ids):
+        return self.proj(self.emb(input_ids)).mean(1)
+
+
+def test_batch_range_one_to_two_builds_and_matches_eager(tmp_path):
+    """NOTE [export max 2]: an Embedding model recorded at batches 1 and 2 (the reference's default
+    batch_sizes) built a package that returned batch 2 at batch 1 (torch 2.13, export save/load); the export
+    bound is widened, the accepted range is still the recorded one."""
+    torch.manual_seed(0)
+    module = EmbeddingPool().eval()
+    graph = record_graphs(module, [((torch.randint(0, 100, (b, 8)),), {}) for b in (1, 2)])[0]
+    backend = TorchInductorAotBackend().build(module, graph, "cpu", tmp_path)
+    for batch in (1, 2):
+        x = torch.randint(0, 100, (batch, 8))
+        assert backend.accepts(leaves_of(x))
+        assert assert_matches_eager(module, backend, (x,)).shape == (batch, 16)
+    assert not backend.accepts(leaves_of(torch.randint(0, 100, (3, 8))))  # the recorded range, not the export's
+
+
 def test_c02_export_example_is_a_copy_and_the_artifact_is_all_that_is_saved(flatten_head_build, tmp_path):
     module, graph, backend = flatten_head_build
     assert graph.samples[0].leaves()[0].shape == (1, 3, 16, 16)  # the batch-2 export example was a copy
