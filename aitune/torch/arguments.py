@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 from typing import Iterable
 
@@ -22,6 +23,25 @@ def reject_unknown_keywords(owner: str, valid: Iterable[str], given: Iterable[st
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UnknownArgumentError(f"{owner} got an unexpected keyword argument {name!r}{hint}; valid: "
                                        f"{', '.join(valid)}")
+
+
+def known_keywords(function):
+    """Decorator: an unknown keyword argument to ``function`` raises :class:`~aitune.errors.UnknownArgumentError`
+    (closest name and every valid one) instead of Python's bare ``TypeError``. For entry points (``ait.tune``,
+    ``ait.save``/``ait.load``, ``ait.inspect``), not hot paths: it costs a set lookup per keyword."""
+    parameters = inspect.signature(function).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return function
+    valid = frozenset(name for name, p in parameters.items()
+                      if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        if not valid.issuperset(kwargs):
+            reject_unknown_keywords(f"{function.__name__}()", valid, kwargs)
+        return function(*args, **kwargs)
+
+    return checked
 
 
 class KnownFields:

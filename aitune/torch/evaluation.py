@@ -333,7 +333,7 @@ def complete(evaluation: Evaluation, context: GraphContext) -> Candidate:
     if context.progress is not None:
         context.progress.candidate_done()
     row.reason = "; ".join(filter(None, [build_notes(row.details), noise_note(measurement)]))
-    logger.info("  %-28s passed%s", blueprint.describe()[:28],
+    logger.info("  %-28s passed%s", blueprint.describe(),
                 f" ({row.speedup:.2f}x eager)" if row.speedup is not None else "")
     return Candidate(backend, row, measurement)
 
@@ -346,7 +346,7 @@ def _failed(stop: "_Stop", blueprint: Backend, context: GraphContext, row: Candi
         context.progress.candidate_done()
     row.status = stop.status
     row.reason = stop.reason or stop.prefix + failure_reason(stop.cause)
-    logger.info("  %-28s %s: %s", blueprint.describe()[:28], row.status, row.reason)
+    logger.info("  %-28s %s: %s", blueprint.describe(), row.status, row.reason)
     if backend is not None:
         backend.deactivate()
     if raise_errors:
@@ -395,7 +395,7 @@ def _check_budget_and_crashes(blueprint: Backend, context: GraphContext) -> None
 
 def _build(blueprint: Backend, context: GraphContext, row: CandidateResult) -> Backend:
     workdir = context.workdir / blueprint.key()
-    logger.info("  %-28s building…", blueprint.describe()[:28])
+    logger.info("  %-28s building…", blueprint.describe())
     started = time.perf_counter()
     row.log_path = str(workdir / "build.log")
     deadline = BUILD_DEADLINE.set(context.deadline)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from aitune.errors import ConfigError
+from aitune.torch.arguments import known_keywords
 from aitune.torch import dataloader
 from aitune.torch.environment import environment
 from aitune.torch.locate import walk
@@ -125,6 +126,7 @@ def _discover(obj: Any, max_depth: int) -> list[ModuleInfo]:
             for node in walk(obj, max_depth) if node.first and isinstance(node.value, torch.nn.Module)]
 
 
+@known_keywords
 def inspect(obj: Any, dataset, inference_function: Callable | None = None, number_of_iterations: int = 10,
             warmup_iterations: int = 5, min_depth: int = 0, max_depth: int = 5, *,
             ready_batches: bool = False) -> InspectedModulesInfo:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from aitune.errors import CheckpointIntegrityError, ConfigError
+from aitune.torch.arguments import known_keywords
 from aitune.torch import checkpoint
 from aitune.torch.checkpoint.archive import CHUNK, sums_path
 from aitune.utils.logging import libraries_logging
@@ -144,6 +145,7 @@ class LocalTorchStorage:
             return checkpoint.load(model_or_pipeline, packed, device=device)
 
 
+@known_keywords
 def save(model_or_pipeline: Any, path: str | os.PathLike, storage: LocalTorchStorage | None = None) -> Path:
     """Save every tuned :class:`~aitune.torch.Module` of a model or pipeline (see the module docstring).
 
@@ -158,6 +160,7 @@ def save(model_or_pipeline: Any, path: str | os.PathLike, storage: LocalTorchSto
     return _storage(storage).save(model_or_pipeline, path)
 
 
+@known_keywords
 def load(model_or_pipeline: Any, path: str | os.PathLike, storage: LocalTorchStorage | None = None,
          device_map: dict[str, str | torch.device] | None = None, disable_external_logging: bool = True,
          *, device: str | torch.device | None = None) -> Any:

@@ -15,6 +15,7 @@ import torch
 
 from aitune.errors import AITuneError, ConfigError
 from aitune.torch import dataloader, telemetry
+from aitune.torch.arguments import known_keywords
 from aitune.torch.config import config
 from aitune.torch.environment import environment
 from aitune.torch.max_batch_size import search_for_graph
@@ -41,6 +42,7 @@ def cache_dir() -> Path:
     return config.cache_dir
 
 
+@known_keywords
 def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None = None,
          max_num_batches_per_batch_size: int | None = None, device: str | torch.device | None = None,
          dry_run: bool = False, disable_external_logging: bool = False, clear_cache: bool = False,

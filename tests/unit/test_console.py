@@ -78,6 +78,13 @@ def test_misspelled_keywords_list_the_valid_ones():
     for config_class in (ait.Tolerance, ait.ProfilingConfig, ait.ProbeConfig, ait.GuardConfig):
         with pytest.raises(UnknownArgumentError, match="valid: "):
             config_class(no_such_field=1)
+    wrapped = ait.Module(torch.nn.Linear(4, 4).eval(), "kw")
+    with pytest.raises(UnknownArgumentError, match=r"tune\(\) .*'batch_size' \(did you mean 'batch_sizes'\?\)"):
+        ait.tune(wrapped, [torch.randn(4)], batch_size=[1, 2])  # the entry points too, before any work
+    with pytest.raises(UnknownArgumentError, match=r"save\(\) .*'storge' \(did you mean 'storage'\?\)"):
+        ait.save(wrapped, "kw.ait", storge=None)
+    with pytest.raises(UnknownArgumentError, match=r"inspect\(\) .*did you mean 'number_of_iterations'"):
+        ait.inspect(wrapped, [torch.randn(4)], number_of_iteration=3)
 
 
 def test_two_wrapped_modules_with_one_name_are_refused(fast_profiling):

@@ -9,6 +9,7 @@ original error): it becomes a report row with a one-line reason naming the real 
 from __future__ import annotations
 
 import copy
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
@@ -34,6 +35,8 @@ from aitune.torch.max_batch_size import MaxBatchSizeSearch
 from aitune.torch.probes import ProbeConfig
 from aitune.torch.profiling import ProfilingConfig, reaches_speedup
 from aitune.torch.report import SELECTED, CandidateResult
+
+logger = logging.getLogger(__name__)
 
 QUANTIZATION_NOTE = "quantization is not used unless allowed: allow_quantization=True on the strategy"
 
@@ -332,6 +335,8 @@ class TuneStrategy:
             candidate.row.measurement = candidate.measurement.to_dict()
             if eager is not None and eager.throughput > 0:
                 candidate.row.speedup = candidate.measurement.throughput / eager.throughput
+                logger.info("  %-28s finalist, measured again: %.2fx eager", candidate.row.description,
+                            candidate.row.speedup)
         return candidates
 
     def eager_candidate(self, context: GraphContext) -> Candidate:

@@ -43,7 +43,11 @@ class MaxThroughputStrategy(TuneStrategy):
         self.runners_up = self.rank([c for c in contenders if c is not chosen and c is not eager],
                                     by_latency=self.by_latency)[:2]
         metric = "lowest latency at the smallest batch" if self.by_latency else "highest throughput"
-        why = f"{metric} among {sum(c.passed for c in contenders)} correct candidates"
+        correct = sum(c.passed for c in contenders)
+        if not any(c.passed for c in candidates):
+            why = "no candidate passed its checks (see the rows above), so eager runs"
+        else:
+            why = f"{metric} among {correct} correct candidate{'s' if correct != 1 else ''}"
         if chosen is not fastest:
             why += f" (within the measured noise of {fastest.row.description}, the simpler one is kept)"
         return chosen.backend, [c.row for c in pool], why
