@@ -1,6 +1,7 @@
 """Open aitune's HTML pages in a real headless Chromium (playwright), refusing every fetch.
 
-Used by the inspection-page tests (tests/unit/test_jit_inspection.py, tests/compat). ``launch()`` skips the
+Used by the report and inspection-page tests (tests/unit/test_report_html.py, tests/unit/test_jit_inspection.py,
+tests/compat). ``launch()`` skips the
 test, with the install command as reason, when Chromium or playwright is missing.
 """
 
@@ -48,19 +49,24 @@ def open_page(browser, path: Path):
     return page, errors, outside
 
 
+def assert_figure_drawn(page, kind: str, expected_texts: list[str]) -> None:
+    """The page's ``figure.chart[data-figure=kind]`` SVG is laid out, draws shapes and shows ``expected_texts``."""
+    svg = page.locator(f'figure.chart[data-figure="{kind}"] svg').first
+    box = svg.bounding_box()
+    assert box and box["width"] > 200 and box["height"] > 80, (kind, box)
+    drawn = svg.evaluate("svg => [...svg.querySelectorAll('path, rect')].filter(e => { const b = e.getBBox(); "
+                         "return b.width > 0 || b.height > 0; }).length")
+    assert drawn >= 5, (kind, drawn)
+    for text in expected_texts:
+        assert svg.locator("text", has_text=text).first.is_visible(), (kind, text)
+
+
 def check_inspection_page(browser, path: Path, module_names: list[str], figure_labels: list[str]) -> None:
     """The Model Inspector page at ``path`` loads without errors or fetches, draws its figure with
     ``figure_labels``, and its tree holds ``module_names``, folding and unfolding without any script."""
     page, errors, outside = open_page(browser, path)
     try:
-        svg = page.locator('figure.chart[data-figure="time-share"] svg').first
-        box = svg.bounding_box()
-        assert box and box["width"] > 200 and box["height"] > 80, box
-        drawn = svg.evaluate("svg => [...svg.querySelectorAll('path, rect')].filter(e => { const b = e.getBBox(); "
-                             "return b.width > 0 || b.height > 0; }).length")
-        assert drawn >= 5, drawn
-        for label in figure_labels:
-            assert svg.locator("text", has_text=label).first.is_visible(), label
+        assert_figure_drawn(page, "time-share", figure_labels)
         nodes = page.locator(".tree details.node")
         assert nodes.count() == len(module_names)
         names = [nodes.nth(i).locator("summary").first.locator("code").first.inner_text() for i in range(nodes.count())]

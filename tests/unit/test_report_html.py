@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,10 +22,8 @@ import aitune.torch as ait
 from aitune.torch.backend import ONNXRuntimeBackend, TensorRTBackend, TorchAOBackend
 from aitune.torch.profiling import ProfilingConfig
 from aitune.torch.report import CandidateResult, GraphReport, TuneReport
+from chromium_pages import assert_figure_drawn, launch, open_page
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 FIGURES = ("speed-error", "latency", "probes")
 
 
@@ -212,59 +209,20 @@ def test_cli_report_resolves_a_saved_name_like_ait_load(tuned, tmp_path):
 
 @pytest.fixture(scope="module")
 def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("Chromium not found at /usr/bin/chromium: apt-get install -y chromium")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright not installed: pip install playwright")
-    with sync_playwright() as playwright:
-        instance = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with launch() as instance:
         yield instance
-        instance.close()
-
-
-def _open(browser, path: Path):
-    """Open ``path``; returns (page, console errors, requests for anything but a local file, each aborted)."""
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    errors, outside = [], []
-    page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    page.on("request", lambda request: None if request.url.startswith(("file://", "data:", "about:"))
-            else outside.append(request.url))
-
-    def route(request_route):  # every request is routed: only the page's own file goes through
-        if request_route.request.url.startswith("file://"):
-            request_route.continue_()
-        else:
-            request_route.abort()
-
-    page.route("**/*", route)
-    page.goto(path.resolve().as_uri(), wait_until="load")
-    return page, errors, outside
-
-
-def _assert_figure_drawn(page, kind: str, expected_texts: list[str]) -> None:
-    svg = page.locator(f'figure.chart[data-figure="{kind}"] svg').first
-    box = svg.bounding_box()
-    assert box and box["width"] > 200 and box["height"] > 80, (kind, box)
-    drawn = svg.evaluate("svg => [...svg.querySelectorAll('path, rect')].filter(e => { const b = e.getBBox(); "
-                         "return b.width > 0 || b.height > 0; }).length")
-    assert drawn >= 5, (kind, drawn)
-    for text in expected_texts:
-        assert svg.locator("text", has_text=text).first.is_visible(), (kind, text)
 
 
 def test_report_page_in_chromium(tuned, browser, tmp_path):
     started = time.perf_counter()
     path = tmp_path / "report.html"
     tuned.report.to_html(path)
-    page, errors, outside = _open(browser, path)
+    page, errors, outside = open_page(browser, path)
     selected = tuned.report.selected("mlp")
     measured = [row for row in tuned.report.rows if row.measurement]
-    _assert_figure_drawn(page, "speed-error", [selected, "1.00x", "atol"])
-    _assert_figure_drawn(page, "latency", [row.description for row in measured])
-    _assert_figure_drawn(page, "probes", [f"{row.probes['passed']}/{row.probes['checked']}"
+    assert_figure_drawn(page, "speed-error", [selected, "1.00x", "atol"])
+    assert_figure_drawn(page, "latency", [row.description for row in measured])
+    assert_figure_drawn(page, "probes", [f"{row.probes['passed']}/{row.probes['checked']}"
                                           for row in tuned.report.rows if row.probes][:1])
     badges = page.locator("table.candidates .badge")
     assert badges.count() == len(tuned.report.rows)
@@ -283,16 +241,16 @@ def test_report_page_in_chromium(tuned, browser, tmp_path):
 def test_checkpoint_and_inspect_pages_in_chromium(tuned, browser, tmp_path):
     path = tmp_path / "checkpoint.html"
     TuneReport.from_manifest(_manifest(tuned.checkpoint), tuned.checkpoint).to_html(path)
-    page, errors, outside = _open(browser, path)
-    _assert_figure_drawn(page, "speed-error", [tuned.report.selected("mlp")])
+    page, errors, outside = open_page(browser, path)
+    assert_figure_drawn(page, "speed-error", [tuned.report.selected("mlp")])
     page.close()
     assert errors == [] and outside == []
 
     pipe = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     path = tmp_path / "inspect.html"
     ait.inspect(pipe, [torch.randn(2, 16)], number_of_iterations=2, warmup_iterations=1, min_depth=1).to_html(path)
-    page, errors, outside = _open(browser, path)
-    _assert_figure_drawn(page, "time-share", ["0 (Linear)", "2 (Linear)"])
+    page, errors, outside = open_page(browser, path)
+    assert_figure_drawn(page, "time-share", ["0 (Linear)", "2 (Linear)"])
     assert page.locator("table.modules tbody tr").count() == 3
     page.close()
     assert errors == [] and outside == []
@@ -303,12 +261,12 @@ def test_browser_check_catches_a_page_that_fetches(browser, tmp_path):
     the page's Content-Security-Policy, which logs a console error)."""
     path = tmp_path / "bad.html"
     path.write_text('<!DOCTYPE html><html><body><img src="http://example.invalid/x.png"></body></html>')
-    page, errors, outside = _open(browser, path)
+    page, errors, outside = open_page(browser, path)
     page.close()
     assert outside == ["http://example.invalid/x.png"]
     page_text = TuneReport().to_html().replace("</main>", '<img src="http://example.invalid/y.png"></main>')
     path.write_text(page_text)
-    page, errors, outside = _open(browser, path)
+    page, errors, outside = open_page(browser, path)
     page.close()
     assert any("Content Security Policy" in error for error in errors)
 
