@@ -94,13 +94,9 @@ def _report(args) -> int:
     from aitune.torch.report import TuneReport
     from aitune.torch.report_html import REPORT_EXTRA, figures_available
 
-    path = Path(args.file)
-    if not path.exists() and not path.is_absolute():  # a name given to ait.save: checkpoints/<name> (storage.py)
-        from aitune.torch.storage import LocalTorchStorage
+    from aitune.torch.storage import existing_checkpoint
 
-        saved = LocalTorchStorage().archive_path(path)
-        if saved.exists():
-            path = saved
+    path = existing_checkpoint(args.file)  # a name given to ait.save is found in checkpoints/
     try:
         checkpoint = path.suffix == ".ait" or zipfile.is_zipfile(path)
         if args.html is None:
@@ -138,6 +134,7 @@ def _serve(args) -> int:
 
     from aitune.errors import AITuneError
     from aitune.serve import ServeConfig, availability, run
+    from aitune.torch.storage import existing_checkpoint
 
     autoscaling = json.loads(args.autoscaling) if args.autoscaling else None
     if args.min_replicas is not None or args.max_replicas is not None:
@@ -147,7 +144,8 @@ def _serve(args) -> int:
                 autoscaling[key] = value
     try:
         config = ServeConfig(
-            builder=args.builder, checkpoint=args.checkpoint, module=args.module, device=args.device,
+            builder=args.builder, checkpoint=str(existing_checkpoint(args.checkpoint)), module=args.module,
+            device=args.device,
             on_mismatch=args.on_mismatch, warmup=not args.no_warmup,
             max_batch_size=args.max_batch_size, batch_wait_timeout_ms=args.batch_wait_ms,
             pad_values=_key_values(args.pad, "--pad"), out_of_range=args.out_of_range,

@@ -166,7 +166,7 @@ def run(backends: list[str] | None = None, cache_dir: str | None = None, save_pa
     for sentence, value in zip(PROBE_SENTENCES, cosine):
         print(f"  cosine {value:.6f}  {textwrap.shorten(sentence, width=70, placeholder=' …')}")
     if save_path:
-        ait.save(encoder, save_path)
-        print(f"\ncheckpoint: {Path(save_path).resolve()}")
+        saved = ait.save(encoder, save_path)  # a relative name lands in checkpoints/ (aitune.torch.storage)
+        print(f"\ncheckpoint: {Path(saved).resolve()}")
     selected = report.selected("minilm", "graph0")
     return {"report": report, "cosine": cosine, "selected": selected}

@@ -9,16 +9,15 @@ at once and choose, by ``ServeConfig.on_mismatch``, between refusing and serving
 from __future__ import annotations
 
 import dataclasses
-import json
-import zipfile
 from pathlib import Path
 
 import torch
 
-from aitune.errors import AITuneError, CheckpointError, CheckpointIntegrityError
+from aitune.errors import AITuneError, CheckpointError
 from aitune.torch.backend import get_backend_class
+from aitune.torch.checkpoint.manifest import MANIFEST
+from aitune.torch.checkpoint.manifest import read_manifest as checkpoint_manifest
 
-MANIFEST = "manifest.json"  # the checkpoint's documented manifest member (aitune/torch/checkpoint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,18 +41,15 @@ def read_manifest(path: str | Path) -> dict:
     """``manifest.json`` of an ``.ait`` file, parsed (not verified: :func:`aitune.torch.load` verifies later).
 
     Raises:
-        CheckpointError: the file is missing, is not a zip, or has no readable manifest.
+        CheckpointError: the file is missing, is not a zip, or has no readable manifest (CheckpointIntegrityError);
+            CheckpointVersionError: a newer checkpoint format.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist here (cwd {Path.cwd()}); every node reads it at this "
                               "path unless it is shipped in the job's runtime_env (aitune serve --ship-checkpoint)")
-    try:
-        with zipfile.ZipFile(path) as archive:
-            manifest = json.loads(archive.read(MANIFEST))
-    except (zipfile.BadZipFile, KeyError, ValueError, OSError) as exc:
-        raise CheckpointIntegrityError(f"{path} is not a readable aitune checkpoint ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("modules"), list):
+    manifest, _ = checkpoint_manifest(path, verify=False)  # not a zip, no manifest, newer format: raises there
+    if not isinstance(manifest.get("modules"), list):
         raise CheckpointError(f"{path}: {MANIFEST} has no list of modules; not an aitune checkpoint")
     return manifest
 

@@ -41,17 +41,17 @@ _DEFAULT_WAIT_MS = 10.0  # Ray Serve's own default batch_wait_timeout_s, when th
 
 
 class RoutingCounter:
-    """Counts the calls the served module's tuned backends answered.
+    """Which tuned backend serves each graph, and how many calls tuned backends answered.
 
-    NOTE [counting fallbacks]: ``ait.Module`` does not count its routing yet. Its dispatch calls
-    ``backend.run(args, kwargs)`` for a call a backend takes and runs the wrapped module eagerly otherwise
-    (input outside the artifact's range, untuned structure, training flag, a backend error); so each backend's
-    ``run`` is wrapped here, on the instance, to count the calls it returned from. A served call for which no
-    count moved ran eagerly. When the core grows a per-module counter, this class is where to read it.
+    NOTE [counting fallbacks]: ``ait.Module.backend_calls`` counts the calls a tuned backend answered (a call
+    the guard checked counts when the backend's answer was kept); a served call for which it did not move ran
+    eagerly (input outside the artifact's range, untuned structure, a backend error, a backend the guard
+    retired in favour of eager). Graphs for which tuning chose eager are ``passthrough``: their calls are not
+    fallbacks.
     """
 
     def __init__(self, wrapper: Any):
-        self.backend_calls = 0
+        self.wrapper = wrapper
         self.backends: dict[str, str] = {}
         self.passthrough: set[str] = set()
         if wrapper is None:
@@ -59,16 +59,11 @@ class RoutingCounter:
         for graph_name, backend in wrapper.backends.items():
             self.backends[graph_name] = backend.name
             if getattr(backend, "passthrough", False):
-                self.passthrough.add(graph_name)  # tuning chose eager: its calls are not fallbacks
-            backend.run = self._counted(backend.run)
+                self.passthrough.add(graph_name)
 
-    def _counted(self, run: Callable) -> Callable:
-        def counted(args, kwargs):
-            output = run(args, kwargs)
-            self.backend_calls += 1
-            return output
-
-        return counted
+    @property
+    def backend_calls(self) -> int:
+        return self.wrapper.backend_calls if self.wrapper is not None else 0
 
 
 @dataclasses.dataclass

@@ -171,11 +171,5 @@ def verify_round_trip(backend: Backend, context: GraphContext, tolerance: Tolera
         finally:
             restored.deactivate()
             del restored
-    reference = context.reference_outputs[0]
-    try:
-        comparator_for(backend, tolerance).compare(reference, actual)
-    except ToleranceExceededError:
-        reference_fp32 = context.fp32_reference(0) if tolerance.fp32_parity else None
-        if reference_fp32 is None:
-            raise
-        comparator_for(backend, tolerance).compare(reference, actual, reference_fp32=reference_fp32)
+    _compare(comparator_for(backend, tolerance), context.reference_outputs[0], actual, tolerance, backend,
+             lambda: context.fp32_reference(0))

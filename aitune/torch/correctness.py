@@ -42,6 +42,7 @@ from aitune.torch.references import (
     StoredTensor,
     chunk_plan,
     flat_piece,
+    piece_of,
     flatten_outputs,
     memory_format,
 )
@@ -171,7 +172,7 @@ def _pieces(leaves: list, device: torch.device, chunk_elements: int) -> Iterator
     for index, start, stop in chunk_plan(leaves[0].shape, chunk_elements):
         pieces = []
         for leaf in leaves:
-            piece = leaf.piece(index, start, stop) if isinstance(leaf, StoredTensor) else flat_piece(leaf, index)
+            piece = piece_of(leaf, index, start, stop)
             piece = piece.detach().to(device)
             if piece.is_complex():
                 piece = torch.view_as_real(piece.resolve_conj()).reshape(-1)
@@ -408,8 +409,7 @@ class OutputComparator:
         if not (dtype.is_floating_point or dtype.is_complex):
             mismatches = torch.zeros((), dtype=torch.int64, device=actual.device)
             for index, start, stop in chunk_plan(shape, self.chunk_elements):
-                piece = expected.piece(index, start, stop) if isinstance(expected, StoredTensor) else \
-                    flat_piece(expected, index)
+                piece = piece_of(expected, index, start, stop)
                 mismatches += (piece.to(actual.device) != flat_piece(actual, index)).sum()
             if int(mismatches):
                 raise ToleranceExceededError(f"output {path}: {int(mismatches)} of {numel} integer/bool "

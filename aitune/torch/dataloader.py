@@ -253,7 +253,8 @@ class DataLoaderFactory:
     """Makes a ``torch.utils.data.DataLoader`` for each batch size tuning asks for.
 
     Args:
-        dataset: single examples (any form :func:`dataset_items` accepts), or a :class:`DynamicShapeDataset`.
+        dataset: single examples (any form :func:`dataset_items` accepts; an iterable is read once, when the
+            factory is made), or a :class:`DynamicShapeDataset`.
         collate_fn: turns a list of examples into one batch (default :func:`default_data_collator`).
         num_workers: ``DataLoader`` worker processes.
 
@@ -265,7 +266,7 @@ class DataLoaderFactory:
             raise ConfigError("DataLoaderFactory takes a dataset, not another DataLoaderFactory")
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ConfigError(f"num_workers must be an int >= 0, got {num_workers!r}")
-        self.dataset = dataset
+        self.dataset = _indexable(dataset)  # iterables (generators, IterableDatasets) are read once, here
         self.collate_fn = collate_fn or default_data_collator
         self.num_workers = num_workers
 
@@ -273,8 +274,8 @@ class DataLoaderFactory:
         """A DataLoader of batches of ``batch_size`` (last partial batch dropped; see the module docstring)."""
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ConfigError(f"batch size must be an int >= 1, got {batch_size!r}")
-        items = _indexable(self.dataset)
-        if isinstance(self.dataset, DynamicShapeDataset):
+        items = self.dataset
+        if isinstance(items, DynamicShapeDataset):
             source: Any = _EachItemRepeated(items, batch_size)
         elif len(items) < batch_size:
             source = _RepeatToBatch(items, batch_size)
@@ -349,6 +350,15 @@ def split_batch(batch: Any) -> tuple[list, dict]:
     return [batch], {}
 
 
+def check_batch_cap(max_num_batches_per_batch_size: Any) -> None:
+    """Raises ConfigError unless ``max_num_batches_per_batch_size`` is None or an int >= 0."""
+    if max_num_batches_per_batch_size is not None and (
+            not isinstance(max_num_batches_per_batch_size, int) or isinstance(max_num_batches_per_batch_size, bool)
+            or max_num_batches_per_batch_size < 0):
+        raise ConfigError(f"max_num_batches_per_batch_size must be None or an int >= 0, got "
+                          f"{max_num_batches_per_batch_size!r}")
+
+
 def samples_generator(dataset: Any, batch_sizes: Sequence[int] | Iterator[int],
                       max_num_batches_per_batch_size: int | None = None) -> Iterator[tuple[int, list, dict]]:
     """Every batch of every batch size: ``(batch_size, args, kwargs)``.
@@ -361,10 +371,7 @@ def samples_generator(dataset: Any, batch_sizes: Sequence[int] | Iterator[int],
     Raises:
         ConfigError: a bad batch size or cap, or items that cannot be batched.
     """
-    if max_num_batches_per_batch_size is not None and (
-            not isinstance(max_num_batches_per_batch_size, int) or max_num_batches_per_batch_size < 0):
-        raise ConfigError(f"max_num_batches_per_batch_size must be None or an int >= 0, got "
-                          f"{max_num_batches_per_batch_size!r}")
+    check_batch_cap(max_num_batches_per_batch_size)
     if max_num_batches_per_batch_size == 0:
         return
     factory = dataset if isinstance(dataset, DataLoaderFactory) else DataLoaderFactory(dataset)

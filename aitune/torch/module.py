@@ -282,9 +282,15 @@ class Module(wrapt.ObjectProxy):
         return watch.changed() if watch is not None else None
 
     @property
+    def backend_calls(self) -> int:
+        """Calls a tuned (non-eager) backend answered since tuning or loading (see :attr:`stats`); cheap to read
+        per call, unlike ``stats``."""
+        return self._self_backend_calls
+
+    @property
     def stats(self) -> dict:
-        """What happened at run time: calls a tuned (non-eager) backend answered (``backend_calls``; checked
-        calls are counted by the guard), calls that ran eager by reason (``eager_fallbacks``: ``graph`` untuned
+        """What happened at run time: calls a tuned (non-eager) backend answered (``backend_calls``; a checked
+        call counts when the check kept the backend's answer), calls that ran eager by reason (``eager_fallbacks``: ``graph`` untuned
         structure, ``range`` outside an artifact's accepted inputs, ``stale`` weights changed, ``error`` the
         backend raised, ...), the guard's checks and events per graph, and whether the module needs a re-tune.
         JSON-able; counts since tuning (or loading)."""
@@ -497,7 +503,9 @@ class Module(wrapt.ObjectProxy):
         """One call checked against eager (NOTE [guard cost] in aitune/torch/guard.py)."""
         output, replacement = guard.check(backend, lambda chosen: chosen.run(args, kwargs),
                                           lambda: self._call_eager(args, kwargs), leaves)
-        if replacement is not backend:
+        if replacement is backend:
+            self._self_backend_calls += 1
+        else:
             event = guard.events[-1]
             logger.warning("%s/%s: %s disagreed with eager on an input of shapes %s (%s); this call returned eager's "
                            "result and %s serves the graph from now on", self._self_name, graph.name, backend.name,

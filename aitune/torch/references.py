@@ -108,6 +108,12 @@ def flat_piece(tensor: torch.Tensor, index: tuple) -> torch.Tensor:
     return tensor[index].reshape(-1)
 
 
+def piece_of(leaf: "torch.Tensor | StoredTensor", index: tuple, start: int, stop: int) -> torch.Tensor:
+    """One chunk of a leaf, flattened: :meth:`StoredTensor.piece` for a kept reference, else :func:`flat_piece`
+    (``index`` / ``start``/``stop`` from :func:`chunk_plan`)."""
+    return leaf.piece(index, start, stop) if isinstance(leaf, StoredTensor) else flat_piece(leaf, index)
+
+
 def memory_format(tensor: torch.Tensor) -> str:
     """``"channels_last"`` / ``"channels_last_3d"`` (4-D / 5-D tensors in that layout and not plain
     contiguous), ``"contiguous"``, or ``"strided"`` (any other strides)."""
@@ -202,7 +208,7 @@ def all_finite(value: Any, chunk_elements: int = CHUNK_ELEMENTS) -> bool:
         if not isinstance(leaf, (torch.Tensor, StoredTensor)) or not (leaf.is_floating_point() or leaf.is_complex()):
             continue
         for index, start, stop in chunk_plan(leaf.shape, chunk_elements):
-            piece = leaf.piece(index, start, stop) if isinstance(leaf, StoredTensor) else flat_piece(leaf, index)
+            piece = piece_of(leaf, index, start, stop)
             if not bool(torch.isfinite(piece).all()):
                 return False
     return True

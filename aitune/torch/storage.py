@@ -145,6 +145,16 @@ class LocalTorchStorage:
             return checkpoint.load(model_or_pipeline, packed, device=device)
 
 
+def existing_checkpoint(name: str | os.PathLike) -> Path:
+    """``name`` when that file exists (or is absolute), else ``checkpoints/<name>`` (with ``.ait``) when that
+    exists — a name given to :func:`save` — else ``name`` as given (the caller's error names it)."""
+    path = Path(name).expanduser()
+    if path.exists() or path.is_absolute():
+        return path
+    saved = LocalTorchStorage().archive_path(path)
+    return saved if saved.exists() else path
+
+
 @known_keywords
 def save(model_or_pipeline: Any, path: str | os.PathLike, storage: LocalTorchStorage | None = None) -> Path:
     """Save every tuned :class:`~aitune.torch.Module` of a model or pipeline (see the module docstring).

@@ -403,6 +403,7 @@ def _calls(dataset: Any, ready: bool, batch_sizes: list[int],
            max_num_batches_per_batch_size: int | None) -> Iterator[tuple[int | None, list, dict]]:
     """``(batch size or None, args, kwargs)`` per call of the recording pass (see :func:`tune`)."""
     if ready:
+        dataloader.check_batch_cap(max_num_batches_per_batch_size)
         items = dataloader.dataset_items(dataset)
         if max_num_batches_per_batch_size is not None:
             items = list(items)[:max_num_batches_per_batch_size]
@@ -411,7 +412,7 @@ def _calls(dataset: Any, ready: bool, batch_sizes: list[int],
         logger.warning("aitune: one batch size (%d): batch axes cannot be found, static shapes are assumed; give "
                        "at least two (e.g. batch_sizes=[1, 2]) to tune for a range of batch sizes", batch_sizes[0])
     if not isinstance(dataset, dataloader.DataLoaderFactory):
-        dataloader.dataset_items(dataset)  # the errors for a bad or empty dataset, before anything runs
+        dataset = dataloader.DataLoaderFactory(dataset)  # reads an iterable once; a bad or empty dataset raises here
     return dataloader.samples_generator(dataset, batch_sizes, max_num_batches_per_batch_size)
 
 

@@ -28,7 +28,6 @@ import atexit
 import contextlib
 import csv
 import datetime
-import functools
 import logging
 import os
 import statistics
@@ -373,14 +372,3 @@ def _enable_from_environment() -> None:
 
 
 _enable_from_environment()
-
-
-def annotated(name: str, color: str | None = None) -> Callable[[Callable], Callable]:
-    """A decorator that annotates every call of a method with ``name`` (aitune's own phases use it)."""
-    def decorate(function: Callable) -> Callable:
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            with annotate(name, color):
-                return function(*args, **kwargs)
-        return wrapper
-    return decorate

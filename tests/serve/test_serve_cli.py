@@ -32,3 +32,20 @@ def test_public_surface_and_no_ray_on_import():
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.strip() == "[]"
     assert aitune.serve.availability().ok  # CI installs '.[all]', which includes 'serve'
+
+
+def test_a_name_given_to_ait_save_is_found_in_checkpoints(tmp_path, monkeypatch):
+    """`aitune demo --save minilm.ait` writes checkpoints/minilm.ait; `aitune serve ... minilm.ait` (the README's
+    recipe) and `aitune report minilm.ait` resolve the name the same way (aitune.torch.storage.existing_checkpoint)."""
+    from pathlib import Path
+
+    from aitune.torch.storage import existing_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    assert existing_checkpoint("m.ait") == Path("m.ait")  # nothing saved: the name as given (the error names it)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "m.ait").write_bytes(b"saved")
+    assert existing_checkpoint("m.ait").resolve() == (tmp_path / "checkpoints" / "m.ait").resolve()
+    assert existing_checkpoint("m").resolve() == (tmp_path / "checkpoints" / "m.ait").resolve()
+    (tmp_path / "m.ait").write_bytes(b"here")
+    assert existing_checkpoint("m.ait") == Path("m.ait")  # a file of that name in the working directory wins

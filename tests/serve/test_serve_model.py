@@ -51,7 +51,11 @@ def test_a_request_that_breaks_the_model_fails_alone(served):
     bad["input_ids"][0, 0] = 10_000  # beyond the vocabulary: the model itself raises
     results = served.run_batch([served.prepare(body(good)), served.prepare(body(bad)), served.prepare(body(good))])
     assert isinstance(results[1], RequestError) and results[1].status == 422 and "raised" in str(results[1])
-    assert torch.equal(results[0].output, results[2].output) and results[0].requests == 1
+    with torch.no_grad():
+        expected = build_tiny()(**good)
+    for result in (results[0], results[2]):  # the good requests still get eager's answer
+        torch.testing.assert_close(result.output, expected, atol=1e-5, rtol=1e-4)
+    assert results[0].requests == 1
     assert served.run_batch([served.prepare(body(good))])[0].output.shape == (1, 16)  # and the model lives on
 
 

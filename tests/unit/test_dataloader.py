@@ -65,3 +65,25 @@ def test_dict_batches_bind_by_signature():
     assert call_with_batch(lambda *args, **kwargs: kwargs, [], {"a": 1}) == {"a": 1}
     with pytest.raises(TypeError):  # neither binds: the callable's own error
         call_with_batch(lambda a, b: a, [], {"c": 1})
+
+
+def test_an_iterable_dataset_is_read_once_for_every_batch_size():
+    """A generator (or IterableDataset) is read once, not once per batch size (a second read of a generator
+    found it empty: review of the change)."""
+    import aitune.torch as ait
+
+    reads = []
+
+    def examples():
+        for index in range(3):
+            reads.append(index)
+            yield torch.full((4,), float(index))
+
+    wrapped = ait.Module(torch.nn.Linear(4, 4).eval(), "generator-dataset")
+    ait.tune(wrapped, examples(), batch_sizes=[1, 2], dry_run=True)
+    assert reads == [0, 1, 2]
+    shapes = {tuple(sample.leaves()[0].shape) for sample in wrapped.graphs[0].samples}
+    assert shapes == {(1, 4), (2, 4)}  # every batch size was recorded from the one read
+    with pytest.raises(ConfigError, match="max_num_batches_per_batch_size must be None or an int >= 0"):
+        ait.tune(ait.Module(torch.nn.Linear(4, 4).eval(), "negative-cap"), [torch.randn(2, 4)], ready_batches=True,
+                 max_num_batches_per_batch_size=-1)

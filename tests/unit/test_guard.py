@@ -184,8 +184,7 @@ def test_state_watch_ignores_other_modules_being_built():
     net[2].bias.data = net[2].bias.data.clone()  # one tensor's .data replaced (not the first): the periodic
     reasons = [watch.changed() for _ in range(FULL_SCAN_EVERY)]  # full scan catches it within 16 calls
     assert reasons[-1] is not None and "holds new data" in reasons[-1]
-    net.half()  # the whole model converted: the first tensor shows it at once
-    fresh = StateWatch(_net())
+    fresh = StateWatch(_net())  # the whole model converted: the first tensor shows it at once
     fresh.module.half()
     assert "is now float16" in fresh.changed()
 

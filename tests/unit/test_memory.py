@@ -93,9 +93,15 @@ def test_the_report_carries_the_tuning_peak_memory(fast_profiling, tmp_path):
 
 @pytest.mark.parametrize("spill_bytes", ["0", None], ids=["spilled", "in-memory"])
 def test_spilled_references_judge_candidates_like_in_memory_ones(spill_bytes, fast_profiling, monkeypatch, tmp_path):
+    from aitune.torch.references import ReferenceStore
+
     if spill_bytes is not None:
         monkeypatch.setenv("AITUNE_REFERENCE_SPILL_BYTES", spill_bytes)
+    spilled = []  # the real _spill runs; this only notes that it did
+    spill = ReferenceStore._spill
+    monkeypatch.setattr(ReferenceStore, "_spill", lambda store, group: (spilled.append(len(group)), spill(store, group))[1])
     report = tune(fast_profiling, [OffByLittleBackend(), ClampingBackend(), TorchEagerBackend()])
+    assert bool(spilled) == (spill_bytes is not None)  # the "spilled" case really judged against files
     rows = {row.backend: row for row in report.rows if not row.reason.startswith("baseline")}
     assert rows["test_off_by_little"].status == "rejected (correctness)"
     assert "values off by more than atol=0.0001" in rows["test_off_by_little"].reason

@@ -304,13 +304,6 @@ class TorchAOBackend(Backend):
             variant._tier = 1
         return variants
 
-    _tier = 0
-
-    @property
-    def search_tier(self) -> int:
-        """0 for the first variant of the search space, 1 for the others (see ``Backend.search_tier``)."""
-        return self._tier
-
     # ---- eligibility
     @property
     def bakes_weights(self) -> bool:

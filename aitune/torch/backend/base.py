@@ -389,12 +389,15 @@ class Backend:
         candidates are evaluated (NOTE [background builds] in :mod:`aitune.torch.isolation`)."""
         return False
 
+    _tier = 0  # set on search-space variants (see search_tier)
+
     @property
     def search_tier(self) -> int:
         """How much a search may spend on this candidate: 0 = always tried; 1 = an extra variant, tried only
         with an explicit time budget and >= 60 s of it left; 2 = expensive (max-autotune: minutes of kernel
-        benchmarking), tried only with >= 300 s left (see ``aitune.torch.evaluation.TIER_MIN_S``)."""
-        return 0
+        benchmarking), tried only with >= 300 s left (see ``aitune.torch.evaluation.TIER_MIN_S``). A
+        ``search_space`` marks its extra variants by setting ``_tier`` on them."""
+        return self._tier
 
     @property
     def expensive(self) -> bool:

@@ -211,7 +211,6 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
 
     _channels_last = False
     _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
-    _tier = 0  # search tier of a search-space variant (see search_tier)
 
     name = "inductor_jit"
     config_class = TorchInductorJitBackendConfig
@@ -257,7 +256,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         (benchmarks/RESULTS.md, 2026-12-01), and each variant costs a compile. See :meth:`Backend.search_tier`."""
         if (self.config.mode or "").startswith("max-autotune"):
             return 2
-        return getattr(self, "_tier", 0)
+        return self._tier
 
     def _supports(self, module, graph, device) -> Check:
         if uses_cuda_graphs(self.config.mode, self.config.options) and device.type != "cuda":
