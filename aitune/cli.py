@@ -19,11 +19,17 @@ def _env(args) -> int:
 
     from aitune.torch.backend import registered_backends
     from aitune.torch.crashes import FILE_NAME, CrashRegistry
+    from aitune.torch.rankings import RANKINGS_DIR, RankingStore
     from aitune.torch.tuning import cache_dir
 
     crashes = CrashRegistry(cache_dir() / FILE_NAME)
-    if getattr(args, "clear_crashes", False):
-        print(f"forgot {crashes.clear()} recorded crash(es) ({crashes.path}); they are tried again in later tunes")
+    rankings = RankingStore(cache_dir() / RANKINGS_DIR, fingerprint=None)
+    if getattr(args, "clear_crashes", False) or getattr(args, "clear_rankings", False):
+        if getattr(args, "clear_crashes", False):
+            print(f"forgot {crashes.clear()} recorded crash(es) ({crashes.path}); they are tried again in later tunes")
+        if getattr(args, "clear_rankings", False):
+            print(f"forgot {rankings.clear()} ranking(s) of earlier searches ({rankings.root}); later tunes search "
+                  "all candidates again")
         return 0
 
     print(f"aitune {__version__} (independent implementation of the NVIDIA AITune interface)")
@@ -53,6 +59,13 @@ def _env(args) -> int:
         print(tabulate([[entry["description"], entry["signal"], entry["when"], entry["environment"].get("name"),
                          entry["log"]] for entry in entries],
                        headers=["candidate", "signal", "when", "device", "log"], tablefmt="github"))
+    remembered = rankings.records()
+    if remembered:
+        print(f"\n{len(remembered)} ranking(s) of earlier searches ({rankings.root}): re-tunes of the same graph "
+              "rebuild only the earlier winners — `aitune env --clear-rankings` searches all candidates again:")
+        print(tabulate([[record.get("module"), record.get("graph"), record["ranked"][0].get("description"),
+                         record.get("when")] for record in remembered],
+                       headers=["module", "graph", "ranked first", "when"], tablefmt="github"))
     return 0
 
 
@@ -263,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                                           "candidates remembered as crashing here")
     env.add_argument("--clear-crashes", action="store_true",
                      help="forget the recorded crashes (their candidates are tried again)")
+    env.add_argument("--clear-rankings", action="store_true",
+                     help="forget the rankings of earlier searches (re-tunes search all candidates again)")
     demo = commands.add_parser("demo", help="tune the all-MiniLM-L6-v2 sentence encoder on this machine")
     demo.add_argument("--backends", nargs="+", metavar="NAME", help="backend names to try (default: all available)")
     demo.add_argument("--cache-dir", help="aitune cache directory (default: $AITUNE_CACHE_DIR or ~/.cache/aitune)")

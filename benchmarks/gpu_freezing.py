@@ -10,6 +10,7 @@ model and input. ResNet-50 with BatchNorm statistics calibrated on random data (
 Usage (device tool, repo root)::
 
     python3 -m benchmarks.gpu_freezing --json $OUT/freezing.json
+    python3 -m benchmarks.gpu_freezing --model bert-base --batch 32 --variants ro,ro_freeze_global,ma --json ...
 """
 
 from __future__ import annotations
@@ -32,27 +33,32 @@ VARIANTS = {
     "ro_freeze_global_cl_in": {"mode": "reduce-overhead", "freezing": "global", "channels_last": "both"},
     "ro_freeze_global_cl_model": {"mode": "reduce-overhead", "freezing": "global", "channels_last": "model"},
     "ro_cl_in": {"mode": "reduce-overhead", "channels_last": "both"},
+    # 2026-12-01 (later): the max-autotune modes and coordinate-descent tuning, with freezing on globally
+    "ma_freeze_global": {"mode": "max-autotune", "freezing": "global"},
+    "ma_freeze_global_cl_model": {"mode": "max-autotune", "freezing": "global", "channels_last": "model"},
+    "ro_freeze_global_cdt": {"mode": "reduce-overhead", "freezing": "global", "coordinate_descent": True},
+    "ma": {"mode": "max-autotune"},
 }
 
 
-def child(name: str) -> dict:
+def child(name: str, model_name: str = "resnet50", batch: int = 1) -> dict:
     import statistics
 
     import torch
-    import torchvision
+
+    from benchmarks.gpu_search import bert_base, resnet50
 
     spec = VARIANTS[name]
     torch.backends.cudnn.benchmark = spec.get("cudnn_benchmark", True)
-    torch.manual_seed(0)
-    model = torchvision.models.resnet50().cuda().half()
-    model.train()
+    model, inputs = resnet50(batch) if model_name == "resnet50" else bert_base(batch)
+    x = next(iter(inputs.values()))
+    rest = dict(list(inputs.items())[1:])
+
+    def first_tensor(output):
+        return output if isinstance(output, torch.Tensor) else output[0]
+
     with torch.no_grad():
-        for _ in range(8):
-            model(torch.randn(32, 3, 224, 224, device="cuda", dtype=torch.float16))
-    model.eval()
-    x = torch.randn(1, 3, 224, 224, device="cuda", dtype=torch.float16)
-    with torch.no_grad():
-        expected = model(x).float()
+        expected = first_tensor(model(x, **rest)).float()
     layout = spec.get("channels_last")
     if layout in ("model", "both"):
         model = model.to(memory_format=torch.channels_last)
@@ -64,6 +70,8 @@ def child(name: str) -> dict:
         import torch._inductor.config as inductor_config
         from torch._inductor import list_mode_options
 
+        if spec.get("coordinate_descent"):
+            inductor_config.coordinate_descent_tuning = True
         if spec.get("freezing") == "global":
             inductor_config.freezing = True
             function = torch.compile(model, mode=spec["mode"])
@@ -74,7 +82,7 @@ def child(name: str) -> dict:
 
     def call():
         torch.compiler.cudagraph_mark_step_begin()
-        return function(x)
+        return first_tensor(function(x, **rest))
 
     with torch.no_grad():
         for _ in range(30):
@@ -98,18 +106,27 @@ def child(name: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per variant's process")
     parser.add_argument("--child")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--model", choices=["resnet50", "bert-base"], default="resnet50")
+    parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args.child)), flush=True)
+        print("RESULT " + json.dumps({"model": args.model, "batch": args.batch,
+                                      **child(args.child, args.model, args.batch)}), flush=True)
         return 0
     results = []
     for name in args.variants.split(","):
-        done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_freezing", "--child", name],
-                              capture_output=True, text=True, env=dict(os.environ), timeout=300)
-        line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        result = json.loads(line[7:]) if line else {"variant": name, "error": done.stderr[-2000:]}
+        try:
+            done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_freezing", "--child", name, "--model",
+                                   args.model, "--batch", str(args.batch)],
+                                  capture_output=True, text=True, env=dict(os.environ), timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            result = {"variant": name, "error": f"compile + timing did not finish within {args.timeout} s"}
+        else:
+            line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            result = json.loads(line[7:]) if line else {"variant": name, "error": done.stderr[-2000:]}
         results.append(result)
         print(json.dumps(result), flush=True)
     if args.json:

@@ -110,6 +110,13 @@ def anchors(model, inputs, conv: bool) -> dict:
     return results
 
 
+def row_facts(rows) -> list[dict]:
+    """What the JSON keeps of each report row: status, reason, build seconds, seconds per later phase, p50."""
+    return [{"description": r.description, "status": r.status, "reason": r.reason, "build_s": r.build_s,
+             "phase_s": r.details.get("phase_s"), "p50_ms": (r.measurement or {}).get("p50_ms"),
+             "speedup": r.speedup} for r in rows]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["resnet50", "bert-base"], required=True)
@@ -120,6 +127,7 @@ def main(argv=None) -> int:
     parser.add_argument("--diagnose", action="store_true", help="time the chosen backend's layers separately")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("aitune").setLevel(logging.INFO)  # the tune's timeline (building / passed lines) in the log
     torch.backends.cudnn.benchmark = True
     model, inputs = resnet50(args.batch) if args.model == "resnet50" else bert_base(args.batch)
     conv = args.model == "resnet50"
@@ -148,8 +156,7 @@ def main(argv=None) -> int:
     selected = next(r for r in rows if r.status == "selected")
     result["selected"] = selected.description
     result["tuned_over_best_candidate"] = selected.measurement["throughput"] / best.measurement["throughput"]
-    result["rows"] = [{"description": r.description, "status": r.status, "reason": r.reason, "build_s": r.build_s,
-                       "p50_ms": (r.measurement or {}).get("p50_ms"), "speedup": r.speedup} for r in rows]
+    result["rows"] = row_facts(rows)
 
     result["anchors"] = anchors(model, inputs, conv)
     with torch.no_grad():
@@ -203,8 +210,11 @@ def main(argv=None) -> int:
 
     second = ait.Module(model, f"{args.model}-b{args.batch}-again", strategy=copy.deepcopy(strategy))
     started = time.perf_counter()
-    ait.tune(lambda item: second(**item), [inputs], progress=False, time_budget_s=args.time_budget_s, ready_batches=True)
+    again = ait.tune(lambda item: second(**item), [inputs], progress=False, time_budget_s=args.time_budget_s,
+                     ready_batches=True)
     result["second_tune_wall_s"] = time.perf_counter() - started
+    result["second_tune_rows"] = row_facts(again.rows)
+    result["second_tune_selected"] = again.graphs[0].selected
 
     reduce_overhead = result["anchors"]["hand-picked reduce-overhead"]["p50_ms"]
     best_anchor = min(value["p50_ms"] for value in result["anchors"].values())

@@ -71,6 +71,7 @@ class GraphContext:
             start from that state. None for stateless graphs.
         progress: where phases are shown (:class:`~aitune.torch.progress.TuneProgress`), or None.
         crashes: candidates that crashed this environment before (:class:`~aitune.torch.crashes.CrashRegistry`).
+        rankings: earlier searches' rankings (:class:`~aitune.torch.rankings.RankingStore`).
         deadline: ``time.perf_counter()`` by which this graph should be done (from the time budget), or None.
     """
 
@@ -95,6 +96,7 @@ class GraphContext:
     restore_state: Any = None
     progress: Any = None  # a TuneProgress (aitune/torch/progress.py); None: nothing shown
     crashes: Any = None  # a CrashRegistry (aitune/torch/crashes.py); None: crashes are not remembered
+    rankings: Any = None  # a RankingStore (aitune/torch/rankings.py); None: every tune searches in full
     deadline: float | None = None  # perf_counter() by which this graph's evaluations should end (time budget)
     references: ReferenceStore = dataclasses.field(default_factory=ReferenceStore)
     _probes: dict = dataclasses.field(default_factory=dict)
@@ -280,10 +282,28 @@ def complete(evaluation: Evaluation, context: GraphContext) -> Candidate:
     """The second half of :func:`evaluate`: wait for a background build, then check against eager, probes,
     round trip, measure — ending in the one failure exit when a step fails."""
     blueprint, backend, row, settings = evaluation.blueprint, evaluation.backend, evaluation.row, evaluation.settings
-    show = lambda phase: context.show(blueprint.describe(), phase)  # noqa: E731
+    phases = row.details.setdefault("phase_s", {})  # seconds per phase after the build: where a tune's time went
+    current = [None, time.perf_counter()]
+
+    def show(phase: str | None) -> None:
+        now = time.perf_counter()
+        if current[0] is not None:
+            phases[current[0]] = round(phases.get(current[0], 0.0) + now - current[1], 4)
+        current[0], current[1] = phase, now
+        if phase is not None:
+            context.show(blueprint.describe(), phase)
+
+    try:
+        return _complete(evaluation, context, show)
+    finally:
+        show(None)
+
+
+def _complete(evaluation: Evaluation, context: GraphContext, show) -> Candidate:
+    blueprint, backend, row, settings = evaluation.blueprint, evaluation.backend, evaluation.row, evaluation.settings
     try:
         if backend.state is BackendState.BUILDING:
-            show("build")
+            show("build_wait")
             try:
                 backend.finish_build()
             except Exception as exc:  # noqa: BLE001 - a failed background build is a failed build

@@ -17,6 +17,7 @@ from typing import Any
 PHASES = {
     "supports": "checking support",
     "build": "building",
+    "build_wait": "waiting for its background build",
     "check": "comparing with eager",
     "probes": "checking probes",
     "round_trip": "save/load round trip",

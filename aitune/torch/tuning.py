@@ -213,20 +213,22 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
     root = Path(cache_dir_path).expanduser() if cache_dir_path else cache_dir()
     report = TuneReport(environment=environment())
     telemetry.begin_run(report)
-    cache = crashes = None
+    cache = crashes = rankings = None
     if use_cache:
         from aitune.torch.cache import BuildCache
         from aitune.torch.crashes import FILE_NAME, CrashRegistry
+        from aitune.torch.rankings import RANKINGS_DIR, RankingStore
 
         cache = BuildCache(root / "builds")
         crashes = CrashRegistry(root / FILE_NAME)
+        rankings = RankingStore(root / RANKINGS_DIR, cache.module_fingerprint)
     budget = _Budget(deadline, sum(1 for module in targets for graph in module.graphs if graph.samples))
 
     # 2. Tune each module, graph by graph.
     with TuneProgress(progress) as bar:
         for module in targets:
             _tune_module(module, report, snapshots.get(id(module)) or _Snapshot(module.__wrapped__), device, root,
-                         cache, ignore_failing_modules, bar, crashes, budget, peak_memory)
+                         cache, ignore_failing_modules, bar, crashes, budget, peak_memory, rankings)
 
     for module in targets:
         snapshot = snapshots.get(id(module))
@@ -258,7 +260,7 @@ class _Budget:
 
 def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", device, root: Path, cache,
                  ignore_failing_modules: bool, bar: TuneProgress, crashes=None, budget: _Budget | None = None,
-                 peak_memory: PeakMemory | None = None) -> None:
+                 peak_memory: PeakMemory | None = None, rankings=None) -> None:
     """Tune every graph of one wrapper with its strategy; on success it becomes TUNED (guards armed), else it
     runs eager (PASSTHROUGH) and ``report.module_errors`` says why. The module's state is restored after."""
     target_device = _resolve_device(module, device)
@@ -283,7 +285,7 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
             logger.info(" %s/%s: %d sample(s), strategy %s", module.name, graph.name, len(graph.samples),
                         strategy.describe())
             bar.start_graph(f"{module.name}/{graph.name}", len(strategy.candidates(target_device, module.module, graph)) + 1)
-            context.progress, context.crashes = bar, crashes
+            context.progress, context.crashes, context.rankings = bar, crashes, rankings
             context.deadline = budget.next_graph() if budget is not None else None
             try:
                 backend, rows, why = strategy.tune(context)

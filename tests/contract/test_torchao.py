@@ -235,3 +235,22 @@ def test_a_quantizer_that_quantizes_nothing_is_no_op_and_never_selected(fast_pro
     row = next(r for r in report.rows if r.backend == "torchao")
     assert row.status == "no-op" and "nothing to quantize" in row.reason
     assert tuned.backends["graph0"].name == "eager"
+
+
+def test_a_quantizer_that_quantizes_nothing_is_not_compiled(fast_profiling):
+    """A no-op quantizer is known once quantize_ ran: its torch.compile (15 s for ResNet-50 on the H200) is
+    skipped, and the row is still no-op."""
+    import aitune.torch as ait
+    from torch._dynamo.utils import counters
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
+    backend = TorchAOBackend(TorchAOBackendConfig(quantization="int8wo", compile=True,
+                                                  filter_fn=lambda module, name: name == "no_such_layer"))
+    tuned = ait.Module(model, "noop-compiled",
+                       strategy=ait.MaxThroughputStrategy([backend], profiling_config=fast_profiling))
+    graphs_before = counters["stats"]["unique_graphs"]
+    report = ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
+    row = next(r for r in report.rows if r.backend == "torchao")
+    assert row.status == "no-op"
+    assert counters["stats"]["unique_graphs"] == graphs_before  # nothing was traced or compiled
+    assert tuned.backends["graph0"].name == "eager"

@@ -200,3 +200,92 @@ def test_aitune_env_lists_and_clears_recorded_crashes(tmp_path, monkeypatch, cap
     assert main(["env", "--clear-crashes"]) == 0
     assert "forgot 1 recorded crash" in capsys.readouterr().out
     assert CrashRegistry(tmp_path / "crashes.json").entries() == []
+
+
+class CountedDelayed(Delayed):
+    """A Delayed backend that counts its builds and can be made to fail them (``broken``)."""
+
+    name = "test_counted_delayed"
+    builds: list = []
+    broken: set = set()
+
+    def _build(self, module, graph, device, workdir):
+        CountedDelayed.builds.append(self.delay_s)
+        if self.delay_s in CountedDelayed.broken:
+            raise RuntimeError("this build is broken today")
+        super()._build(module, graph, device, workdir)
+
+
+def counted(seconds):
+    backend = CountedDelayed()
+    backend.delay_s = seconds
+    return backend
+
+
+def _ranked_tune(net, batches, fast_profiling, name, **tune_kwargs):
+    strategy = ait.MaxThroughputStrategy([counted(0.004), counted(0.0), counted(0.002)], profiling_config=fast_profiling)
+    strategy.enable_performance_validation(False)  # the ranking among the candidates is what is tested
+    for key, value in tune_kwargs.pop("strategy_calls", {}).items():
+        getattr(strategy, key)(value)
+    CountedDelayed.builds = []
+    tuned = ait.Module(net, name, strategy=strategy)
+    report = ait.tune(tuned, batches, ready_batches=True, **tune_kwargs)
+    return tuned, report, sorted(CountedDelayed.builds)
+
+
+def test_a_retune_in_the_same_environment_rebuilds_only_the_earlier_winner(fast_profiling):
+    net = _net()
+    batches = [torch.randn(2, 16), torch.randn(4, 16)]
+    _, first, builds = _ranked_tune(net, batches, fast_profiling, "first")
+    assert builds == [0.0, 0.002, 0.004]
+    assert first.graphs[0].selected == "Delayed(0.0)"
+
+    tuned, second, builds = _ranked_tune(net, batches, fast_profiling, "second")
+    assert builds == [0.0]  # the two slower candidates were not rebuilt
+    rows = {r.description: r for r in second.rows}
+    assert rows["Delayed(0.0)"].status == "selected" and "rebuilt: among the winners" in rows["Delayed(0.0)"].reason
+    for slower in ("Delayed(0.004)", "Delayed(0.002)"):
+        assert rows[slower].status == "skipped"
+        assert "not rebuilt: Delayed(0.0) ranked first" in rows[slower].reason
+        assert "enable_ranking_reuse(False)" in rows[slower].reason
+    probe = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(probe), net(probe))
+
+
+def test_a_ranking_is_not_reused_for_new_weights_a_budget_an_opt_out_or_a_failing_winner(fast_profiling):
+    net = _net()
+    batches = [torch.randn(2, 16)]
+    _ranked_tune(net, batches, fast_profiling, "first")
+    assert _ranked_tune(net, batches, fast_profiling, "again")[2] == [0.0]
+    # every case below searches all three candidates again
+    assert _ranked_tune(net, batches, fast_profiling, "opt-out",
+                        strategy_calls={"enable_ranking_reuse": False})[2] == [0.0, 0.002, 0.004]
+    assert _ranked_tune(net, batches, fast_profiling, "budget", time_budget_s=600)[2] == [0.0, 0.002, 0.004]
+    CountedDelayed.broken = {0.0}
+    try:
+        _, report, builds = _ranked_tune(net, batches, fast_profiling, "broken")
+    finally:
+        CountedDelayed.broken = set()
+    assert builds == [0.0, 0.0, 0.002, 0.004]  # the winner failed, then the full search ran
+    assert report.graphs[0].selected == "Delayed(0.002)"
+    assert {r.description: r.status for r in report.rows}["Delayed(0.0)"] == "failed"
+    # the full search after the failure recorded a new ranking: Delayed(0.002) first
+    assert _ranked_tune(net, batches, fast_profiling, "after")[2] == [0.002]
+    with torch.no_grad():
+        net[0].weight.add_(0.5)  # new weights: a new module fingerprint
+    assert _ranked_tune(net, batches, fast_profiling, "new-weights")[2] == [0.0, 0.002, 0.004]
+
+
+def test_aitune_env_lists_and_clears_rankings(fast_profiling, tmp_path, monkeypatch, capsys):
+    from aitune.cli import main
+
+    monkeypatch.setenv("AITUNE_CACHE_DIR", str(tmp_path))
+    net, batches = _net(), [torch.randn(2, 16)]
+    _ranked_tune(net, batches, fast_profiling, "listed")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "1 ranking(s) of earlier searches" in out and "listed" in out and "Delayed(0.0)" in out
+    assert main(["env", "--clear-rankings"]) == 0
+    assert "forgot 1 ranking(s)" in capsys.readouterr().out
+    assert _ranked_tune(net, batches, fast_profiling, "relisted")[2] == [0.0, 0.002, 0.004]  # a full search again

@@ -397,9 +397,9 @@ class TorchAOBackend(Backend):
                 logger.warning("torchao: %s quantized no module of %s (it runs unquantized and is measured as is)",
                                preset or type(torchao_config).__name__, type(module).__name__)
             logger.debug("torchao: quantized %d modules with %s", len(changed), preset or torchao_config)
-            self._clone_outputs = self.config.compile and uses_cuda_graphs(self.config.mode, None)
+            self._clone_outputs = bool(changed) and self.config.compile and uses_cuda_graphs(self.config.mode, None)
             self._freezing = parameter_freezing(self.config.compile and self.config.freezing)
-            if self.config.compile:
+            if self.config.compile and changed:  # nothing quantized: a no-op row (evaluation), not worth a compile
                 dynamic = self._resolved_dynamic(graph)
                 self.build_info["dynamic"] = dynamic
                 mode, options = compile_arguments(self.config.mode, None, self.config.freezing)
@@ -409,6 +409,8 @@ class TorchAOBackend(Backend):
             else:
                 self._callable = quantized
             self._quantized = quantized
+            if not changed:
+                return
             breaks_before = graph_break_count()
             for sample in graph.samples:  # warm-up: quantize/compile every recorded shape now
                 sample = sample.clone()

@@ -446,12 +446,13 @@ class Backend:
             args, kwargs = signature.normalize(args, kwargs)
         return self.run(args, kwargs)
 
-    def run(self, args: tuple, kwargs: dict):
+    def run(self, args: tuple, kwargs: dict, *, accepted: bool = False):
         """Run a call already normalised to the graph's canonical ``(args, kwargs)`` (``ait.Module``'s hot path).
 
         Goes through the state machine: an INACTIVE (or CHECKPOINT_LOADED) backend is reactivated first, so
         a module deactivated to free device memory comes back on its next call instead of silently running
-        something else.
+        something else. ``accepted=True``: the caller has just had :meth:`rejects` return None for these
+        inputs (``ait.Module`` does), so a backend may skip its own copy of that check (:meth:`_infer_accepted`).
 
         Raises:
             BackendStateError: when the backend was never built (INIT).
@@ -463,6 +464,10 @@ class Backend:
             if self.state is BackendState.BUILDING:
                 self.finish_build()
             self.activate()
+        return self._infer_accepted(args, kwargs) if accepted else self._infer(args, kwargs)
+
+    def _infer_accepted(self, args: tuple, kwargs: dict):
+        """:meth:`_infer` for inputs :meth:`rejects` has accepted; override to skip a duplicate input check."""
         return self._infer(args, kwargs)
 
     def activate(self) -> None:

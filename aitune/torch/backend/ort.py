@@ -373,6 +373,10 @@ class ONNXRuntimeBackend(Backend):
             raise BackendRuntimeError(f"onnxruntime: {problem}; run such calls eager (aitune.Module does this)")
         return io.outputs(self._run(io.flat_inputs(leaves)))
 
+    def _infer_accepted(self, args, kwargs):
+        io = self._io  # rejects() (the same io.check) passed for these inputs just before
+        return io.outputs(self._run(io.flat_inputs(io.leaves_of(args, kwargs))))
+
     def _run(self, tensors: list[torch.Tensor], quiet: bool = False) -> list[torch.Tensor]:
         """Run the session on the ONNX inputs (``input_names`` order); returns torch outputs (flat order).
 

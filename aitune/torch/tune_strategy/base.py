@@ -34,7 +34,8 @@ from aitune.torch.evaluation import (
 from aitune.torch.max_batch_size import MaxBatchSizeSearch
 from aitune.torch.probes import ProbeConfig
 from aitune.torch.profiling import ProfilingConfig, reaches_speedup
-from aitune.torch.report import SELECTED, CandidateResult
+from aitune.torch.rankings import candidate_key, reused
+from aitune.torch.report import PASSED, SELECTED, SKIPPED, CandidateResult
 
 logger = logging.getLogger(__name__)
 
@@ -292,6 +293,18 @@ class TuneStrategy:
             The evaluated candidates, in order.
         """
         blueprints = self.candidates_for(context)
+        key = self._ranking_key(context, blueprints, by_latency)
+        record = context.rankings.lookup(key) if key is not None else None
+        if record is not None:
+            candidates = self._search_again(context, blueprints, record)
+            if candidates is not None:
+                return candidates
+        candidates = self._search_all(context, blueprints, by_latency)
+        if key is not None:
+            self._remember(context, key, candidates, by_latency)
+        return candidates
+
+    def _search_all(self, context: GraphContext, blueprints: list[Backend], by_latency: bool) -> list[Candidate]:
         background = [blueprint.builds_in_background for blueprint in blueprints]
         halving = (len(blueprints) > self.finalists or any(background)) and self.performance_validation
         settings = self.settings()
@@ -337,6 +350,68 @@ class TuneStrategy:
                 candidate.row.speedup = candidate.measurement.throughput / eager.throughput
                 logger.info("  %-28s finalist, measured again: %.2fx eager", candidate.row.description,
                             candidate.row.speedup)
+        return candidates
+
+    # ---- earlier rankings (aitune/torch/rankings.py)
+    reuse_rankings = True
+
+    def enable_ranking_reuse(self, enabled: bool = True) -> "TuneStrategy":
+        """Re-tunes of the same graph in the same environment build only the earlier winners (default on;
+        see :mod:`aitune.torch.rankings`). ``False``: every tune searches all candidates. Returns self."""
+        self.reuse_rankings = bool(enabled)
+        return self
+
+    def _ranking_key(self, context: GraphContext, blueprints: list[Backend], by_latency: bool) -> str | None:
+        if not self.reuse_rankings or context.rankings is None or context.deadline is not None:
+            return None  # a time budget asks for a search
+        facts = {"strategy": type(self).__qualname__, "by_latency": by_latency, "tolerance": self.tolerance,
+                 "profiling": self.profiling_config, "probes": self.probe_config,
+                 "quantization": self.quantization_allowed, "correctness": self.correctness_check,
+                 "performance_validation": self.performance_validation, "min_speedup": self.min_speedup_ratio,
+                 "finalists": self.finalists}
+        return context.rankings.key(context, blueprints, facts)
+
+    def _remember(self, context: GraphContext, key: str, candidates: list[Candidate], by_latency: bool) -> None:
+        """Record the ranking of a full search: the passing, measured, selectable finalists, best first."""
+        score = _score(by_latency)
+        ranked = sorted((c for c in candidates if c.passed and c.measurement is not None and self.selectable(c)
+                         and c.row.details.get("finalist", True)), key=score, reverse=True)
+        if ranked:
+            context.rankings.record(key, context, [
+                {"candidate": candidate_key(c.backend), "description": c.row.description, "score": score(c),
+                 "noise": c.measurement.noise, "speedup": c.row.speedup} for c in ranked])
+
+    def _search_again(self, context: GraphContext, blueprints: list[Backend], record: dict) -> list[Candidate] | None:
+        """Evaluate only the earlier winners (:func:`aitune.torch.rankings.reused`); the other candidates get
+        ``skipped`` rows. None when none of them passes now: the caller then searches in full."""
+        wanted = set(reused(record))
+        top = record["ranked"][0]
+        earlier = f"in an earlier tune of this module, graph, candidates and environment ({record.get('when')})"
+        settings = self.settings()
+        candidates = []
+        for blueprint in blueprints:
+            if candidate_key(blueprint) in wanted:
+                candidate = evaluate(blueprint, context, settings)
+                if candidate.backend is not None:
+                    candidate.backend.deactivate()
+                if candidate.row.status == PASSED:
+                    candidate.row.reason = "; ".join(filter(None, [f"rebuilt: among the winners {earlier}",
+                                                                   candidate.row.reason]))
+            else:
+                row = CandidateResult(module=context.module_name, graph=context.graph.name, backend=blueprint.name,
+                                      description=blueprint.describe(), status=SKIPPED)
+                row.reason = (f"not rebuilt: {top['description']} ranked first {earlier}; "
+                              "strategy.enable_ranking_reuse(False) searches all candidates again")
+                candidate = Candidate(None, row)
+                if context.progress is not None:
+                    context.progress.candidate_done()
+            candidates.append(candidate)
+        if not any(c.passed and self.selectable(c) for c in candidates):
+            logger.info("  the earlier winners of %s/%s did not pass this time: searching all candidates",
+                        context.module_name, context.graph.name)
+            return None
+        logger.info("  %s/%s: rebuilt the earlier winner%s only (ranking of %s)", context.module_name,
+                    context.graph.name, "s" if len(wanted) > 1 else "", record.get("when"))
         return candidates
 
     def eager_candidate(self, context: GraphContext) -> Candidate:
