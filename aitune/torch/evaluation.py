@@ -281,7 +281,7 @@ def start(blueprint: Backend, context: GraphContext, settings: EvaluationSetting
 def complete(evaluation: Evaluation, context: GraphContext) -> Candidate:
     """The second half of :func:`evaluate`: wait for a background build, then check against eager, probes,
     round trip, measure — ending in the one failure exit when a step fails."""
-    blueprint, backend, row, settings = evaluation.blueprint, evaluation.backend, evaluation.row, evaluation.settings
+    blueprint, row = evaluation.blueprint, evaluation.row
     phases = row.details.setdefault("phase_s", {})  # seconds per phase after the build: where a tune's time went
     current = [None, time.perf_counter()]
 
@@ -377,6 +377,20 @@ def _failed(stop: "_Stop", blueprint: Backend, context: GraphContext, row: Candi
             raise TuningError(f"Backend '{blueprint.name}' {row.reason}") from None
         raise BackendUnavailableError(f"Backend '{blueprint.name}' cannot run here: {row.reason}") from None
     return Candidate(None, row)
+
+
+def unsupported(blueprint: Backend, context: GraphContext) -> Candidate | None:
+    """The row of a candidate that cannot run here at all (unavailable, unsupported, a failing ``supports()``),
+    found without building it; None when it could be built."""
+    row = CandidateResult(module=context.module_name, graph=context.graph.name, backend=blueprint.name,
+                          description=blueprint.describe())
+    try:
+        _check_support(blueprint, context, row)
+    except _Stop as stop:
+        row.status = stop.status
+        row.reason = stop.reason or stop.prefix + failure_reason(stop.cause)
+        return Candidate(None, row)
+    return None
 
 
 def _check_support(blueprint: Backend, context: GraphContext, row: CandidateResult) -> None:

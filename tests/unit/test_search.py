@@ -248,9 +248,32 @@ def test_a_retune_in_the_same_environment_rebuilds_only_the_earlier_winner(fast_
         assert rows[slower].status == "skipped"
         assert "not rebuilt: Delayed(0.0) ranked first" in rows[slower].reason
         assert "enable_ranking_reuse(False)" in rows[slower].reason
+    reason = second.graphs[0].selection_reason
+    assert "highest throughput among 1 correct candidate" in reason and "no candidate passed" not in reason
     probe = torch.randn(3, 16)
     with torch.no_grad():
         torch.testing.assert_close(tuned(probe), net(probe))
+
+
+class NeedsTwoInputs(Delayed):
+    """Unsupported for a one-input graph (a real supports() answer, found without building)."""
+
+    name = "test_needs_two_inputs"
+
+    def _supports(self, module, graph, device):
+        from aitune.torch.backend.base import Check
+
+        return Check(len(graph.tensor_specs) >= 2, "needs two tensor inputs")
+
+
+def test_a_retune_keeps_unsupported_rows_as_they_are(fast_profiling):
+    net, batches = _net(), [torch.randn(2, 16)]
+    for name in ("first", "second"):
+        strategy = ait.MaxThroughputStrategy([counted(0.0), NeedsTwoInputs()], profiling_config=fast_profiling)
+        report = ait.tune(ait.Module(net, name, strategy=strategy), batches, ready_batches=True)
+        row = next(r for r in report.rows if r.backend == "test_needs_two_inputs")
+        assert row.status == "unsupported" and "needs two tensor inputs" in row.reason
+    assert "rebuilt: among the winners" in next(r for r in report.rows if r.backend == "test_counted_delayed").reason
 
 
 def test_a_ranking_is_not_reused_for_new_weights_a_budget_an_opt_out_or_a_failing_winner(fast_profiling):

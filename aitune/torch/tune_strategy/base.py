@@ -30,6 +30,7 @@ from aitune.torch.evaluation import (
     evaluate,
     measure_backend,
     start,
+    unsupported,
 )
 from aitune.torch.max_batch_size import MaxBatchSizeSearch
 from aitune.torch.probes import ProbeConfig
@@ -398,11 +399,13 @@ class TuneStrategy:
                     candidate.row.reason = "; ".join(filter(None, [f"rebuilt: among the winners {earlier}",
                                                                    candidate.row.reason]))
             else:
-                row = CandidateResult(module=context.module_name, graph=context.graph.name, backend=blueprint.name,
-                                      description=blueprint.describe(), status=SKIPPED)
-                row.reason = (f"not rebuilt: {top['description']} ranked first {earlier}; "
-                              "strategy.enable_ranking_reuse(False) searches all candidates again")
-                candidate = Candidate(None, row)
+                candidate = unsupported(blueprint, context)  # unavailable / unsupported rows stay what they are
+                if candidate is None:
+                    row = CandidateResult(module=context.module_name, graph=context.graph.name,
+                                          backend=blueprint.name, description=blueprint.describe(), status=SKIPPED)
+                    row.reason = (f"not rebuilt: {top['description']} ranked first {earlier}; "
+                                  "strategy.enable_ranking_reuse(False) searches all candidates again")
+                    candidate = Candidate(None, row)
                 if context.progress is not None:
                     context.progress.candidate_done()
             candidates.append(candidate)

@@ -39,12 +39,13 @@ class MaxThroughputStrategy(TuneStrategy):
                 or [eager]
         chosen = self.pick(contenders, by_latency=self.by_latency)
         fastest = self.pick_fastest(contenders, by_latency=self.by_latency)
+        any_passed = any(c.passed for c in candidates)  # before finish(): the chosen row becomes "selected"
         self.finish(chosen, pool)
         self.runners_up = self.rank([c for c in contenders if c is not chosen and c is not eager],
                                     by_latency=self.by_latency)[:2]
         metric = "lowest latency at the smallest batch" if self.by_latency else "highest throughput"
-        correct = sum(c.passed for c in contenders)
-        if not any(c.passed for c in candidates):
+        correct = sum(c.passed or c is chosen for c in contenders)
+        if not any_passed:
             why = "no candidate passed its checks (see the rows above), so eager runs"
         else:
             why = f"{metric} among {correct} correct candidate{'s' if correct != 1 else ''}"
