@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from aitune import __version__
-from aitune.torch.crashes import environment_key
+from aitune.torch.crashes import CrashRegistry, environment_key
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ RANKINGS_DIR = "rankings"  # under the cache directory
 
 
 def candidate_key(blueprint) -> str:
-    """A candidate's identity in a ranking: backend class, config key and description."""
-    return f"{type(blueprint).__module__}.{type(blueprint).__qualname__}:{blueprint.config.key()}:{blueprint.describe()}"
+    """A candidate's identity in a ranking: the crash registry's key (class, config key) and the description."""
+    return f"{CrashRegistry.candidate_key(blueprint)}:{blueprint.describe()}"
 
 
 def _plain(value: Any) -> Any:
