@@ -204,3 +204,20 @@ def test_child_crash_becomes_build_error(monkeypatch, tmp_path, step, timeout_s,
     assert info.value.log_path == tmp_path / "aoti_compile.log" and info.value.log_path.is_file()
     assert backend.state is BackendState.INIT
     assert not (tmp_path / "model.pt2").exists()
+
+
+def test_canary_loads_a_cpu_package_once_per_environment(monkeypatch, tmp_path):
+    """NOTE [AOTInductor canary]: the one-op package is compiled, loaded and checked once; the marker it leaves
+    in the user's cache makes later builds skip it (a real compile here, about 10 s on 2 cores)."""
+    from aitune.torch.backend import inductor_aot
+    from aitune.torch.crashes import CrashRegistry
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    marker = tmp_path / "cache" / "aitune" / "aoti_canary" / f"{CrashRegistry.environment_id('cpu')}.ok"
+    inductor_aot.loads_here("cpu", tmp_path)
+    assert marker.is_file()
+    assert not list(tmp_path.glob("canary*.pt2"))  # the package is removed after its check
+    compiles = []
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: compiles.append(a))
+    inductor_aot.loads_here("cpu", tmp_path)
+    assert compiles == []  # the second call trusts the marker

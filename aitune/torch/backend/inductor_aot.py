@@ -162,11 +162,23 @@ class _Canary(torch.nn.Module):
 
 def loads_here(device: str, folder: Path) -> None:
     """NOTE [AOTInductor canary]: in some environments loading *any* AOTInductor package kills the process
-    (the H200 machine: SIGSEGV in ``aoti_load_package``, even for a one-layer model), after a compile that
-    takes a minute for a real model. The child step therefore first compiles and loads a one-op package
-    (a few seconds): if this environment crashes, it crashes here, early, and the crash is remembered
-    (:mod:`aitune.torch.crashes`). Once one canary loaded in this environment (a marker file in the tuning
-    cache), later builds skip it."""
+    (the H200 machine: SIGSEGV in ``aoti_load_package``, for CPU and CUDA packages alike, even for a one-op
+    model), after a compile that takes a minute for a real model. The child step therefore first compiles and
+    loads a one-op package: if this environment crashes, it crashes here, early, and the crash is remembered
+    (:mod:`aitune.torch.crashes`). The CPU canary goes first even when ``device`` is CUDA: its C++ compile takes
+    5-10 s where a one-op CUDA package takes ~30 s (measured on the H200 machine, 2026-12-01), and both go through
+    the same package loader; the device's own canary follows only when the CPU one loaded. Once a canary loaded
+    on a device in this environment (a marker file in the user's cache), later builds skip it.
+
+    Raises:
+        RuntimeError: if a canary package loads but returns a wrong result.
+    """
+    devices = ["cpu"] if torch.device(device).type == "cpu" else ["cpu", device]
+    for canary_device in devices:
+        _canary(canary_device, folder)
+
+
+def _canary(device: str, folder: Path) -> None:
     import os
 
     from aitune.torch.crashes import CrashRegistry
@@ -176,17 +188,21 @@ def loads_here(device: str, folder: Path) -> None:
     marker = base / "aitune" / "aoti_canary" / f"{CrashRegistry.environment_id(device)}.ok"
     if marker.exists():
         return
+    logger.info("compiling and loading a one-op AOTInductor package on %s (canary: does any package load here?)",
+                device)
+    started = time.perf_counter()
     example = torch.ones(2, 4, device=device)
     exported = torch.export.export(_Canary().to(device), (example,))
-    package = folder / "canary.pt2"
+    package = folder / f"canary_{torch.device(device).type}.pt2"
     torch._inductor.aoti_compile_and_package(exported, package_path=str(package))
     output = load_package(package, torch.device(device))(example)
     if not torch.equal(output.cpu() if isinstance(output, torch.Tensor) else output[0].cpu(), torch.full((2, 4), 3.0)):
-        raise RuntimeError("the AOTInductor canary package returned a wrong result")
+        raise RuntimeError(f"the AOTInductor canary package on {device} returned a wrong result")
     package.unlink(missing_ok=True)
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
-    logger.info("an AOTInductor package loads in this environment (canary); marker %s", marker)
+    logger.info("an AOTInductor package loads on %s in this environment (canary, %.1f s); marker %s", device,
+                time.perf_counter() - started, marker)
 
 
 def check_outputs(outputs: list, expected_outputs: list[dict]) -> None:
