@@ -3,7 +3,8 @@ the wrapped module within 3 % of the chosen backend). ResNet-50 b1 fp16 (BatchNo
 (Inductor reduce-overhead + freezing, which bakes the weights in, so the stale-weight watch runs per call).
 
 Times, A/B/A/B in one process with CUDA events (p50 over 2 s each): the wrapped module (guard on), the
-wrapped module with the guard off, the backend's ``run`` and the compiled callable; and the host cost of
+wrapped module with the guard off, the same with its stale-weight watch detached, the backend's ``run`` and
+the compiled callable; the host time of each call until it returns (GPU idle before each call); and the host cost of
 one stale-weight check (``StateWatch.changed``) and of the freezing flag set/restore, with perf_counter.
 
 Usage (device tool, repo root)::
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,10 +38,25 @@ def host_us(function, n: int = 5000) -> float:
     return (time.perf_counter() - started) / n * 1e6
 
 
+def host_launch_us(function, n: int = 300) -> float:
+    """p50 of the host time from a call to its return, with the GPU synchronised (idle) before each call."""
+    times = []
+    with torch.no_grad():
+        for _ in range(n):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            function()
+            times.append((time.perf_counter() - started) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     parser.add_argument("--freezing", type=int, default=1)
+    parser.add_argument("--profile", action="store_true",
+                        help="print cProfile's top functions (own time) of 2000 calls of each path, GPU idle before each")
     args = parser.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     model, inputs = resnet50(1)
@@ -60,13 +77,25 @@ def main(argv=None) -> int:
         with freezing:
             return compiled(**kwargs)
 
+    no_watch = modules["module_guard_off"]
+
+    def module_no_watch():  # the guard-off module with its stale-weight watch detached for the call
+        watch, no_watch._self_watch = no_watch._self_watch, None
+        try:
+            return no_watch(**inputs)
+        finally:
+            no_watch._self_watch = watch
+
     calls = {"module": lambda: modules["module"](**inputs),
-             "module_guard_off": lambda: modules["module_guard_off"](**inputs),
+             "module_guard_off": lambda: no_watch(**inputs),
+             "module_no_watch": module_no_watch,
              "backend_run": lambda: backend.run((), kwargs), "compiled_raw": raw}
     result = {"freezing": bool(args.freezing)}
     for round_ in range(2):
         for label, call in calls.items():
             result[f"{label}_p50_ms_{round_}"] = p50_ms(call)
+    for label, call in calls.items():  # host time from the call to its return, the GPU idle before each call
+        result[f"{label}_host_launch_us"] = host_launch_us(call)
     watch = StateWatch(model)
     result["state_tensors"] = len(watch.tensors)
     result["statewatch_changed_us"] = host_us(watch.changed)
@@ -75,6 +104,20 @@ def main(argv=None) -> int:
         result["module_host_us"] = host_us(lambda: modules["module"](**inputs), 2000)
         result["backend_run_host_us"] = host_us(lambda: backend.run((), kwargs), 2000)
     result["stats"] = modules["module"].stats
+    if args.profile:
+        import cProfile
+        import pstats
+
+        for label in ("module_no_watch", "backend_run"):
+            profile = cProfile.Profile()
+            with torch.no_grad():
+                for _ in range(2000):
+                    torch.cuda.synchronize()
+                    profile.enable()
+                    calls[label]()
+                    profile.disable()
+            print(f"## cProfile, {label}, 2000 calls")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(22)
     print(json.dumps(result, indent=1, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))

@@ -164,18 +164,16 @@ def loads_here(device: str, folder: Path) -> None:
     """NOTE [AOTInductor canary]: in some environments loading *any* AOTInductor package kills the process
     (the H200 machine: SIGSEGV in ``aoti_load_package``, for CPU and CUDA packages alike, even for a one-op
     model), after a compile that takes a minute for a real model. The child step therefore first compiles and
-    loads a one-op package: if this environment crashes, it crashes here, early, and the crash is remembered
-    (:mod:`aitune.torch.crashes`). The CPU canary goes first even when ``device`` is CUDA: its C++ compile takes
-    5-10 s where a one-op CUDA package takes ~30 s (measured on the H200 machine, 2026-12-01), and both go through
-    the same package loader; the device's own canary follows only when the CPU one loaded. Once a canary loaded
-    on a device in this environment (a marker file in the user's cache), later builds skip it.
+    loads a one-op package on ``device``: if this environment crashes, it crashes here, early, and the crash is
+    remembered (:mod:`aitune.torch.crashes`). Once a canary loaded on a device in this environment (a marker file
+    in the user's cache), later builds skip it. A CPU canary ahead of a CUDA one was tried and dropped: on the
+    H200 machine the first C++ compile of a fresh machine takes 65 s even for one op (the next 4.7 s;
+    ``benchmarks/aoti_canary_time.py``, RESULTS.md 2026-12-01), so it made the crash come later, not sooner.
 
     Raises:
-        RuntimeError: if a canary package loads but returns a wrong result.
+        RuntimeError: if the canary package loads but returns a wrong result.
     """
-    devices = ["cpu"] if torch.device(device).type == "cpu" else ["cpu", device]
-    for canary_device in devices:
-        _canary(canary_device, folder)
+    _canary(device, folder)
 
 
 def _canary(device: str, folder: Path) -> None:
