@@ -11,5 +11,6 @@ fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD
 export AITUNE_CACHE_DIR=${AITUNE_CACHE_DIR:-/tmp/aitune-cache}
 model=${1:-resnet50}; batch=${2:-1}; shift 2 || true
-python3 -m benchmarks.gpu_search --model "$model" --batch "$batch" --json "$OUT/${model}_b${batch}.json" "$@" 2>&1 \
-  | grep -v -E "UserWarning|warnings.warn|^W[0-9]{4}" | tee "$OUT/${model}_b${batch}.log"
+name="${model}_b${batch}${OUT_TAG:-}"  # OUT_TAG: a suffix for the result files of a repeated run
+python3 -m benchmarks.gpu_search --model "$model" --batch "$batch" --json "$OUT/$name.json" "$@" 2>&1 \
+  | grep -v -E "UserWarning|warnings.warn|^W[0-9]{4}" | tee "$OUT/$name.log"

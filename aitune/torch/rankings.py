@@ -23,17 +23,16 @@ settings (tolerance, profiling, probes, quantization, performance validation), t
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import hashlib
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 from aitune import __version__
 from aitune.torch.crashes import CrashRegistry, environment_key
+from aitune.torch.jsonsafe import json_safe
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +43,6 @@ RANKINGS_DIR = "rankings"  # under the cache directory
 def candidate_key(blueprint) -> str:
     """A candidate's identity in a ranking: the crash registry's key (class, config key) and the description."""
     return f"{CrashRegistry.candidate_key(blueprint)}:{blueprint.describe()}"
-
-
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return repr(value)
 
 
 class RankingStore:
@@ -78,7 +65,7 @@ class RankingStore:
                         "module": self.fingerprint(context.module),
                         "graph": graph_fingerprint(context.graph),
                         "candidates": [candidate_key(blueprint) for blueprint in blueprints],
-                        "strategy": _plain(strategy_facts),
+                        "strategy": json_safe(strategy_facts),  # dataclasses: their repr
                         "environment": environment_key(context.device)}
         except Exception:  # noqa: BLE001 - no key: the search simply runs in full
             logger.debug("no ranking key for %s/%s", context.module_name, context.graph.name, exc_info=True)
