@@ -233,7 +233,8 @@ class TuneReport:
         return page
 
     def table(self) -> str:
-        """Markdown table: module, graph, backend, status, reason, build s, p50/p90 ms, samples/s, speed-up, error."""
+        """Markdown table: module, graph, backend, status, reason, build s, p50/p90 ms, samples/s, speed-up (the
+        candidate's throughput over eager's, both in samples/s), max abs error, probes."""
         return render_table(self.rows)
 
     def describe(self) -> str:
@@ -263,7 +264,7 @@ def render_table(rows: list[CandidateResult]) -> str:
     from tabulate import tabulate
 
     headers = ["module", "graph", "backend", "config", "status", "reason", "build s", "p50 ms", "p90 ms",
-               "samples/s", "speed-up", "max abs err", "probes"]
+               "samples/s", "speed-up (samples/s)", "max abs err", "probes"]
     body, notes = [], []
     for row in rows:
         measurement = row.measurement or {}

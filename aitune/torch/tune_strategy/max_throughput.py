@@ -45,10 +45,13 @@ class MaxThroughputStrategy(TuneStrategy):
                                     by_latency=self.by_latency)[:2]
         metric = "lowest latency at the smallest batch" if self.by_latency else "highest throughput"
         correct = sum(c.passed or c is chosen for c in contenders)
+        correct_in_all = sum(c.passed or c is chosen for c in pool)
         if not any_passed:
             why = "no candidate passed its checks (see the rows above), so eager runs"
         else:
             why = f"{metric} among {correct} correct candidate{'s' if correct != 1 else ''}"
+            if correct_in_all > correct:  # the others passed but were measured only briefly (successive halving)
+                why += f" measured in full ({correct_in_all} passed their checks)"
         if chosen is not fastest:
             why += f" (within the measured noise of {fastest.row.description}, the simpler one is kept)"
         return chosen.backend, [c.row for c in pool], why
