@@ -296,22 +296,28 @@ class TuneStrategy:
         blueprints = self.candidates_for(context)
         key = self._ranking_key(context, blueprints, by_latency)
         record = context.rankings.lookup(key) if key is not None else None
+        done: dict[int, Candidate] = {}
         if record is not None:
-            candidates = self._search_again(context, blueprints, record)
+            candidates, done = self._search_again(context, blueprints, record)
             if candidates is not None:
                 return candidates
-        candidates = self._search_all(context, blueprints, by_latency)
+        candidates = self._search_all(context, blueprints, by_latency, done)
         if key is not None:
             self._remember(context, key, candidates, by_latency)
         return candidates
 
-    def _search_all(self, context: GraphContext, blueprints: list[Backend], by_latency: bool) -> list[Candidate]:
-        background = [blueprint.builds_in_background for blueprint in blueprints]
+    def _search_all(self, context: GraphContext, blueprints: list[Backend], by_latency: bool,
+                    done: dict[int, Candidate] | None = None) -> list[Candidate]:
+        """Evaluate every blueprint; ``done`` holds candidates already evaluated in this tune, by blueprint index
+        (earlier winners that failed their re-check: not built a second time)."""
+        done = done or {}
+        background = [blueprint.builds_in_background and index not in done
+                      for index, blueprint in enumerate(blueprints)]
         halving = (len(blueprints) > self.finalists or any(background)) and self.performance_validation
         settings = self.settings()
         if halving:
             settings.profiling = quick_profiling(self.profiling_config)
-        results: list = [None] * len(blueprints)
+        results: list = [done.get(index) for index in range(len(blueprints))]
         executor = ThreadPoolExecutor(max_workers=min(4, sum(background))) if any(background) else None
         try:
             # NOTE [background builds]: child-process build steps start first and run while the other
@@ -382,17 +388,20 @@ class TuneStrategy:
                 {"candidate": candidate_key(c.backend), "description": c.row.description, "score": score(c),
                  "noise": c.measurement.noise, "speedup": c.row.speedup} for c in ranked])
 
-    def _search_again(self, context: GraphContext, blueprints: list[Backend], record: dict) -> list[Candidate] | None:
+    def _search_again(self, context: GraphContext, blueprints: list[Backend],
+                      record: dict) -> tuple[list[Candidate] | None, dict[int, Candidate]]:
         """Evaluate only the earlier winners (:func:`aitune.torch.rankings.reused`); the other candidates get
-        ``skipped`` rows. None when none of them passes now: the caller then searches in full."""
+        ``skipped`` rows. Returns ``(candidates, {})``, or ``(None, evaluated)`` when no earlier winner passes now:
+        the caller then searches in full, reusing ``evaluated`` (blueprint index -> candidate)."""
         wanted = set(reused(record))
         top = record["ranked"][0]
         earlier = f"in an earlier tune of this module, graph, candidates and environment ({record.get('when')})"
         settings = self.settings()
-        candidates = []
-        for blueprint in blueprints:
+        candidates, evaluated, skipped = [], {}, 0
+        for index, blueprint in enumerate(blueprints):
             if candidate_key(blueprint) in wanted:
                 candidate = evaluate(blueprint, context, settings)
+                evaluated[index] = candidate
                 if candidate.backend is not None:
                     candidate.backend.deactivate()
                 if candidate.row.status == PASSED:
@@ -406,16 +415,18 @@ class TuneStrategy:
                     row.reason = (f"not rebuilt: {top['description']} ranked first {earlier}; "
                                   "strategy.enable_ranking_reuse(False) searches all candidates again")
                     candidate = Candidate(None, row)
-                if context.progress is not None:
-                    context.progress.candidate_done()
+                skipped += 1
             candidates.append(candidate)
         if not any(c.passed and self.selectable(c) for c in candidates):
             logger.info("  the earlier winners of %s/%s did not pass this time: searching all candidates",
                         context.module_name, context.graph.name)
-            return None
+            return None, evaluated
+        if context.progress is not None:  # counted here, once: a full search after a failure counts them itself
+            for _ in range(skipped):
+                context.progress.candidate_done()
         logger.info("  %s/%s: rebuilt the earlier winner%s only (ranking of %s)", context.module_name,
                     context.graph.name, "s" if len(wanted) > 1 else "", record.get("when"))
-        return candidates
+        return candidates, {}
 
     def eager_candidate(self, context: GraphContext) -> Candidate:
         """The eager baseline (measured once per graph, in the same run as the candidates)."""
