@@ -111,9 +111,11 @@ def anchors(model, inputs, conv: bool) -> dict:
 
 
 def row_facts(rows) -> list[dict]:
-    """What the JSON keeps of each report row: status, reason, build seconds, seconds per later phase, p50."""
+    """What the JSON keeps of each report row: status, reason, build seconds, seconds per later phase, p50, and
+    the device memory the candidate kept after its evaluation."""
     return [{"description": r.description, "status": r.status, "reason": r.reason, "build_s": r.build_s,
              "phase_s": r.details.get("phase_s"), "p50_ms": (r.measurement or {}).get("p50_ms"),
+             "device_retained_bytes": r.details.get("device_retained_bytes"),
              "speedup": r.speedup} for r in rows]
 
 

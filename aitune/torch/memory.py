@@ -51,6 +51,15 @@ def reset_host_peak() -> bool:
     return host_peak_bytes() is not None
 
 
+def device_allocated_bytes(device: torch.device | str) -> int | None:
+    """Bytes PyTorch's caching allocator holds in tensors on ``device`` now (``torch.cuda.memory_allocated``);
+    None for a CPU device or where CUDA is not initialised."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.memory_allocated(device)
+
+
 def _max_rss_bytes() -> int:
     value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return value if sys.platform == "darwin" else value * 1024  # bytes on macOS, KiB on Linux

@@ -62,3 +62,15 @@ def test_the_report_carries_the_device_peak(fast_profiling):
     report = ait.tune(wrapped, [torch.randn(b, 64, device="cuda") for b in (2, 8)], ready_batches=True)
     assert report.peak_memory["device_bytes"] > 0
     assert "device" in report.describe()
+
+
+def test_each_candidate_row_says_what_it_keeps_on_the_device(fast_profiling):
+    from aitune.torch.backend.eager import TorchEagerBackendConfig
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)).cuda().eval()
+    graphs = TorchEagerBackend(TorchEagerBackendConfig(use_cuda_graphs=True))
+    wrapped = ait.Module(model, "mlp-kept", strategy=ait.MaxThroughputStrategy([graphs], profiling_config=fast_profiling))
+    report = ait.tune(wrapped, [torch.randn(b, 64, device="cuda") for b in (2, 8)], ready_batches=True)
+    row = next(r for r in report.rows if r.description == graphs.describe())
+    # the captured graphs keep their static outputs (at least 8 x 64 fp32) in their memory pool
+    assert row.details["device_retained_bytes"] >= 8 * 64 * 4

@@ -33,6 +33,7 @@ from aitune.torch.evaluation import (
     unsupported,
 )
 from aitune.torch.max_batch_size import MaxBatchSizeSearch
+from aitune.torch.memory import device_allocated_bytes
 from aitune.torch.probes import ProbeConfig
 from aitune.torch.profiling import ProfilingConfig, reaches_speedup
 from aitune.torch.rankings import candidate_key, reused
@@ -327,12 +328,17 @@ class TuneStrategy:
                 if background[index]:
                     results[index] = start(blueprint, context, settings, background=executor)
             for index, blueprint in enumerate(blueprints):
+                if index in done:
+                    continue
+                before = device_allocated_bytes(context.device)
                 if results[index] is None:
                     results[index] = evaluate(blueprint, context, settings)
                 elif isinstance(results[index], Evaluation):
                     results[index] = complete(results[index], context)
                 if results[index].backend is not None:
                     results[index].backend.deactivate()
+                if before is not None:  # what the candidate keeps on the device until the tune ends (issue "Search" 6)
+                    results[index].row.details["device_retained_bytes"] = device_allocated_bytes(context.device) - before
         finally:
             if executor is not None:
                 executor.shutdown(wait=True)
