@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import logging
 import statistics
@@ -112,9 +113,10 @@ def anchors(model, inputs, conv: bool) -> dict:
 
 def row_facts(rows) -> list[dict]:
     """What the JSON keeps of each report row: status, reason, build seconds, seconds per later phase, p50, and
-    the device memory the candidate kept after its evaluation."""
+    the device memory's high-water mark during the candidate's evaluation and what it kept after it."""
     return [{"description": r.description, "status": r.status, "reason": r.reason, "build_s": r.build_s,
              "phase_s": r.details.get("phase_s"), "p50_ms": (r.measurement or {}).get("p50_ms"),
+             "device_peak_bytes": r.details.get("device_peak_bytes"),
              "device_retained_bytes": r.details.get("device_retained_bytes"),
              "speedup": r.speedup} for r in rows]
 
@@ -141,6 +143,17 @@ def main(argv=None) -> int:
     eager_ms = p50_ms(lambda: model(**inputs))
     result["eager_inference_peak_bytes"] = torch.cuda.max_memory_allocated()
 
+    if conv:  # what cuDNN's autotuner (cudnn.benchmark) alone takes the first time a new memory format runs
+        cl_model = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            cl_model(**inputs)
+        torch.cuda.synchronize()
+        result["eager_channels_last_first_call_peak_bytes"] = torch.cuda.max_memory_allocated()
+        del cl_model
+        torch.cuda.empty_cache()
+
     strategy = None
     if args.atol is not None:
         strategy = ait.MaxThroughputStrategy(tolerance=ait.Tolerance(low_precision_atol=args.atol,
@@ -150,7 +163,10 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     report = ait.tune(lambda item: wrapped(**item), [inputs], progress=False, time_budget_s=args.time_budget_s, ready_batches=True)
     result["tune_wall_s"] = time.perf_counter() - started
-    result["tuning_peak_bytes"] = torch.cuda.max_memory_allocated()
+    # the report's figure: per-candidate sections reset PyTorch's counter and fold what it held (aitune/torch/memory.py)
+    result["tuning_peak_bytes"] = max(report.peak_memory["device_bytes"] or 0, torch.cuda.max_memory_allocated())
+    gc.collect()  # what stays allocated once the tune is over (chosen backend, guard fallbacks, anything leaked)
+    result["allocated_after_tune_bytes"] = torch.cuda.memory_allocated()
     print(report.describe())
     chosen = next(iter(wrapped.backends.values()))
     rows = report.rows
@@ -235,6 +251,14 @@ def main(argv=None) -> int:
     second_tune = f"{result['second_tune_wall_s']:.1f} s" if "second_tune_wall_s" in result else "not run"
     print(f"tune wall {result['tune_wall_s']:.1f} s, second tune {second_tune}; tuning peak GPU "
           f"memory {result['tuning_peak_bytes'] / 2**30:.2f} GiB vs eager inference {result['eager_inference_peak_bytes'] / 2**30:.2f} GiB")
+    for row in result["rows"]:
+        if row.get("device_peak_bytes") is not None:
+            print(f"  {row['description'][:60]:60s} device peak {row['device_peak_bytes'] / 2**30:.2f} GiB, kept "
+                  f"{row['device_retained_bytes'] / 2**30:.2f} GiB")
+    print(f"allocated after the tune: {result['allocated_after_tune_bytes'] / 2**30:.2f} GiB")
+    if "eager_channels_last_first_call_peak_bytes" in result:
+        print(f"eager channels_last first call (cuDNN autotuning a new format): "
+              f"{result['eager_channels_last_first_call_peak_bytes'] / 2**30:.2f} GiB")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0

@@ -121,7 +121,10 @@ def run_tune(args) -> dict:
     figures["tune_wall_s"] = time.perf_counter() - started
     stop_measuring(args.device, figures)
     figures["report_peak_memory"] = getattr(report, "peak_memory", None)
+    if args.device == "cuda":  # per-candidate sections reset PyTorch's counter; the report folds what it held
+        figures["device_peak_bytes"] = max(figures["device_peak_bytes"], report.peak_memory["device_bytes"] or 0)
     figures["rows"] = [{"candidate": row.description, "status": row.status, "probes": row.probes,
+                        "device_peak_bytes": row.details.get("device_peak_bytes"),
                         "reason": row.reason[:160]} for row in report.rows]
     print(report.describe(), file=sys.stderr)
     return figures

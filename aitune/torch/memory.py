@@ -16,6 +16,11 @@ allocator only: memory ONNX Runtime or TensorRT take through their own allocator
 
 Pauses (:meth:`PeakMemory.paused`) leave out work whose memory use is the point, such as the max-batch-size
 search, which grows batches until memory runs out.
+
+Sections (:class:`DeviceSection`) give one stretch of work inside a measurement its own device high-water mark
+(each candidate's row: which one needed the memory). A section resets PyTorch's peak counter at its start, so
+it first folds the mark reached so far into ``_FOLDED_PEAKS``, which :class:`PeakMemory` reads as well: the
+overall figure stays the true high-water mark.
 """
 
 from __future__ import annotations
@@ -60,6 +65,46 @@ def device_allocated_bytes(device: torch.device | str) -> int | None:
     return torch.cuda.memory_allocated(device)
 
 
+_FOLDED_PEAKS: dict[int, int] = {}  # device index -> high-water mark before the last DeviceSection reset it
+
+
+def _fold_and_reset(index: int) -> None:
+    _FOLDED_PEAKS[index] = max(_FOLDED_PEAKS.get(index, 0), torch.cuda.max_memory_allocated(index))
+    torch.cuda.reset_peak_memory_stats(index)
+
+
+class DeviceSection:
+    """Device memory of one stretch of work: ``peak_bytes`` (the caching allocator's high-water mark while it ran,
+    everything allocated at the time included) and ``retained_bytes`` (allocated at its end minus at its start:
+    what the work keeps). Both None for a CPU device or where CUDA is not initialised.
+
+    Usage::
+
+        with DeviceSection(device) as section:
+            ...                                  # build, check, measure one candidate
+        section.peak_bytes, section.retained_bytes
+    """
+
+    def __init__(self, device: torch.device | str):
+        device = torch.device(device)
+        self._index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" and torch.cuda.is_initialized() else None
+        self.peak_bytes: int | None = None
+        self.retained_bytes: int | None = None
+        self._before = 0
+
+    def __enter__(self) -> "DeviceSection":
+        if self._index is not None:
+            _fold_and_reset(self._index)
+            self._before = torch.cuda.memory_allocated(self._index)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._index is not None:
+            self.peak_bytes = torch.cuda.max_memory_allocated(self._index)
+            self.retained_bytes = torch.cuda.memory_allocated(self._index) - self._before
+
+
 def _max_rss_bytes() -> int:
     value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return value if sys.platform == "darwin" else value * 1024  # bytes on macOS, KiB on Linux
@@ -93,6 +138,7 @@ class PeakMemory:
             self.host_method = "ru_maxrss"  # since the process started: an upper bound
         for device in self._devices:
             torch.cuda.reset_peak_memory_stats(device)
+            _FOLDED_PEAKS.pop(device, None)
         self._running = True
 
     def stop(self) -> None:
@@ -103,8 +149,9 @@ class PeakMemory:
         host = host_peak_bytes() if self.host_method == "VmHWM" else _max_rss_bytes()
         if host is not None:
             self.host_bytes = max(self.host_bytes or 0, host)
-        for device in self._devices:
-            self.device_bytes = max(self.device_bytes or 0, torch.cuda.max_memory_allocated(device))
+        for device in self._devices:  # sections inside may have reset the counter: their folded marks count too
+            peak = max(torch.cuda.max_memory_allocated(device), _FOLDED_PEAKS.get(device, 0))
+            self.device_bytes = max(self.device_bytes or 0, peak)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

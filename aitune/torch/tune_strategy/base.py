@@ -33,7 +33,7 @@ from aitune.torch.evaluation import (
     unsupported,
 )
 from aitune.torch.max_batch_size import MaxBatchSizeSearch
-from aitune.torch.memory import device_allocated_bytes
+from aitune.torch.memory import DeviceSection
 from aitune.torch.probes import ProbeConfig
 from aitune.torch.profiling import ProfilingConfig, reaches_speedup
 from aitune.torch.rankings import candidate_key, reused
@@ -330,15 +330,16 @@ class TuneStrategy:
             for index, blueprint in enumerate(blueprints):
                 if index in done:
                     continue
-                before = device_allocated_bytes(context.device)
-                if results[index] is None:
-                    results[index] = evaluate(blueprint, context, settings)
-                elif isinstance(results[index], Evaluation):
-                    results[index] = complete(results[index], context)
-                if results[index].backend is not None:
-                    results[index].backend.deactivate()
-                if before is not None:  # what the candidate keeps on the device until the tune ends (issue "Search" 6)
-                    results[index].row.details["device_retained_bytes"] = device_allocated_bytes(context.device) - before
+                with DeviceSection(context.device) as section:
+                    if results[index] is None:
+                        results[index] = evaluate(blueprint, context, settings)
+                    elif isinstance(results[index], Evaluation):
+                        results[index] = complete(results[index], context)
+                    if results[index].backend is not None:
+                        results[index].backend.deactivate()
+                if section.peak_bytes is not None:  # which candidate needed / keeps the memory (issue "Search" 6)
+                    results[index].row.details["device_peak_bytes"] = section.peak_bytes
+                    results[index].row.details["device_retained_bytes"] = section.retained_bytes
         finally:
             if executor is not None:
                 executor.shutdown(wait=True)
