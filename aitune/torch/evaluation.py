@@ -9,12 +9,13 @@ asks for the original error instead (``raise_errors=True``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -118,8 +119,9 @@ class GraphContext:
             return ProbeSet([])
         key = (config.max_probes, config.seed, config.max_reference_bytes)
         if key not in self._probes:
-            self._probes[key] = make_probes(self.graph, self.run_eager, config, self.reference_outputs,
-                                            keep=self.references.keep)
+            with one_off_calls():  # probes have shapes and values the user may never run
+                self._probes[key] = make_probes(self.graph, self.run_eager, config, self.reference_outputs,
+                                                keep=self.references.keep)
             if self.restore_state is not None:
                 self.restore_state()
         return self._probes[key]
@@ -151,7 +153,7 @@ class GraphContext:
         if index not in self._fp32_outputs:
             try:
                 module32 = copy.deepcopy(self.module).float()
-                with torch.no_grad():
+                with torch.no_grad(), one_off_calls():
                     for position, sample in enumerate(self.graph.samples):
                         args, kwargs = _upcast(sample.clone())
                         self._fp32_outputs[position] = self.references.keep(module32(*args, **kwargs))
@@ -170,12 +172,32 @@ class GraphContext:
             if self.restore_state is not None:
                 self.restore_state()
             module32 = copy.deepcopy(self.module).float()
-            with torch.no_grad():
+            with torch.no_grad(), one_off_calls():
                 args, kwargs = _upcast(sample.clone())
                 return module32(*args, **kwargs)
         except Exception:  # noqa: BLE001 - rule 5 is a second chance, never a new failure
             logger.debug("no fp32 reference for a probe of %s/%s", self.module_name, self.graph.name, exc_info=True)
             return None
+
+
+@contextlib.contextmanager
+def one_off_calls() -> Iterator[None]:
+    """Eager calls whose results are references, not the user's inference: cuDNN's autotuner off.
+
+    NOTE [no cuDNN autotuning for references]: with ``torch.backends.cudnn.benchmark = True`` (the user's
+    setting, common for convnets) the first convolution of each new shape, dtype or format times every cuDNN
+    algorithm, allocating each one's workspace. The float32 copy that correctness rule 5 runs on a probe is
+    such a first call: on the H200, ResNet-50 b1's fp32 reference allocated a 2.3 GiB workspace, and the
+    tune's device peak was 2.49 GiB against eager inference's 0.10 GiB (RESULTS.md, 2026-12-01). A reference
+    is computed once, so cuDNN's heuristic choice costs nothing in speed there; the user's setting is restored
+    after.
+    """
+    benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ from aitune.torch import dataloader, telemetry
 from aitune.torch.arguments import known_keywords
 from aitune.torch.config import config
 from aitune.torch.environment import environment
-from aitune.torch.max_batch_size import search_for_graph
+from aitune.torch.max_batch_size import available_memory_bytes, search_for_graph
 from aitune.torch.memory import PeakMemory
 from aitune.torch.module import Module, ModuleState, registered_modules, set_recording_batch_size
 from aitune.torch.module_arguments import check_unique_names
@@ -377,14 +377,26 @@ def _resolve_device(module: Module, device) -> torch.device:
 
 
 class _Snapshot:
-    """Parameters, buffers and ``training`` flags of a module tree, restored bit for bit (case U3)."""
+    """Parameters, buffers and ``training`` flags of a module tree, restored bit for bit (case U3).
+
+    NOTE [snapshot on the host]: the copy of a CUDA module's state is kept in host memory, not beside the
+    weights: on the H200 a device copy of BERT-base's 0.21 GiB of fp16 weights was the largest item of the
+    tune's device peak after the candidates' own builds (issue "Search", point 6; RESULTS.md, 2026-12-01).
+    :meth:`restore` then brings each saved tensor back to its device one at a time to compare it (extra device
+    memory: the largest single tensor). Where the host has less than twice the state's size available
+    (``MemAvailable``), the copy stays on the device as before.
+    """
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
         # Tensors on "meta" hold no values (a module offloaded by config.device_after_tuning): nothing to restore.
-        self.tensors = {name: value.detach().clone() for name, value in
-                        list(module.named_parameters(remove_duplicate=False)) +
-                        list(module.named_buffers(remove_duplicate=False)) if value.device.type != "meta"}
+        state = [(name, value) for name, value in list(module.named_parameters(remove_duplicate=False)) +
+                 list(module.named_buffers(remove_duplicate=False)) if value.device.type != "meta"]
+        on_device = sum(value.numel() * value.element_size() for _, value in state if value.device.type != "cpu")
+        available = available_memory_bytes() if on_device else None
+        self.on_host = bool(on_device) and available is not None and available > 2 * on_device
+        self.tensors = {name: value.detach().to("cpu", copy=True) if self.on_host else value.detach().clone()
+                        for name, value in state}
         self.training = {name: sub.training for name, sub in module.named_modules(remove_duplicate=False)}
 
     def restore(self) -> None:
@@ -392,8 +404,10 @@ class _Snapshot:
             for name, value in list(self.module.named_parameters(remove_duplicate=False)) + list(
                     self.module.named_buffers(remove_duplicate=False)):
                 saved = self.tensors.get(name)
-                if saved is not None and value.device.type != "meta" and (
-                        saved.shape != value.shape or saved.device != value.device or not torch.equal(saved, value)):
+                if saved is None or value.device.type == "meta":
+                    continue
+                saved = saved.to(value.device)  # the host copy, one tensor at a time (no copy if already there)
+                if saved.shape != value.shape or not torch.equal(saved, value):
                     logger.debug("restoring %s changed during tuning", name)
                     value.copy_(saved)
         for name, sub in self.module.named_modules(remove_duplicate=False):

@@ -74,3 +74,44 @@ def test_each_candidate_row_says_what_it_keeps_on_the_device(fast_profiling):
     row = next(r for r in report.rows if r.description == graphs.describe())
     # the captured graphs keep their static outputs (at least 8 x 64 fp32) in their memory pool
     assert row.details["device_retained_bytes"] >= 8 * 64 * 4
+    # its high-water mark covers the weights and what it keeps
+    assert row.details["device_peak_bytes"] >= row.details["device_retained_bytes"] + sum(
+        p.numel() * 4 for p in model.parameters())
+
+
+def test_sections_give_their_own_peaks_and_the_overall_peak_stays_true():
+    from aitune.torch.memory import DeviceSection, PeakMemory
+
+    torch.cuda.init()
+    peak = PeakMemory()
+    peak.start()
+    mib = 2**20
+    with DeviceSection("cuda") as big:
+        transient = torch.empty(64 * mib, dtype=torch.uint8, device="cuda")
+        del transient
+    with DeviceSection("cuda") as small:  # resets the counter: the big section's mark must survive in the total
+        kept = torch.empty(1 * mib, dtype=torch.uint8, device="cuda")
+    assert big.peak_bytes >= 64 * mib and big.retained_bytes == 0
+    assert small.peak_bytes < big.peak_bytes and small.retained_bytes == mib
+    assert peak.result()["device_bytes"] >= 64 * mib
+    del kept
+
+
+def test_the_state_snapshot_of_a_cuda_module_lives_on_the_host_and_restores_bit_for_bit():
+    from aitune.torch.tuning import _Snapshot
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)).cuda().half().eval()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    allocated = torch.cuda.memory_allocated()
+    snapshot = _Snapshot(model)
+    assert snapshot.on_host and all(t.device.type == "cpu" for t in snapshot.tensors.values())
+    assert torch.cuda.memory_allocated() == allocated  # NOTE [snapshot on the host]: no device copy
+    with torch.no_grad():
+        model[0].weight.data.mul_(2)  # through .data: the version counter does not see it
+        model[1].running_mean.add_(1)
+    model.train()
+    snapshot.restore()
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    assert all(value.device.type == "cuda" for value in model.state_dict().values())
+    assert model.training is False

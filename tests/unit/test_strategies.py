@@ -259,3 +259,45 @@ def test_fp16_candidates_judged_against_an_fp32_run(fast_profiling):
     assert rows["test_fp32_compute"].comparison["max_abs_error"] > 1e-2  # the plain rule alone would reject it
     assert rows["test_sloppy_fp16"].status == "rejected (correctness)" and "RMSE" in rows["test_sloppy_fp16"].reason
     assert model.a.weight.dtype == torch.float16  # the fp32 copy never touched the user's module
+
+
+class CancelSeeingFlags(Cancel):
+    """Cancel, noting the cuDNN autotuner setting and the dtype of every call in ``SEEN`` (a class attribute:
+    deep copies such as the fp32 one note there too)."""
+
+    SEEN: list = []
+    IN_CANDIDATE = False
+
+    def forward(self, x):
+        if not self.IN_CANDIDATE:
+            self.SEEN.append((x.dtype, torch.backends.cudnn.benchmark))
+        return super().forward(x)
+
+
+class Fp32ComputeNotNoted(Fp32ComputeBackend):
+    """Fp32ComputeBackend whose own (candidate) calls CancelSeeingFlags does not note."""
+
+    def _infer(self, args, kwargs):
+        CancelSeeingFlags.IN_CANDIDATE = True
+        try:
+            return super()._infer(args, kwargs)
+        finally:
+            CancelSeeingFlags.IN_CANDIDATE = False
+
+
+def test_reference_calls_run_without_cudnn_autotuning_and_keep_the_users_setting(fast_profiling, monkeypatch):
+    # NOTE [no cuDNN autotuning for references]: the fp32 copy's first call timed every cuDNN algorithm (2.3 GiB
+    # on the H200); here the flag each call saw is the observable, on any machine
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    torch.manual_seed(0)
+    model = CancelSeeingFlags().half().eval()
+    monkeypatch.setattr(CancelSeeingFlags, "SEEN", [])
+    data = [torch.randn(b, 64).half() * 10 for b in (2, 4)]
+    strategy = ait.MaxThroughputStrategy([Fp32ComputeNotNoted()], profiling_config=fast_profiling)
+    report = ait.tune(ait.Module(model, "flags", strategy=strategy), data, ready_batches=True)
+    assert report.rows[0].comparison["metric"] == "allclose+fp32-parity"  # rule 5 ran: the fp32 copy was called
+    fp32_calls = [benchmark for dtype, benchmark in CancelSeeingFlags.SEEN if dtype == torch.float32]
+    assert fp32_calls and not any(fp32_calls)
+    assert (torch.float16, True) in CancelSeeingFlags.SEEN  # the recorded calls ran as the user set them
+    assert (torch.float16, False) in CancelSeeingFlags.SEEN  # probes' eager references: one-off shapes, no autotuning
+    assert torch.backends.cudnn.benchmark is True
