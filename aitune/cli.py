@@ -110,6 +110,11 @@ def _report(args) -> int:
     from aitune.torch.storage import existing_checkpoint
 
     path = existing_checkpoint(args.file)  # a name given to ait.save is found in checkpoints/
+    if not path.exists() and not path.is_absolute():  # a tune report's name is found in <cache>/reports/
+        from aitune.torch.tuning import cache_dir
+
+        in_reports = cache_dir() / "reports" / path
+        path = in_reports if in_reports.exists() else path
     try:
         checkpoint = path.suffix == ".ait" or zipfile.is_zipfile(path)
         if args.html is None:

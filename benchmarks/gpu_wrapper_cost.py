@@ -2,7 +2,9 @@
 the wrapped module within 3 % of the chosen backend). ResNet-50 b1 fp16 (BatchNorm calibrated), one backend
 (Inductor reduce-overhead + freezing, which bakes the weights in, so the stale-weight watch runs per call).
 
-Times, A/B/A/B in one process with CUDA events (p50 over 2 s each): the wrapped module (guard on), the
+Times, A/B/A/B in one process with CUDA events (p50 over 2 s each), then each of the wrapped module, the module
+without its watch and the compiled callable against the backend's ``run`` alternating call by call (the figure to
+quote on a machine whose speed drifts: the median per-pair ratio): the wrapped module (guard on), the
 wrapped module with the guard off, the same with its stale-weight watch detached, the backend's ``run`` and
 the compiled callable; the host time of each call until it returns (GPU idle before each call); and the host cost of
 one stale-weight check (``StateWatch.changed``) and of the freezing flag set/restore, with perf_counter.
@@ -27,7 +29,7 @@ import aitune.torch as ait
 from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
 from aitune.torch.backend.inductor_jit import parameter_freezing
 from aitune.torch.guard import GuardConfig, StateWatch
-from benchmarks.gpu_search import p50_ms, resnet50
+from benchmarks.gpu_search import p50_ms, paired_p50_ms, resnet50
 
 
 def host_us(function, n: int = 5000) -> float:
@@ -94,6 +96,10 @@ def main(argv=None) -> int:
     for round_ in range(2):
         for label, call in calls.items():
             result[f"{label}_p50_ms_{round_}"] = p50_ms(call)
+    for label in ("module", "module_no_watch", "compiled_raw"):  # each against backend run, call by call alternately
+        first, second, ratio = paired_p50_ms(calls[label], calls["backend_run"])
+        result[f"paired_{label}_vs_backend_run"] = {"p50_ms": first, "backend_run_p50_ms": second,
+                                                    "ratio_p50": ratio}
     for label, call in calls.items():  # host time from the call to its return, the GPU idle before each call
         result[f"{label}_host_launch_us"] = host_launch_us(call)
     watch = StateWatch(model)

@@ -69,6 +69,23 @@ class CallSignature:
                 keyword[name] = value
         return tuple(positional), keyword
 
+    def plan(self, args: tuple, kwargs: dict) -> Callable[[tuple, dict], tuple[tuple, dict]] | None:
+        """A function that normalises, like :meth:`normalize`, every call with as many positional arguments as
+        ``args`` and the keyword names of ``kwargs`` in the same order (no binding per call: ``ait.Module``'s
+        dispatch fast path); None where such calls need the general path (positional-only parameters,
+        ``*args``, a call Python would reject)."""
+        if not self._fast or len(args) > len(self._positional):
+            return None
+        result = self._normalize_fast(args, kwargs)
+        if result is None or result[0]:
+            return None
+        positional = {name: index for index, name in enumerate(self._positional[:len(args)])}
+        steps = tuple((name, positional.get(name, -1)) for name in result[1])
+        planned = _apply_plan(steps, args, kwargs)
+        if list(planned[1]) != list(result[1]) or any(planned[1][k] is not v for k, v in result[1].items()):
+            return None  # never reached for the signatures _normalize_fast takes; kept as a guard
+        return lambda call_args, call_kwargs: _apply_plan(steps, call_args, call_kwargs)
+
     def _normalize_fast(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         # Same result as the bind() path for signatures without positional-only params or *args;
         # returns None (=> inspect's binder) for anything unusual, so errors match Python's.
@@ -91,6 +108,10 @@ class CallSignature:
             for key in sorted(extra):
                 keyword[key] = kwargs[key]
         return (), keyword
+
+
+def _apply_plan(steps: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return (), {name: args[index] if index >= 0 else kwargs[name] for name, index in steps}
 
 
 def positional_parameter_names(signature: CallSignature) -> list[str]:

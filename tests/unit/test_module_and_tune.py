@@ -123,3 +123,40 @@ def test_tuning_leaves_user_objects_untouched(fast_profiling):
         assert torch.equal(value, state[key]), key
     for sample, copy in zip(samples, copies):
         assert torch.equal(sample, copy)
+
+
+class Masked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask=None, scale: float = 1.0):
+        return self.fc(x) * mask * scale
+
+
+class Doubling(TorchEagerBackend):
+    """Eager, doubled: a backend whose answers tell that the call reached it (no passthrough, no eager)."""
+
+    name = "test_doubling"
+    passthrough = False
+
+    def _infer(self, args, kwargs):
+        return 2 * super()._infer(args, kwargs)
+
+
+def test_every_call_form_reaches_the_backend_with_the_right_arguments(fast_profiling):
+    # NOTE [dispatch fast path]: each call shape gets a route whose plan normalises the later calls of that shape
+    torch.manual_seed(0)
+    model = Masked().eval()
+    x, mask = torch.randn(2, 8), (torch.rand(2, 8) > 0.5).float()
+    strategy = ait.OneBackendStrategy(Doubling(), profiling_config=fast_profiling).enable_correctness_check(False)
+    tuned = ait.Module(model, "forms", strategy=strategy.enable_performance_validation(False))
+    ait.tune(lambda item: tuned(**item), [{"x": x, "mask": mask}], ready_batches=True)
+    with torch.no_grad():
+        expected = 2 * model(x, mask)
+        for _ in range(2):  # the second round runs through the stored routes and their plans
+            for output in (tuned(x, mask), tuned(x, mask=mask), tuned(mask=mask, x=x), tuned(x=x, mask=mask)):
+                torch.testing.assert_close(output, expected, rtol=0, atol=0)
+            other_x = torch.randn(2, 8)  # same shape, other values: the plan must take the new tensors
+            torch.testing.assert_close(tuned(mask=mask, x=other_x), 2 * model(other_x, mask), rtol=0, atol=0)
+    assert tuned.stats["eager_fallbacks"] == {}

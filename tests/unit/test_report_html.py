@@ -204,6 +204,22 @@ def test_cli_report_resolves_a_saved_name_like_ait_load(tuned, tmp_path):
     assert tuned.report.selected("mlp") in result.stdout
 
 
+def test_cli_report_finds_a_tune_report_by_its_name_in_the_cache(tuned, tmp_path):
+    """`aitune report tune-<time>.json` finds <cache>/reports/tune-<time>.json (fresh-clone trial: the README's
+    command gave only the file name)."""
+    import os
+    import shutil
+
+    cache = tmp_path / "cache"
+    (cache / "reports").mkdir(parents=True)
+    shutil.copy(tuned.json, cache / "reports" / "tune-20261201-101500-000000.json")
+    environment = {**os.environ, "AITUNE_CACHE_DIR": str(cache)}
+    result = subprocess.run([sys.executable, "-m", "aitune.cli", "report", "tune-20261201-101500-000000.json"],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environment)
+    assert result.returncode == 0, result.stderr
+    assert tuned.report.selected("mlp") in result.stdout and "| module" in result.stdout
+
+
 # ============================================================================================ browser
 
 

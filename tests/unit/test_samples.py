@@ -132,3 +132,37 @@ def test_graph_spec_json_round_trip():
     assert restored.to_json("model") == data and restored.key == graph.key
     assert restored.constants == {"scale": 0.5} and restored.input_names == graph.input_names
     assert restored.shape_range(restored.tensor_specs[0]) == graph.shape_range(spec)
+
+
+class PositionalOnly(torch.nn.Module):
+    def forward(self, x, /, y=None):
+        return x
+
+
+class StarArgs(torch.nn.Module):
+    def forward(self, x, *rest):
+        return x
+
+
+@pytest.mark.parametrize("call", [((1,), {}), ((1, False), {}), ((), {"x": 1}), ((1,), {"keep": 3}),
+                                  ((), {"keep": 3, "x": 1, "residual": False}), ((1,), {"z": 2, "a": 1}),
+                                  ((1, True), {"b": 5})])
+def test_a_call_plan_normalises_later_calls_of_the_same_shape_like_normalize(call):
+    # NOTE [dispatch fast path]: ait.Module keeps the plan of a call shape and skips binding on later calls
+    signature = CallSignature(Toggle().forward)
+    args, kwargs = call
+    plan = signature.plan(args, kwargs)
+    assert plan is not None
+    later_args = tuple(object() for _ in args)  # other values, same positional count and keyword names/order
+    later_kwargs = {name: object() for name in kwargs}
+    planned, expected = plan(later_args, later_kwargs), signature.normalize(later_args, later_kwargs)
+    assert planned[0] == expected[0] == ()
+    assert list(planned[1]) == list(expected[1])  # same names in the same order
+    assert all(planned[1][name] is expected[1][name] for name in expected[1])
+
+
+def test_no_plan_where_binding_is_needed():
+    assert CallSignature(Toggle().forward).plan((), {}) is None  # Python rejects it: normalize raises TypeError
+    assert CallSignature(Toggle().forward).plan((1,), {"x": 2}) is None  # x given twice
+    assert CallSignature(PositionalOnly().forward).plan((1,), {}) is None
+    assert CallSignature(StarArgs().forward).plan((1, 2, 3), {}) is None

@@ -301,3 +301,10 @@ def test_reference_calls_run_without_cudnn_autotuning_and_keep_the_users_setting
     assert (torch.float16, True) in CancelSeeingFlags.SEEN  # the recorded calls ran as the user set them
     assert (torch.float16, False) in CancelSeeingFlags.SEEN  # probes' eager references: one-off shapes, no autotuning
     assert torch.backends.cudnn.benchmark is True
+
+
+def test_the_strategy_description_says_when_the_defaults_may_quantize():
+    # fresh-clone trial: the demo allows quantization but its log said MaxThroughputStrategy(<defaults>)
+    assert ait.MaxThroughputStrategy().describe() == "MaxThroughputStrategy(<defaults>)"
+    assert ait.MaxThroughputStrategy(allow_quantization=True).describe() == \
+        "MaxThroughputStrategy(<defaults>, quantization allowed)"

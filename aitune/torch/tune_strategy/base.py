@@ -230,6 +230,8 @@ class TuneStrategy:
     def describe(self) -> str:
         """``StrategyName(Backend(config), ...)`` for reports."""
         names = [backend.describe() for backend in self.backends] if self.backends is not None else ["<defaults>"]
+        if self.backends is None and self.quantization_allowed:  # the defaults measure quantizing candidates only
+            names.append("quantization allowed")
         return f"{type(self).__name__}({', '.join(names)})"
 
     # ---- the work
