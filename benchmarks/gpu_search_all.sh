@@ -6,16 +6,16 @@
 # (crashes.json copied: the first tune of a model on a machine aitune has tuned on before).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-AITUNE_CACHE_DIR=/tmp/aitune-cache-resnet timeout 190 bash benchmarks/gpu_search.sh resnet50 1 > /dev/null 2>&1
-tail -8 "$OUT/resnet50_b1.log"
+AITUNE_CACHE_DIR=/tmp/aitune-cache-resnet timeout 210 bash benchmarks/gpu_search.sh resnet50 1 > /dev/null 2>&1
+tail -12 "$OUT/resnet50_b1.log"
 cp /tmp/aitune-cache-resnet/resnet50-b1/graph0/TorchInductorAot*/aoti_compile.log "$OUT/aoti_compile_resnet.log" 2>/dev/null
 for cache in /tmp/aitune-cache-bert /tmp/aitune-cache-known; do
   mkdir -p "$cache" && cp /tmp/aitune-cache-resnet/crashes.json "$cache/" 2>/dev/null
 done
-AITUNE_CACHE_DIR=/tmp/aitune-cache-bert timeout 170 bash benchmarks/gpu_search.sh bert-base 32 > /dev/null 2>&1
-tail -8 "$OUT/bert-base_b32.log"
-AITUNE_CACHE_DIR=/tmp/aitune-cache-known OUT_TAG=_crash_known timeout 130 bash benchmarks/gpu_search.sh resnet50 1 \
+AITUNE_CACHE_DIR=/tmp/aitune-cache-bert timeout 180 bash benchmarks/gpu_search.sh bert-base 32 > /dev/null 2>&1
+tail -12 "$OUT/bert-base_b32.log"
+AITUNE_CACHE_DIR=/tmp/aitune-cache-known OUT_TAG=_crash_known timeout 140 bash benchmarks/gpu_search.sh resnet50 1 \
   --no-second-tune > /dev/null 2>&1
-tail -4 "$OUT/resnet50_b1_crash_known.log"
-PYTHONPATH=/tmp/site:$PWD timeout 90 python3 -m benchmarks.gpu_wrapper_cost --freezing 1 --json "$OUT/wrapper_cost.json" \
+tail -7 "$OUT/resnet50_b1_crash_known.log"
+PYTHONPATH=/tmp/site:$PWD timeout 110 python3 -m benchmarks.gpu_wrapper_cost --freezing 1 --json "$OUT/wrapper_cost.json" \
   2>&1 | grep -v -E "UserWarning|warnings.warn|^W[0-9]{4}" | tail -24
