@@ -407,7 +407,10 @@ class _Snapshot:
                 if saved is None or value.device.type == "meta":
                     continue
                 saved = saved.to(value.device)  # the host copy, one tensor at a time (no copy if already there)
-                if saved.shape != value.shape or not torch.equal(saved, value):
+                if saved.dtype != value.dtype or saved.shape != value.shape:  # .half() / a resize: the tensor itself
+                    logger.debug("restoring %s (dtype or shape changed during tuning)", name)
+                    value.data = saved.clone()
+                elif not torch.equal(saved, value):  # torch.equal alone would call 1.0 == half(1.0) equal
                     logger.debug("restoring %s changed during tuning", name)
                     value.copy_(saved)
         for name, sub in self.module.named_modules(remove_duplicate=False):

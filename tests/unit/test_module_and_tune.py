@@ -160,3 +160,23 @@ def test_every_call_form_reaches_the_backend_with_the_right_arguments(fast_profi
             other_x = torch.randn(2, 8)  # same shape, other values: the plan must take the new tensors
             torch.testing.assert_close(tuned(mask=mask, x=other_x), 2 * model(other_x, mask), rtol=0, atol=0)
     assert tuned.stats["eager_fallbacks"] == {}
+
+
+def test_the_state_snapshot_restores_values_dtypes_and_flags_bit_for_bit():
+    # case U3: whatever a build does to the user's module, tuning hands it back as it was
+    from aitune.torch.tuning import _Snapshot
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)).eval()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    snapshot = _Snapshot(model)
+    assert not snapshot.on_host  # a CPU module's copy is on the host anyway
+    with torch.no_grad():
+        model[0].weight.data.mul_(2)  # through .data: no version-counter bump
+        model[1].running_mean.add_(1)
+    model[0].half()  # a dtype change: torch.equal would call the values equal
+    model.train()
+    snapshot.restore()
+    state = model.state_dict()
+    assert all(state[name].dtype == value.dtype and torch.equal(state[name], value) for name, value in before.items())
+    assert not model.training and not model[0].training
