@@ -1,9 +1,29 @@
 """Shared test fixtures: an isolated cache directory and fast profiling settings."""
 
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
 
 from aitune.torch.profiling import ProfilingConfig
+
+
+_SESSION_CACHE: list[str] = []
+
+
+def pytest_configure(config):
+    """The whole session (module- and session-scoped fixtures, subprocesses too) tunes into a temporary cache,
+    never the user's ``~/.cache/aitune`` (fresh-clone trial: a module-scoped fixture's report landed there and
+    overwrote ``tuning_data/report.json``); each test then gets its own below (``_isolated_cache``)."""
+    _SESSION_CACHE.append(tempfile.mkdtemp(prefix="aitune-tests-"))
+    os.environ["AITUNE_CACHE_DIR"] = _SESSION_CACHE[0]
+
+
+def pytest_unconfigure(config):
+    for path in _SESSION_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
