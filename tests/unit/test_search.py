@@ -76,6 +76,24 @@ def test_default_candidates_expand_search_spaces():
     assert chosen.search_space(conv, graph.graphs[0], "cpu") == [chosen]  # the user's choice is kept
 
 
+def test_onnxruntime_optimization_level_is_a_budgeted_variant_that_matches_eager(fast_profiling):
+    from aitune.torch.backend import ONNXRuntimeBackend
+    from aitune.torch.tune_strategy.base import default_backends
+
+    variants = {b.describe(): b for b in default_backends("cpu")}
+    extended = variants["ONNXRuntimeBackend(graph_optimization_level=extended)"]
+    assert extended.search_tier == 1 and variants["ONNXRuntimeBackend()"].search_tier == 0
+    model = _net()
+    chosen = ONNXRuntimeBackend(extended.config)  # as a user would ask for it: tried without a budget
+    tuned = ait.Module(model, "ort-extended", strategy=ait.OneBackendStrategy(
+        chosen, profiling_config=fast_profiling).enable_performance_validation(False))
+    ait.tune(tuned, [torch.randn(2, 16), torch.randn(5, 16)], ignore_failing_modules=False, ready_batches=True)
+    assert isinstance(tuned.backends["graph0"], ONNXRuntimeBackend)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x), model(x), atol=1e-5, rtol=1e-4)
+
+
 def test_channels_last_variant_matches_eager_and_leaves_the_module_alone(fast_profiling):
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
                                 torch.nn.Conv2d(8, 4, 3, padding=1)).eval()

@@ -264,11 +264,19 @@ class ONNXRuntimeBackend(Backend):
         return fused_path
 
     def search_space(self, module, graph, device) -> list["Backend"]:
-        """Issue "Search": at the default configuration, plus ONNX Runtime's transformer fusions for a
-        BERT-like encoder. A configuration the user chose is tried as given."""
-        if self.config != ONNXRuntimeBackendConfig() or not looks_like_transformer_encoder(module):
+        """Issue "Search": at the default configuration (graph optimization level ``all``), plus ONNX Runtime's
+        transformer fusions for a BERT-like encoder; with a time budget (tier 1) also level ``extended``, which
+        leaves out the layout optimizations of ``all`` (on CPU: NCHWc conversions, which do not pay off for
+        every graph; ONNX Runtime's "Graph optimizations" documentation). A configuration the user chose is tried
+        as given."""
+        if self.config != ONNXRuntimeBackendConfig():
             return [self]
-        return [self, ONNXRuntimeBackend(ONNXRuntimeBackendConfig(transformer_fusions="bert"))]
+        variants = [self]
+        if looks_like_transformer_encoder(module):
+            variants.append(ONNXRuntimeBackend(ONNXRuntimeBackendConfig(transformer_fusions="bert")))
+        extended = ONNXRuntimeBackend(ONNXRuntimeBackendConfig(graph_optimization_level="extended"))
+        extended._tier = 1
+        return variants + [extended]
 
     def _validate_samples(self, graph, export) -> None:
         """Run every recorded sample once; restrict a graph that fails at some recorded shapes to the others."""
