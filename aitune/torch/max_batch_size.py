@@ -29,7 +29,6 @@ import dataclasses
 import gc
 import logging
 import math
-import os
 import statistics
 import time
 import weakref
@@ -39,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aitune.errors import ConfigError
+from aitune.torch.memory import available_memory_bytes
 from aitune.torch.pytree import tree_flatten, tree_unflatten
 from aitune.torch.samples import BATCH, Sample, clone_tree
 
@@ -127,21 +127,6 @@ def peak_tensor_bytes(run: Callable[[], Any]) -> int:
         output = run()
         del output
     return tracker.peak
-
-
-def available_memory_bytes() -> int | None:
-    """Memory the OS reports available (``MemAvailable`` of /proc/meminfo, else free pages), or None."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 @dataclasses.dataclass

@@ -26,6 +26,7 @@ overall figure stays the true high-water mark.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import resource
 import sys
@@ -47,6 +48,21 @@ def host_peak_bytes() -> int | None:
     return int(match.group(1)) * 1024 if match else None
 
 
+def available_memory_bytes() -> int | None:
+    """Memory the OS reports available (``MemAvailable`` of /proc/meminfo, else free pages), or None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def reset_host_peak() -> bool:
     """Reset ``VmHWM`` to the current resident size; False where the kernel does not allow it."""
     try:
@@ -54,15 +70,6 @@ def reset_host_peak() -> bool:
     except OSError:
         return False
     return host_peak_bytes() is not None
-
-
-def device_allocated_bytes(device: torch.device | str) -> int | None:
-    """Bytes PyTorch's caching allocator holds in tensors on ``device`` now (``torch.cuda.memory_allocated``);
-    None for a CPU device or where CUDA is not initialised."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_initialized():
-        return None
-    return torch.cuda.memory_allocated(device)
 
 
 _FOLDED_PEAKS: dict[int, int] = {}  # device index -> high-water mark before the last DeviceSection reset it

@@ -81,9 +81,6 @@ class CallSignature:
             return None
         positional = {name: index for index, name in enumerate(self._positional[:len(args)])}
         steps = tuple((name, positional.get(name, -1)) for name in result[1])
-        planned = _apply_plan(steps, args, kwargs)
-        if list(planned[1]) != list(result[1]) or any(planned[1][k] is not v for k, v in result[1].items()):
-            return None  # never reached for the signatures _normalize_fast takes; kept as a guard
         return lambda call_args, call_kwargs: _apply_plan(steps, call_args, call_kwargs)
 
     def _normalize_fast(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

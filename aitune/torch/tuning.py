@@ -18,8 +18,8 @@ from aitune.torch import dataloader, telemetry
 from aitune.torch.arguments import known_keywords
 from aitune.torch.config import config
 from aitune.torch.environment import environment
-from aitune.torch.max_batch_size import available_memory_bytes, search_for_graph
-from aitune.torch.memory import PeakMemory
+from aitune.torch.max_batch_size import search_for_graph
+from aitune.torch.memory import PeakMemory, available_memory_bytes
 from aitune.torch.module import Module, ModuleState, registered_modules, set_recording_batch_size
 from aitune.torch.module_arguments import check_unique_names
 from aitune.torch.references import ReferenceStore, spill_bytes_from_env
@@ -406,11 +406,12 @@ class _Snapshot:
                 saved = self.tensors.get(name)
                 if saved is None or value.device.type == "meta":
                     continue
-                saved = saved.to(value.device)  # the host copy, one tensor at a time (no copy if already there)
                 if saved.dtype != value.dtype or saved.shape != value.shape:  # .half() / a resize: the tensor itself
                     logger.debug("restoring %s (dtype or shape changed during tuning)", name)
-                    value.data = saved.clone()
-                elif not torch.equal(saved, value):  # torch.equal alone would call 1.0 == half(1.0) equal
+                    value.data = saved.to(value.device, copy=True)
+                    continue
+                saved = saved.to(value.device)  # the host copy, one tensor at a time (no copy if already there)
+                if not torch.equal(saved, value):  # dtypes are equal here: torch.equal calls 1.0 == half(1.0) equal
                     logger.debug("restoring %s changed during tuning", name)
                     value.copy_(saved)
         for name, sub in self.module.named_modules(remove_duplicate=False):
