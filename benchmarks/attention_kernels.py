@@ -1,8 +1,11 @@
 """Attention kernel sweep and kernel-selector end-to-end figures (issue 5, item 7), in one process.
 
-1. Sweep: batch 2, 8 heads, sequence 256/1024/4096, head dim 64/128, fp16 (configurable): the median
-   time of PyTorch's SDPA (its own kernel choice) and of every kernel provider on the same call, and the
-   speed-up of each provider against it. Providers a call is refused by are listed with the reason.
+1. Sweep: batch 2, 8 heads, sequence 256/1024/4096, head dim 64/128, fp16 (configurable, ``--causal``): the
+   median time of PyTorch's SDPA (its own kernel choice) and of every kernel provider on the same call, and
+   the speed-up of each provider against it, timed two ways: each call made from Python (launch cost
+   included) and inside CUDA graphs (kernels only; what the KernelOptimizer uses on a GPU by default,
+   ``aitune.torch.kernel_forge.optimizer.time_calls``). Providers a call is refused by are listed with the
+   reason.
 2. Plan vs best single provider: for each sweep shape the KernelOptimizer's plan, applied to a module
    that makes that call, timed against the best single provider measured in step 1 (target: >= 1.0x).
 3. End-to-end: a pre-norm transformer block (attention + MLP) on eager, Inductor JIT, and the
@@ -27,6 +30,7 @@ from torch import nn
 
 from aitune.torch.backend import KernelSelectorBackend, KernelSelectorBackendConfig, TorchInductorJitBackend
 from aitune.torch.kernel_forge import KernelOptimizer
+from aitune.torch.kernel_forge.optimizer import time_calls
 from aitune.torch.kernel_forge.kernel_provider import SageAttentionKernelProvider, SDPACall, TorchSDPAKernelProvider
 from aitune.torch.profiling import ProfilingConfig, measure
 from aitune.torch.samples import record_graphs
@@ -34,16 +38,24 @@ from aitune.torch.samples import record_graphs
 logger = logging.getLogger("benchmarks.attention_kernels")
 
 
+PROVIDER_NAMES = ("flash", "cudnn", "efficient", "math", "sage")
+SELECTED = list(PROVIDER_NAMES)
+
+
 def providers() -> list:
-    return [TorchSDPAKernelProvider(name) for name in ("flash", "cudnn", "efficient", "math")] + [
-        SageAttentionKernelProvider()]
+    """The providers picked with ``--providers`` (default: all; PyTorch's math kernel is slow at long sequences)."""
+    return [SageAttentionKernelProvider() if name == "sage" else TorchSDPAKernelProvider(name) for name in SELECTED]
 
 
 class Attention(nn.Module):
     """q, k, v [B, H, L, E] -> SDPA (the call being tuned)."""
 
+    def __init__(self, causal: bool = False):
+        super().__init__()
+        self.causal = causal
+
     def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
 
 
 class Block(nn.Module):
@@ -67,37 +79,45 @@ def median_ms(function, device, config: ProfilingConfig) -> float:
 
 
 def sweep(args, device, config) -> list[dict]:
+    in_graph = device.type == "cuda"
     rows = []
     for seq in args.seq:
         for head_dim in args.head_dim:
             q, k, v = (torch.randn(args.batch, args.heads, seq, head_dim, device=device, dtype=args.dtype)
                        for _ in range(3))
-            call = SDPACall(q, k, v)
-            original = median_ms(lambda: F.scaled_dot_product_attention(q, k, v), device, config)
-            row = {"seq": seq, "head_dim": head_dim, "original_ms": original, "providers": {}}
+            call = SDPACall(q, k, v, is_causal=args.causal)
+            original = time_calls(lambda c: c.run_original(), [call], device, config, in_graph=False)[0]
+            graphed = time_calls(lambda c: c.run_original(), [call], device, config, in_graph=in_graph)
+            row = {"seq": seq, "head_dim": head_dim, "causal": args.causal, "original_ms": original.median_round_ms,
+                   "original_graph_ms": graphed[0].median_round_ms if graphed[1] else None, "providers": {}}
             for provider in providers():
                 check = provider.supports(call)
                 if not check.ok:
                     row["providers"][provider.name] = {"refused": check.reason}
                     continue
                 try:
-                    ms = median_ms(lambda: provider(q, k, v), device, config)
+                    eager = time_calls(provider.run, [call], device, config, in_graph=False)[0].median_round_ms
+                    timing, timed_in_graph, how = time_calls(provider.run, [call], device, config, in_graph=in_graph)
                 except Exception as exc:  # noqa: BLE001 - a benchmark row, not a crash
                     row["providers"][provider.name] = {"failed": f"{type(exc).__name__}: {exc}"[:200]}
                     continue
-                row["providers"][provider.name] = {"ms": ms, "speedup": original / ms}
+                entry = {"ms": eager, "speedup": row["original_ms"] / eager, "graph_timing": how}
+                if timed_in_graph and row["original_graph_ms"]:
+                    entry.update(graph_ms=timing.median_round_ms,
+                                 graph_speedup=row["original_graph_ms"] / timing.median_round_ms)
+                row["providers"][provider.name] = entry
             timed = {name: entry["ms"] for name, entry in row["providers"].items() if "ms" in entry}
             if timed:
                 best = min(timed, key=timed.get)
                 row["best_provider"], row["best_ms"] = best, timed[best]
             if args.plan:
-                module = Attention()
+                module = Attention(args.causal)
                 plan = KernelOptimizer(providers(), profiling=config).make_plan(module, [((q, k, v), {})], device)
                 with plan.apply(module):
                     row["plan_ms"] = median_ms(lambda: module(q, k, v), device, config)
                 row["plan"] = [choice.provider.name for choice in plan.choices]
                 if timed:
-                    row["plan_vs_best"] = min(row["best_ms"], original) / row["plan_ms"]
+                    row["plan_vs_best"] = min(row["best_ms"], row["original_ms"]) / row["plan_ms"]
             rows.append(row)
             logger.info("seq %d head_dim %d: %s", seq, head_dim, json.dumps(row))
     return rows
@@ -127,18 +147,21 @@ def block(args, device, config) -> dict:
 
 def markdown(rows: list[dict], block_figures: dict | None) -> str:
     names = [provider.name for provider in providers()]
-    lines = ["| seq | head dim | SDPA ms | " + " | ".join(names) + " | plan ms | plan / best |",
-             "|---|---|---|" + "---|" * len(names) + "---|---|"]
+    lines = ["Provider cells: speed-up over SDPA timed from Python / inside CUDA graphs.", "",
+             "| seq | head dim | SDPA ms (Python / graph) | " + " | ".join(names) + " | plan | plan ms | plan / best |",
+             "|---|---|---|" + "---|" * len(names) + "---|---|---|"]
     for row in rows:
         cells = []
         for name in names:
             entry = row["providers"].get(name, {})
-            cells.append(f"{entry['speedup']:.2f}x" if "speedup" in entry else "refused" if "refused" in entry
-                         else "failed")
+            graph = f" / {entry['graph_speedup']:.2f}x" if "graph_speedup" in entry else ""
+            cells.append(f"{entry['speedup']:.2f}x{graph}" if "speedup" in entry else
+                         "refused" if "refused" in entry else "failed")
         plan = f"{row['plan_ms']:.3f}" if "plan_ms" in row else ""
         ratio = f"{row['plan_vs_best']:.2f}" if "plan_vs_best" in row else ""
-        lines.append(f"| {row['seq']} | {row['head_dim']} | {row['original_ms']:.3f} | " + " | ".join(cells)
-                     + f" | {plan} | {ratio} |")
+        graph_ms = f" / {row['original_graph_ms']:.3f}" if row.get("original_graph_ms") else ""
+        lines.append(f"| {row['seq']} | {row['head_dim']} | {row['original_ms']:.3f}{graph_ms} | " + " | ".join(cells)
+                     + f" | {','.join(row.get('plan', [])) or 'SDPA'} | {plan} | {ratio} |")
     if block_figures:
         lines += ["", f"Block dim {block_figures['dim']}, seq {block_figures['seq']}: eager "
                       f"{block_figures['eager_ms']:.3f} ms, inductor_jit {block_figures['inductor_jit_ms']:.3f} ms, "
@@ -155,6 +178,8 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--causal", action="store_true", help="causal attention (is_causal=True)")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDER_NAMES, default=list(PROVIDER_NAMES))
     parser.add_argument("--budget-s", type=float, default=0.5)
     parser.add_argument("--no-plan", dest="plan", action="store_false")
     parser.add_argument("--no-block", dest="block", action="store_false")
@@ -163,6 +188,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
+    SELECTED[:] = args.providers
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     device = torch.device(args.device)
     config = ProfilingConfig(warmup_rounds=5, min_rounds=10, max_rounds=500, time_budget_s=args.budget_s)

@@ -8,10 +8,13 @@ presets on CUDA (SQNR/cosine). Speed is measured in ``benchmarks/attention_kerne
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aitune.errors import ToleranceExceededError
 
@@ -19,7 +22,13 @@ from aitune.torch.backend import KernelSelectorBackend, KernelSelectorBackendCon
     TorchAOBackendConfig, TorchInductorJitBackend
 from aitune.torch.correctness import OutputComparator, Tolerance, cosine_similarity
 from aitune.torch.kernel_forge import KernelOptimizer
-from aitune.torch.kernel_forge.kernel_provider import SageAttentionKernelProvider, SDPACall, TorchSDPAKernelProvider
+from aitune.torch.kernel_forge.kernel_provider import (
+    ORIGINAL_SDPA,
+    KernelProvider,
+    SageAttentionKernelProvider,
+    SDPACall,
+    TorchSDPAKernelProvider,
+)
 from aitune.torch.profiling import ProfilingConfig
 from aitune.torch.samples import record_graphs
 from case_models import MHA, TwoTowers
@@ -117,6 +126,84 @@ def test_kernel_selector_with_sage_and_inductor(tmp_path):
         expected = model(*sample.args, **sample.kwargs)
     assert_attention_close(expected, backend(*sample.args, **sample.kwargs))
     print(backend.plan.describe())
+
+
+class SlowLaunchEfficientProvider(KernelProvider):
+    """Test provider: PyTorch's memory-efficient SDPA kernel behind 5 ms of Python (``time.sleep``) per call.
+
+    Its kernel beats the math kernel by far; called from Python, its launch cost makes it lose.
+    """
+
+    @property
+    def name(self) -> str:
+        return "slow_launch_efficient"
+
+    def run(self, call):
+        time.sleep(0.005)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            return ORIGINAL_SDPA(call.query, call.key, call.value, **call.kwargs())
+
+
+class SynchronizingProvider(KernelProvider):
+    """Test provider: the original SDPA, then a host synchronisation, which CUDA graph capture forbids."""
+
+    @property
+    def name(self) -> str:
+        return "synchronizing"
+
+    def run(self, call):
+        output = ORIGINAL_SDPA(call.query, call.key, call.value, **call.kwargs())
+        torch.cuda.synchronize()
+        return output
+
+
+def timed_rows(plan, provider: str) -> list[dict]:
+    return [row for row in plan.candidates if row["provider"] == provider and "original_ms" in row]
+
+
+def test_providers_are_judged_by_their_kernels_inside_cuda_graphs():
+    """Issue "Search": inside CUDA graphs the 5 ms of Python vanish and the faster kernel wins; timed
+    eagerly the same provider loses. The original here is PyTorch's math kernel (pinned around make_plan)."""
+    torch.manual_seed(0)
+    model = MHA(1024, 16).cuda().half().eval()
+    x = torch.randn(4, 2048, 1024, device="cuda", dtype=torch.float16)
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        expected = model(x)
+        eager_plan = KernelOptimizer(SlowLaunchEfficientProvider(), profiling=FAST, timing="eager").make_plan(
+            model, [((x,), {})])
+        graph_plan = KernelOptimizer(SlowLaunchEfficientProvider(), profiling=FAST).make_plan(model, [((x,), {})])
+    assert eager_plan.is_empty
+    assert [row["status"] for row in timed_rows(eager_plan, "slow_launch_efficient")] == ["not faster"]
+    assert all(row["timing"] == "eager" for row in timed_rows(eager_plan, "slow_launch_efficient"))
+    [choice] = graph_plan.choices
+    assert choice.provider.name == "slow_launch_efficient" and choice.speedup > 1.5
+    assert choice.provider_ms < 1.0  # per call, ms: the sleep is not in the graph
+    rows = timed_rows(graph_plan, "slow_launch_efficient") + timed_rows(graph_plan, "original")
+    assert rows and all(row["timing"] == "cuda graph" for row in rows)
+    with graph_plan.apply(model), torch.no_grad():
+        assert_attention_close(expected, model(x))
+    print(graph_plan.describe())
+
+
+def test_a_call_that_cannot_be_captured_is_timed_eagerly_and_capture_works_after():
+    torch.manual_seed(0)
+    model = MHA(1024, 8).cuda().half().eval()
+    x = torch.randn(2, 512, 1024, device="cuda", dtype=torch.float16)
+    plan = KernelOptimizer([SynchronizingProvider(), TorchSDPAKernelProvider("efficient")],
+                           profiling=FAST).make_plan(model, [((x,), {})])
+    [syncing] = timed_rows(plan, "synchronizing")
+    assert syncing["timing"].startswith("eager: CUDA graph capture failed (")
+    assert syncing["provider_ms"] > 0 and syncing["original_ms"] > 0
+    assert syncing["status"] in ("not faster", "faster", "chosen")
+    [efficient] = timed_rows(plan, "torch_sdpa_efficient")  # timed after the failed capture
+    assert efficient["timing"] == "cuda graph"
+    assert [row["timing"] for row in timed_rows(plan, "original")] == ["cuda graph"]
+    with torch.no_grad():  # the device still works, graphs included
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(x)
+        graph.replay()
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("preset", ["int8wo", "int8dq", "fp8wo", "fp8dq", "fp8dq_row", "int4wo"])

@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend
 from torch.profiler import profile
 
 from aitune.errors import ConfigError
-from aitune.torch.backend import TorchInductorJitBackend
+from aitune.torch.backend import KernelSelectorBackendConfig, TorchInductorJitBackend
 from aitune.torch.kernel_forge import KernelChoice, KernelOptimizationPlan, KernelOptimizer, PlannedModule
 from aitune.torch.kernel_forge.kernel_provider import (
     ORIGINAL_SDPA,
@@ -346,6 +346,23 @@ def test_optimizer_rejects_bad_arguments():
         KernelOptimizer(["flash"])
     with pytest.raises(ConfigError, match="min_cosine"):
         KernelOptimizer(TorchSDPAKernelProvider("math"), min_cosine=2.0)
+    with pytest.raises(ConfigError, match="timing must be one of auto, cuda_graph, eager"):
+        KernelOptimizer(TorchSDPAKernelProvider("math"), timing="graphs")
+    with pytest.raises(ConfigError, match="timing must be one of"):
+        KernelSelectorBackendConfig(timing="graphs")
+
+
+def test_timing_in_cuda_graphs_needs_a_cuda_device_and_cpu_calls_are_timed_eagerly():
+    module = MHA(64, 4).eval()
+    samples = [((torch.randn(2, 16, 64),), {})]
+    optimizer = KernelOptimizer(TorchSDPAKernelProvider("math"), profiling=FAST, timing="cuda_graph")
+    with pytest.raises(ConfigError, match="timing='cuda_graph' needs a CUDA device, the calls run on cpu"):
+        optimizer.make_plan(module, samples)
+    plan = KernelOptimizer(TorchSDPAKernelProvider("math"), profiling=FAST).make_plan(module, samples)
+    timed = [row for row in plan.candidates if "original_ms" in row]
+    assert {row["provider"] for row in timed} == {"original", "torch_sdpa_math"}
+    assert all(row["timing"] == "eager" and row["original_ms"] > 0 for row in timed)
+    assert "| timed |" in plan.describe() and "| eager |" in plan.describe()
 
 
 def test_kernel_forge_does_not_import_the_backend_layer():

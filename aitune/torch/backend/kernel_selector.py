@@ -48,9 +48,14 @@ class KernelSelectorBackendConfig(BackendConfig):
         min_cosine: cosine-similarity floor per call (default 0.999, case C24).
         time_budget_s: timing budget per provider and call family, seconds (default 0.5).
         warmup_rounds: untimed rounds before timing each provider (default 3).
+        timing: how provider calls are timed: ``"auto"`` (default: inside CUDA graphs on a CUDA device,
+            so only kernel time counts, as inside a delegate with CUDA graphs; eagerly on CPU),
+            ``"cuda_graph"`` or ``"eager"`` (each call as made from Python, launch cost included). See
+            :mod:`aitune.torch.kernel_forge.optimizer`.
 
     Raises:
-        ConfigError: an empty provider list, a non-provider, a negative tolerance or budget.
+        ConfigError: an empty provider list, a non-provider, a negative tolerance or budget, an unknown
+            timing.
     """
 
     kernel_providers: Any = None
@@ -59,9 +64,11 @@ class KernelSelectorBackendConfig(BackendConfig):
     min_cosine: float = 0.999
     time_budget_s: float = 0.5
     warmup_rounds: int = 3
+    timing: str = "auto"
 
     def validate(self) -> None:
         from aitune.torch.kernel_forge.kernel_provider import KernelProvider, kernel_provider_from_dict
+        from aitune.torch.kernel_forge.optimizer import TIMINGS
 
         providers = self.kernel_providers
         if providers is not None:
@@ -86,6 +93,8 @@ class KernelSelectorBackendConfig(BackendConfig):
             raise ConfigError(f"min_cosine must lie in [-1, 1], got {self.min_cosine!r}")
         if isinstance(self.warmup_rounds, bool) or not isinstance(self.warmup_rounds, int) or self.warmup_rounds < 0:
             raise ConfigError(f"warmup_rounds must be an int >= 0, got {self.warmup_rounds!r}")
+        if self.timing not in TIMINGS:
+            raise ConfigError(f"timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
 
     def providers(self) -> list:
         """The providers to try (the defaults when ``kernel_providers`` is None)."""
@@ -102,7 +111,7 @@ class KernelSelectorBackendConfig(BackendConfig):
         parts = [] if self.kernel_providers is None else \
             [f"kernel_providers=[{','.join(p.name for p in self.kernel_providers)}]"]
         default = type(self)()
-        for name in ("atol", "rtol", "min_cosine", "time_budget_s", "warmup_rounds"):
+        for name in ("atol", "rtol", "min_cosine", "time_budget_s", "warmup_rounds", "timing"):
             if getattr(self, name) != getattr(default, name):
                 parts.append(f"{name}={getattr(self, name)}")
         return ",".join(parts)
@@ -192,7 +201,7 @@ class KernelSelectorBackend(Backend):
         profiling = ProfilingConfig(warmup_rounds=config.warmup_rounds, min_rounds=5, max_rounds=200,
                                     time_budget_s=config.time_budget_s)
         return KernelOptimizer(config.providers(), atol=config.atol, rtol=config.rtol, min_cosine=config.min_cosine,
-                               profiling=profiling)
+                               profiling=profiling, timing=config.timing)
 
     def _build(self, module, graph, device, workdir: Path) -> None:
         from aitune.torch.kernel_forge import PlannedModule

@@ -238,13 +238,13 @@ class KernelOptimizationPlan:
 
     def describe(self) -> str:
         """Markdown table of every candidate tried, then the choices."""
-        lines = ["| call site | shape | provider | status | original ms | provider ms | reason |",
-                 "|---|---|---|---|---|---|---|"]
+        lines = ["| call site | shape | provider | status | original ms | provider ms | timed | reason |",
+                 "|---|---|---|---|---|---|---|---|"]
         for row in self.candidates:
             lines.append(f"| {row.get('call_site', '')} | {_short_shape(row.get('shape'))} | "
                          f"{row.get('provider', '')} | "
                          f"{row.get('status', '')} | {_fmt(row.get('original_ms'))} | {_fmt(row.get('provider_ms'))} | "
-                         f"{row.get('reason', '')} |")
+                         f"{row.get('timing', '')} | {row.get('reason', '')} |")
         if self.choices:
             lines.append("")
             for choice in self.choices:
