@@ -2,9 +2,9 @@
 
 1. Sweep: batch 2, 8 heads, sequence 256/1024/4096, head dim 64/128, fp16 (configurable, ``--causal``): the
    median time of PyTorch's SDPA (its own kernel choice) and of every kernel provider on the same call, and
-   the speed-up of each provider against it, timed two ways: each call made from Python (launch cost
-   included) and inside CUDA graphs (kernels only; what the KernelOptimizer uses on a GPU by default,
-   ``aitune.torch.kernel_forge.optimizer.time_calls``). Providers a call is refused by are listed with the
+   the speed-up of each provider against it, timed in alternation with it two ways: each call made from
+   Python (launch cost included) and inside CUDA graphs (kernels only; what the KernelOptimizer uses on a
+   GPU by default, ``aitune.torch.kernel_forge.optimizer.prepare_calls``). Providers a call is refused by are listed with the
    reason.
 2. Plan vs best single provider: for each sweep shape the KernelOptimizer's plan, applied to a module
    that makes that call, timed against the best single provider measured in step 1 (target: >= 1.0x).
@@ -30,7 +30,7 @@ from torch import nn
 
 from aitune.torch.backend import KernelSelectorBackend, KernelSelectorBackendConfig, TorchInductorJitBackend
 from aitune.torch.kernel_forge import KernelOptimizer
-from aitune.torch.kernel_forge.optimizer import time_calls
+from aitune.torch.kernel_forge.optimizer import prepare_calls
 from aitune.torch.kernel_forge.kernel_provider import SageAttentionKernelProvider, SDPACall, TorchSDPAKernelProvider
 from aitune.torch.profiling import ProfilingConfig, measure
 from aitune.torch.samples import record_graphs
@@ -86,25 +86,32 @@ def sweep(args, device, config) -> list[dict]:
             q, k, v = (torch.randn(args.batch, args.heads, seq, head_dim, device=device, dtype=args.dtype)
                        for _ in range(3))
             call = SDPACall(q, k, v, is_causal=args.causal)
-            original = time_calls(lambda c: c.run_original(), [call], device, config, in_graph=False)[0]
-            graphed = time_calls(lambda c: c.run_original(), [call], device, config, in_graph=in_graph)
-            row = {"seq": seq, "head_dim": head_dim, "causal": args.causal, "original_ms": original.median_round_ms,
-                   "original_graph_ms": graphed[0].median_round_ms if graphed[1] else None, "providers": {}}
+            run_original = lambda c: c.run_original()  # noqa: E731
+            original = prepare_calls(run_original, [call], device, in_graph=False)
+            graphed = prepare_calls(run_original, [call], device, in_graph=in_graph)
+            row = {"seq": seq, "head_dim": head_dim, "causal": args.causal,
+                   "original_ms": original.measure(config).median_round_ms,
+                   "original_graph_ms": graphed.measure(config).median_round_ms if graphed.in_graph else None,
+                   "providers": {}}
             for provider in providers():
                 check = provider.supports(call)
                 if not check.ok:
                     row["providers"][provider.name] = {"refused": check.reason}
                     continue
-                try:
-                    eager = time_calls(provider.run, [call], device, config, in_graph=False)[0].median_round_ms
-                    timing, timed_in_graph, how = time_calls(provider.run, [call], device, config, in_graph=in_graph)
+                try:  # each provider in alternation with SDPA, timed the same way (as the KernelOptimizer does)
+                    base, mine = original.measure_pair(prepare_calls(provider.run, [call], device, in_graph=False),
+                                                       config)
+                    entry = {"ms": mine.median_round_ms, "speedup": base.median_round_ms / mine.median_round_ms}
+                    in_graphs = prepare_calls(provider.run, [call], device, in_graph=graphed.in_graph)
+                    entry["graph_timing"] = in_graphs.how
+                    if in_graphs.in_graph:
+                        base, mine = graphed.measure_pair(in_graphs, config)
+                        entry.update(graph_ms=mine.median_round_ms,
+                                     graph_speedup=base.median_round_ms / mine.median_round_ms)
+                    del in_graphs
                 except Exception as exc:  # noqa: BLE001 - a benchmark row, not a crash
                     row["providers"][provider.name] = {"failed": f"{type(exc).__name__}: {exc}"[:200]}
                     continue
-                entry = {"ms": eager, "speedup": row["original_ms"] / eager, "graph_timing": how}
-                if timed_in_graph and row["original_graph_ms"]:
-                    entry.update(graph_ms=timing.median_round_ms,
-                                 graph_speedup=row["original_graph_ms"] / timing.median_round_ms)
                 row["providers"][provider.name] = entry
             timed = {name: entry["ms"] for name, entry in row["providers"].items() if "ms" in entry}
             if timed:

@@ -5,6 +5,18 @@ CPU. Every candidate, eager included, runs under ``torch.no_grad`` with the same
 excluded from the figures (case C19). Calls go round-robin over the samples; a *round* is one call of
 each sample. Measuring stops when the median round time is stable (its relative standard error is
 below ``stable_rel_error``), when ``time_budget_s`` is spent, or after ``max_rounds``.
+
+NOTE [host allocator steady state]: on CPU, how fast a model runs depends on the process's history through
+glibc's ``malloc``. A block above the mmap threshold (128 KiB at process start) is mapped fresh for every
+allocation and unmapped when freed, so each of eager PyTorch's large activations costs page faults on every
+call; glibc raises that threshold (up to 32 MiB on 64-bit) the first time such a block of a given size is
+freed (``mallopt(3)``, M_MMAP_THRESHOLD: "dynamic mmap threshold"). So a model measured early in a process
+runs slower than the same model measured later. On this project's CPU, MiniLM 8 x 128 eager took 114-119 ms
+with ~17 500 page faults per call in a fresh process, and 95-100 ms with 3 after one 30 MiB block had been
+freed (RESULTS.md, 2026-12-01): the first candidate timed, usually eager, looked 20 % slower than it is,
+and every candidate's "x eager" was inflated. :func:`settle_host_allocator` frees one 30 MiB block before the
+first CPU measurement, which leaves glibc where any longer-running process ends up anyway; under other
+allocators it costs one allocation and changes nothing.
 """
 
 from __future__ import annotations
@@ -198,32 +210,90 @@ def measure(run: Callable[[Any], Any], samples: Sequence[Any], batch_sizes: Sequ
         A :class:`Measurement`.
     """
     config = config or ProfilingConfig()
+    [(per_sample, round_ms)] = _timed_rounds([(run, samples)], device, config)
+    return _summary(per_sample, round_ms, batch_sizes, config)
+
+
+def measure_pair(run_a: Callable[[Any], Any], samples_a: Sequence[Any], run_b: Callable[[Any], Any],
+                 samples_b: Sequence[Any], batch_sizes: Sequence[int], device: torch.device,
+                 config: ProfilingConfig | None = None) -> tuple[Measurement, Measurement]:
+    """Measure two runs in alternation: each round times one round of ``a`` and one of ``b``, which goes
+    first swapping every round, so both meet the same machine conditions (clocks, heat, other load).
+
+    Measured one after the other, two runs differ also by how the machine drifted between them (the same
+    callable moved 20-40 % between 2-second windows on the lent H200, RESULTS.md 2026-12-01); compared in
+    alternation they do not. Same warm-up and stopping rules as :func:`measure` (the time budget covers
+    both runs; stable means both medians are).
+
+    Args:
+        run_a / run_b: call one prepared sample; samples_a / samples_b: their samples, in the same order
+            as ``batch_sizes`` (one entry per sample, items per call).
+        device: where the calls run (decides the timer). config: stopping rules.
+
+    Returns:
+        ``(measurement of a, measurement of b)``; compare them with :func:`beats`.
+    """
+    config = config or ProfilingConfig()
+    (per_a, rounds_a), (per_b, rounds_b) = _timed_rounds([(run_a, samples_a), (run_b, samples_b)], device, config)
+    return _summary(per_a, rounds_a, batch_sizes, config), _summary(per_b, rounds_b, batch_sizes, config)
+
+
+_ALLOCATOR_SETTLED = False
+_SETTLE_BYTES = 30 * 2**20  # under glibc's 32 MiB ceiling for the dynamic threshold, with room for headers
+
+
+def settle_host_allocator() -> None:
+    """Bring the host allocator to its steady state before CPU timing (once per process; see NOTE [host
+    allocator steady state]): allocates and frees one 30 MiB block (not touched, so no page is written)."""
+    global _ALLOCATOR_SETTLED
+    if not _ALLOCATOR_SETTLED:
+        torch.empty(_SETTLE_BYTES, dtype=torch.uint8)  # freed as soon as made
+        _ALLOCATOR_SETTLED = True
+
+
+def _timed_rounds(runs: list[tuple[Callable[[Any], Any], Sequence[Any]]], device: torch.device,
+                  config: ProfilingConfig) -> list[tuple[list[list[float]], list[float]]]:
+    """Warm up every run, then time rounds of each in turn (the order rotating every round) until the
+    stopping rules hold for all; per run: ``(ms per call of each sample, ms per round)``."""
     timer = Timer(device)
+    if not timer.cuda:
+        settle_host_allocator()
     with torch.no_grad():
         warmup_started = time.perf_counter()
         rounds = 0
         while rounds < config.warmup_rounds or (time.perf_counter() - warmup_started < config.warmup_s
                                                  and rounds < 1000):
-            for sample in samples:
-                run(sample)
+            for run, samples in runs:
+                for sample in samples:
+                    run(sample)
             rounds += 1
         if timer.cuda:
             torch.cuda.synchronize()
-        per_sample: list[list[float]] = [[] for _ in samples]
-        round_ms: list[float] = []
+        results = [([[] for _ in samples], []) for _, samples in runs]
         started = time.perf_counter()
-        while len(round_ms) < config.max_rounds:
-            total = 0.0
-            for index, sample in enumerate(samples):
-                elapsed = timer(lambda: run(sample))
-                per_sample[index].append(elapsed)
-                total += elapsed
-            round_ms.append(total)
-            if len(round_ms) >= config.min_rounds:
+        timed = 0
+        while timed < config.max_rounds:
+            for offset in range(len(runs)):
+                which = (timed + offset) % len(runs)
+                (run, samples), (per_sample, round_ms) = runs[which], results[which]
+                total = 0.0
+                for index, sample in enumerate(samples):
+                    elapsed = timer(lambda: run(sample))
+                    per_sample[index].append(elapsed)
+                    total += elapsed
+                round_ms.append(total)
+            timed += 1
+            if timed >= config.min_rounds:
                 if time.perf_counter() - started > config.time_budget_s:
                     break
-                if _relative_standard_error_of_median(round_ms) < config.stable_rel_error and len(round_ms) >= 10:
+                if timed >= 10 and all(_relative_standard_error_of_median(round_ms) < config.stable_rel_error
+                                       for _, round_ms in results):
                     break
+    return results
+
+
+def _summary(per_sample: list[list[float]], round_ms: list[float], batch_sizes: Sequence[int],
+             config: ProfilingConfig) -> Measurement:
     timings = [
         SampleTiming(batch_size=int(batch_size), p50_ms=statistics.median(values), p90_ms=percentile(values, 90),
                      p99_ms=percentile(values, 99), mean_ms=statistics.fmean(values),

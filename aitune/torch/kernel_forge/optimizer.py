@@ -11,10 +11,11 @@ How a plan is made (:meth:`KernelOptimizer.make_plan`):
      finite where the reference is, and cosine similarity >= ``min_cosine``. Defaults (fp16
      ``atol = rtol = 2e-2``, cosine >= 0.999) are case C24's attention tolerance.
   3. Calls are dispatched at run time by *family*: every argument property except batch size and
-     sequence lengths (:data:`~aitune.torch.kernel_forge.kernel_provider.FAMILY_FIELDS`). Per family the
-     original SDPA and every provider correct on all the family's examples are timed over those examples
-     (:func:`aitune.torch.profiling.measure`: CUDA events on GPU, ``perf_counter_ns`` on CPU). The fastest
-     provider is kept only if it beats the original by more than the measured noise
+     sequence lengths (:data:`~aitune.torch.kernel_forge.kernel_provider.FAMILY_FIELDS`). Per family every
+     provider correct on all the family's examples is timed over those examples in alternation with the
+     original SDPA (:func:`aitune.torch.profiling.measure_pair`: a round of one, a round of the other, so
+     a drifting machine does not favour whichever ran second; CUDA events on GPU, ``perf_counter_ns`` on
+     CPU). The fastest provider is kept only if it beats the original by more than the measured noise
      (:func:`aitune.torch.profiling.beats`). A plan may be empty.
 
 How calls are timed on a CUDA device (``timing="auto"``, the default): each example's call is captured
@@ -51,7 +52,7 @@ from aitune.errors import ConfigError, CorrectnessError, ToleranceExceededError,
 from aitune.torch.correctness import OutputComparator, Tolerance, cosine_similarity
 from aitune.torch.kernel_forge.kernel_provider import ORIGINAL_SDPA, KernelProvider, SDPACall, family_to_dict
 from aitune.torch.kernel_forge.plan import KernelChoice, KernelOptimizationPlan
-from aitune.torch.profiling import Measurement, ProfilingConfig, beats, measure
+from aitune.torch.profiling import Measurement, ProfilingConfig, beats, measure, measure_pair
 
 logger = logging.getLogger(__name__)
 
@@ -302,46 +303,53 @@ class KernelOptimizer:
             return None
         examples = [record.call for record in records]
         run_original = lambda call: call.run_original()  # noqa: E731
-        original, graphs_work, how = time_calls(run_original, examples, device, self.profiling,
-                                                in_graph=self.timing != "eager" and device.type == "cuda")
+        original = prepare_calls(run_original, examples, device,
+                                 in_graph=self.timing != "eager" and device.type == "cuda")
+        baseline = original.measure(self.profiling)
         for index, record in enumerate(records):
-            row(record, "original", "baseline", "", original_ms=original.samples[index].p50_ms, timing=how)
-        baselines = {graphs_work: original}  # the original timed as each provider is: in graphs or eagerly
+            row(record, "original", "baseline", "", original_ms=baseline.samples[index].p50_ms, timing=original.how)
+        eager_original = None  # the original called from Python, for a provider that cannot be captured
         best = None
         for provider, provider_rows, max_abs_error, min_cos in correct.values():
             try:
-                timing, in_graph, how = time_calls(provider.run, examples, device, self.profiling,
-                                                   in_graph=graphs_work)
-                if in_graph not in baselines:  # this provider could not be captured: both timed eagerly
-                    baselines[in_graph] = time_calls(run_original, examples, device, self.profiling,
-                                                     in_graph=False)[0]
+                candidate = prepare_calls(provider.run, examples, device, in_graph=original.in_graph)
+                reference = original
+                if candidate.in_graph != original.in_graph:
+                    if eager_original is None:
+                        eager_original = prepare_calls(run_original, examples, device, in_graph=False)
+                    reference = eager_original
+                # In alternation with the original, so both meet the same machine conditions.
+                original_timing, timing = reference.measure_pair(candidate, self.profiling)
+                how = candidate.how
+                del candidate  # its CUDA graphs' memory
             except Exception as exc:  # noqa: BLE001
                 for entry in provider_rows:
                     entry.update(status="failed", reason=f"while timing: {one_line(exc)}")
                 continue
-            original = baselines[in_graph]
             for index, entry in enumerate(provider_rows):
-                entry.update(original_ms=original.samples[index].p50_ms, provider_ms=timing.samples[index].p50_ms,
-                             timing=how)
-            faster = beats(timing, original)
+                entry.update(original_ms=original_timing.samples[index].p50_ms,
+                             provider_ms=timing.samples[index].p50_ms, timing=how)
+            faster = beats(timing, original_timing)
             for entry in provider_rows:
                 entry["status"] = "faster" if faster else "not faster"
                 if not faster:
-                    noise = max(timing.noise, original.noise)
+                    noise = max(timing.noise, original_timing.noise)
                     entry["reason"] = (f"round {timing.median_round_ms:.4f} ms vs original "
-                                       f"{original.median_round_ms:.4f} ms (noise {noise:.1%})")
-            # Ranked by speedup over the original timed the same way (in graphs or eagerly).
-            speedup = original.median_round_ms / timing.median_round_ms if timing.median_round_ms else math.inf
+                                       f"{original_timing.median_round_ms:.4f} ms (noise {noise:.1%})")
+            # Ranked by speedup over the original timed the same way (in graphs or eagerly) beside it.
+            speedup = (original_timing.median_round_ms / timing.median_round_ms if timing.median_round_ms
+                       else math.inf)
             if faster and (best is None or speedup > best[4]):
-                best = (provider, timing, max_abs_error, min_cos, speedup, original)
+                best = (provider, timing, max_abs_error, min_cos, speedup, original_timing)
         if best is None:
             return None
-        provider, timing, max_abs_error, min_cos, speedup, original = best
+        provider, timing, max_abs_error, min_cos, speedup, original_timing = best
         for entry in rows:
             if entry.get("family") is match and entry.get("provider") == provider.name and entry["status"] == "faster":
                 entry["status"] = "chosen"
         sites = tuple(dict.fromkeys(record.label for record in records))
-        return KernelChoice(match=match, provider=provider, call_sites=sites, original_ms=original.median_round_ms,
+        return KernelChoice(match=match, provider=provider, call_sites=sites,
+                            original_ms=original_timing.median_round_ms,
                             provider_ms=timing.median_round_ms, speedup=speedup, max_abs_error=max_abs_error,
                             min_cosine=min_cos)
 
@@ -360,35 +368,53 @@ class KernelOptimizer:
         return result.max_abs_error, cos
 
 
-def time_calls(run, calls: Sequence[SDPACall], device: torch.device, profiling: ProfilingConfig, *,
-               in_graph: bool) -> tuple[Measurement, bool, str]:
-    """Time ``run(call)`` over ``calls``: ``(measurement per call, timed in CUDA graphs?, how, for the rows)``.
+@dataclasses.dataclass
+class TimedCalls:
+    """Calls ready to be timed: ``run(item)`` for each of ``items``.
+
+    In CUDA graphs (``in_graph``) an item is one example's graph holding ``calls_per_item`` calls and
+    ``run`` replays it; otherwise an item is the example and ``run`` makes the call. Figures are per call.
+    ``how`` says which, for the report rows: ``"cuda graph"``, ``"eager"`` or
+    ``"eager: CUDA graph capture failed (<error>)"``.
+    """
+
+    run: Any
+    items: list
+    device: torch.device
+    in_graph: bool
+    how: str
+    calls_per_item: int = 1
+
+    def measure(self, profiling: ProfilingConfig) -> Measurement:
+        """These calls alone (:func:`aitune.torch.profiling.measure`), ms per call."""
+        return _per_call(measure(self.run, self.items, [1] * len(self.items), self.device, profiling),
+                         self.calls_per_item)
+
+    def measure_pair(self, other: "TimedCalls", profiling: ProfilingConfig) -> tuple[Measurement, Measurement]:
+        """These calls and ``other`` in alternation (:func:`aitune.torch.profiling.measure_pair`), ms per call."""
+        mine, theirs = measure_pair(self.run, self.items, other.run, other.items, [1] * len(self.items), self.device,
+                                    profiling)
+        return _per_call(mine, self.calls_per_item), _per_call(theirs, other.calls_per_item)
+
+
+def prepare_calls(run, calls: Sequence[SDPACall], device: torch.device, *, in_graph: bool) -> TimedCalls:
+    """Get ``run(call)`` over ``calls`` ready to time.
 
     Args:
         run: the function timed on each call (a provider's ``run``, or the original SDPA).
         calls: the examples (their tensors are reused by every timed call).
         device: where the calls run (decides the timer).
-        profiling: stopping rules of :func:`aitune.torch.profiling.measure`.
-        in_graph: capture each call :data:`CALLS_PER_GRAPH` times in one CUDA graph and time the replays
-            (CUDA devices only); if capture fails the calls are timed eagerly and ``how`` says why.
-
-    Returns:
-        The measurement (ms per call, whichever way it was timed), whether it was timed in graphs, and
-        ``"cuda graph"``, ``"eager"`` or ``"eager: CUDA graph capture failed (<error>)"``.
+        in_graph: capture each call :data:`CALLS_PER_GRAPH` times in one CUDA graph (CUDA devices only); if
+            capture fails the calls are timed as made from Python and ``how`` says why.
     """
-    batch_sizes = [1] * len(calls)
-    how = "eager"
     if in_graph:
         try:
             graphs = _capture(run, calls, device, CALLS_PER_GRAPH)
         except Exception as exc:  # noqa: BLE001 - a call that cannot be captured is timed eagerly
             logger.debug("CUDA graph capture failed", exc_info=True)
-            how = f"eager: CUDA graph capture failed ({one_line(exc)})"
-        else:
-            measurement = measure(lambda graph: graph.replay(), graphs, batch_sizes, device, profiling)
-            del graphs
-            return _per_call(measurement, CALLS_PER_GRAPH), True, "cuda graph"
-    return measure(run, calls, batch_sizes, device, profiling), False, how
+            return TimedCalls(run, list(calls), device, False, f"eager: CUDA graph capture failed ({one_line(exc)})")
+        return TimedCalls(lambda graph: graph.replay(), graphs, device, True, "cuda graph", CALLS_PER_GRAPH)
+    return TimedCalls(run, list(calls), device, False, "eager")
 
 
 def _capture(run, examples: list[SDPACall], device: torch.device, repeats: int) -> list:
