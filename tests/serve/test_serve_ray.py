@@ -47,9 +47,21 @@ MAX_TOKENS = 64
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A free port in 20000-32767: above Ray's worker ports (10002-19999 by default) and below Linux's
+    ephemeral range (32768-60999), from which the OS hands out ports to Ray's processes while the cluster
+    starts. A port from the ephemeral range (``bind(0)``) was once taken by one of them before Serve's
+    proxy could bind it ("Failed to bind to address '127.0.0.1:35113'")."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found in 20000-32767")
 
 
 @pytest.fixture(scope="module")

@@ -1,3 +1,4 @@
+import os
 import platform
 import subprocess
 import sys
@@ -67,8 +68,8 @@ _FAULTS_SCRIPT = """
 import resource, torch
 from aitune.torch.profiling import settle_host_allocator
 
-def call():  # like an eager forward: activations alive together (3 x 5 MiB, written), then all freed
-    activations = [torch.ones(5 * 2**18) for _ in range(3)]
+def call():  # like an eager forward: many activations alive together (20 x 1 MiB, written), then all freed
+    activations = [torch.ones(2**18) for _ in range(20)]
     del activations
 
 def faults_per_call():
@@ -78,7 +79,6 @@ def faults_per_call():
         call()
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20
 
-torch.ones(6 * 2**18)  # a 6 MiB block freed: glibc's thresholds become 6 MiB (mmap) and 12 MiB (trim)
 cold = faults_per_call()
 settle_host_allocator()
 print(cold, faults_per_call())
@@ -87,13 +87,25 @@ print(cold, faults_per_call())
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_settling_the_host_allocator_stops_page_faults_on_every_call():
-    """NOTE [host allocator steady state]: with glibc's thresholds where a young process has them, the 15 MiB
-    of activations go back to the system after every call (above the trim threshold) and are faulted in
-    again (about 3840 pages of 4 KiB); once one 30 MiB block has been freed, they stay in the heap."""
-    result = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    cold, settled = map(float, result.stdout.split())
-    assert cold > 3000 and settled < 50, (cold, settled)
+    """NOTE [host allocator steady state]: in a young process glibc's trim threshold is twice the largest block
+    freed so far (here 2 MiB), so the 20 MiB of activations go back to the system after every call and are
+    faulted in again (5120 pages of 4 KiB); once one 30 MiB block has been freed (trim threshold 60 MiB) they
+    stay in the heap."""
+    # A fresh process with a plain environment: what earlier tests left in os.environ (thread counts, Ray's
+    # variables) must not change what the interpreter allocates before the script runs. In about one fresh
+    # process in four something else already sits above the activations at the top of the heap, so nothing is
+    # trimmed even unsettled; the check needs a process that starts in the usual state.
+    env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG", "TMPDIR") if name in os.environ}
+    seen = []
+    for _ in range(8):
+        result = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, timeout=120,
+                                env=env)
+        assert result.returncode == 0, result.stderr
+        cold, settled = map(float, result.stdout.split())
+        seen.append((cold, settled))
+        if cold > 2000:
+            break
+    assert cold > 2000 and settled < 50, seen
 
 
 def _measurement(round_ms, noise=0.02):
