@@ -29,7 +29,7 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend import get_backend_class
-from aitune.torch.profiling import ProfilingConfig, Timer
+from aitune.torch.profiling import ProfilingConfig, Timer, settle_host_allocator
 
 
 def minilm(device, dtype, batch, seq):
@@ -78,8 +78,11 @@ def make_backend(spec: str):
 
 
 def time_calls(function, device, seconds: float = 2.0, warmup: int = 10) -> list[float]:
-    """Per-call latencies (ms) of ``function()`` for about ``seconds`` after ``warmup`` calls."""
+    """Per-call latencies (ms) of ``function()`` for about ``seconds`` after ``warmup`` calls (on CPU with the
+    host allocator settled first, as aitune's own timing does: NOTE [host allocator steady state])."""
     timer = Timer(device)
+    if not timer.cuda:
+        settle_host_allocator()
     with torch.no_grad():
         for _ in range(warmup):
             function()
