@@ -4,8 +4,8 @@
    median time of PyTorch's SDPA (its own kernel choice) and of every kernel provider on the same call, and
    the speed-up of each provider against it, timed in alternation with it two ways: each call made from
    Python (launch cost included) and inside CUDA graphs (kernels only; what the KernelOptimizer uses on a
-   GPU by default, ``aitune.torch.kernel_forge.optimizer.prepare_calls``). Providers a call is refused by are listed with the
-   reason.
+   GPU by default, ``aitune.torch.kernel_forge.optimizer.prepare_calls``). Providers a call is refused by
+   are listed with the reason.
 2. Plan vs best single provider: for each sweep shape the KernelOptimizer's plan, applied to a module
    that makes that call, timed against the best single provider measured in step 1 (target: >= 1.0x).
 3. End-to-end: a pre-norm transformer block (attention + MLP) on eager, Inductor JIT, and the

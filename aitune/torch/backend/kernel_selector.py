@@ -46,7 +46,8 @@ class KernelSelectorBackendConfig(BackendConfig):
         atol / rtol: elementwise tolerance of a provider's output against the original SDPA output
             (default 2e-2 / 2e-2: case C24's fp16 attention tolerance).
         min_cosine: cosine-similarity floor per call (default 0.999, case C24).
-        time_budget_s: timing budget per provider and call family, seconds (default 0.5).
+        time_budget_s: timing budget per provider and call family, seconds (default 0.5), shared by the provider
+            and the original SDPA, which are timed in alternation.
         warmup_rounds: untimed rounds before timing each provider (default 3).
         timing: how provider calls are timed: ``"auto"`` (default: inside CUDA graphs on a CUDA device,
             so only kernel time counts, as inside a delegate with CUDA graphs; eagerly on CPU),

@@ -168,7 +168,7 @@ class KernelOptimizer:
             fp16 attention tolerance of case C24).
         min_cosine: cosine-similarity floor per call (default 0.999, case C24).
         profiling: timing rules (:class:`aitune.torch.profiling.ProfilingConfig`); default 3 warm-up
-            rounds and a 0.5 s budget per provider and family.
+            rounds and a 0.5 s budget per provider and family (shared with the original SDPA, timed in alternation).
         max_examples: distinct (call site, shape) examples kept (default 64); further ones run but are
             not examined.
         timing: ``"auto"`` (default: inside CUDA graphs on a CUDA device, eagerly elsewhere),
