@@ -56,7 +56,8 @@ def test_successive_halving_measures_only_the_finalists_at_full_length(fast_prof
     assert all(r.status != "selected" for r in others)
     assert all("device_retained_bytes" not in r.details and "device_peak_bytes" not in r.details for r in rows)  # CUDA-only
     # 3 finalists + eager measured in full; all 5 delayed candidates and eager passed their checks
-    assert "among 4 correct candidates measured in full (6 passed their checks)" in report.graphs[0].selection_reason
+    assert "among 4 correct candidates (eager included) measured in full (6 passed their checks)" in \
+        report.graphs[0].selection_reason
 
 
 def test_default_candidates_expand_search_spaces():

@@ -397,7 +397,8 @@ def test_accepts_is_false_outside_every_profile():
 
 
 @pytest.mark.skipif(not HAS_TENSORRT, reason="needs TensorRT (package 'tensorrt' not found — pip install "
-                                             "'aitune[tensorrt]'); it cannot be installed on this project's machines")
+                                             "'aitune[tensorrt]' on a machine with CUDA); this project's CI has "
+                                             "none, so it never runs there")
 @pytest.mark.gpu
 def test_tensorrt_builds_and_matches_eager_c27(tmp_path):  # pragma: no cover - never runs here
     from aitune.torch.correctness import OutputComparator, Tolerance

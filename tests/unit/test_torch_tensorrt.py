@@ -23,7 +23,8 @@ from aitune.torch.samples import record_graphs
 HAS_TORCH_TENSORRT = importlib.util.find_spec("torch_tensorrt") is not None
 NEEDS_TORCH_TENSORRT = pytest.mark.skipif(
     not HAS_TORCH_TENSORRT, reason="needs torch_tensorrt (package 'torch-tensorrt' not found — pip install "
-                                   "'aitune[torch-tensorrt]'); it cannot be installed on this project's machines")
+                                   "'aitune[torch-tensorrt]' on a machine with CUDA); this project's CI has none, "
+                                   "so it never runs there")
 
 
 class Encoder(torch.nn.Module):

@@ -50,6 +50,8 @@ class MaxThroughputStrategy(TuneStrategy):
             why = "no candidate passed its checks (see the rows above), so eager runs"
         else:
             why = f"{metric} among {correct} correct candidate{'s' if correct != 1 else ''}"
+            if eager in contenders and correct > 1:
+                why += " (eager included)"
             if correct_in_all > correct:  # the others passed but were measured only briefly (successive halving)
                 why += f" measured in full ({correct_in_all} passed their checks)"
         if chosen is not fastest:
