@@ -153,7 +153,9 @@ def run_isolated(target: str, kwargs: dict, *, timeout_s: float, log_path: Path 
             _kill_leftovers(process)
     elapsed = time.perf_counter() - started
     payload = _read_result(result_path)
-    logger.info("%s finished in %.1f s with exit status %d", target, elapsed, returncode)
+    # DEBUG: the candidate's row already says how long its build took and how it ended (fresh-clone trial:
+    # this line stood among the user's progress lines with an internal function name).
+    logger.debug("%s finished in %.1f s with exit status %d", target, elapsed, returncode)
 
     if returncode < 0:
         reason = describe_signal(-returncode)
