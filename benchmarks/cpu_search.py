@@ -36,7 +36,7 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend.inductor_jit import parameter_freezing
-from aitune.torch.profiling import settle_host_allocator
+from aitune.torch.profiling import ProfilingConfig, interleaved_round_ms, settle_host_allocator
 
 
 def p50_ms(function, seconds: float = 3.0, warmup: int = 3) -> float:
@@ -85,23 +85,13 @@ def anchors(model, inputs, expected) -> dict:
 
 
 def paired_speedups(eager, calls: dict, seconds: float) -> dict:
-    """Round-robin timing: each round calls ``eager`` and then every callable once (perf_counter around each
-    call); returns, per label, the median over rounds of eager's time / the callable's time."""
-    ratios = {label: [] for label in calls}
-    with torch.no_grad():
-        for function in (eager, *calls.values()):  # one untimed round
-            function()
-        started, rounds = time.perf_counter(), 0
-        while time.perf_counter() - started < seconds or rounds < 10:
-            rounds += 1
-            begin = time.perf_counter()
-            eager()
-            eager_s = time.perf_counter() - begin
-            for label, function in calls.items():
-                begin = time.perf_counter()
-                function()
-                ratios[label].append(eager_s / (time.perf_counter() - begin))
-    return {label: statistics.median(values) for label, values in ratios.items()}
+    """Round-robin timing (``aitune.torch.profiling.interleaved_round_ms``: each round calls ``eager`` and every
+    callable once, the order rotating); returns, per label, the median over rounds of eager's time / the
+    callable's time."""
+    config = ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=10, max_rounds=10**9, time_budget_s=seconds,
+                             stable_rel_error=0.0)
+    eager_ms, *rows = interleaved_round_ms([eager, *calls.values()], torch.device("cpu"), config)
+    return {label: statistics.median(e / x for e, x in zip(eager_ms, row_ms)) for label, row_ms in zip(calls, rows)}
 
 
 def tune_row(model, inputs, dataset, expected, allow_quantization: bool, cache_dir: str) -> dict:

@@ -33,7 +33,7 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend.inductor_jit import parameter_freezing
-from aitune.torch.profiling import Timer
+from aitune.torch.profiling import ProfilingConfig, Timer, interleaved_round_ms
 
 
 def resnet50(batch: int):
@@ -76,20 +76,14 @@ def p50_ms(function, seconds: float = 2.0, warmup: int = 30) -> float:
 
 
 def paired_p50_ms(first, second, seconds: float = 4.0, warmup: int = 30) -> tuple[float, float, float]:
-    """Two callables timed call by call in alternation (CUDA events, GPU synchronised after each call):
-    ``(p50 of first, p50 of second, p50 of first/second per pair)``. On a lent machine whose speed drifts by
-    more than the difference measured (RESULTS.md: the same callable 0.51-0.55 ms across rounds), alternating
-    every call puts both under the same conditions; the per-pair ratio's median is the figure to quote."""
-    timer = Timer(torch.device("cuda"))
-    with torch.no_grad():
-        for _ in range(warmup):
-            first()
-            second()
-        torch.cuda.synchronize()
-        a, b, started = [], [], time.perf_counter()
-        while time.perf_counter() - started < seconds or len(a) < 100:
-            a.append(timer(first))
-            b.append(timer(second))
+    """Two callables timed call by call in alternation (CUDA events, GPU synchronised after each call;
+    ``aitune.torch.profiling.interleaved_round_ms``): ``(p50 of first, p50 of second, p50 of first/second per
+    pair)``. On a lent machine whose speed drifts by more than the difference measured (RESULTS.md: the same
+    callable 0.51-0.55 ms across rounds), alternating every call puts both under the same conditions; the
+    per-pair ratio's median is the figure to quote."""
+    config = ProfilingConfig(warmup_rounds=warmup, warmup_s=0.0, min_rounds=100, max_rounds=10**9,
+                             time_budget_s=seconds, stable_rel_error=0.0)
+    a, b = interleaved_round_ms([first, second], torch.device("cuda"), config)
     return statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, b))
 
 

@@ -251,6 +251,16 @@ def settle_host_allocator() -> None:
         _ALLOCATOR_SETTLED = True
 
 
+def interleaved_round_ms(calls: Sequence[Callable[[], Any]], device: torch.device,
+                         config: ProfilingConfig | None = None) -> list[list[float]]:
+    """Time several callables in alternation: each round calls every one once, the order rotating every
+    round. Returns, per callable, its ms per round; the lists are aligned round by round, so per-round ratios
+    (``statistics.median(a / b for a, b in zip(...))``) compare calls made under the same machine conditions.
+    Same warm-up and stopping rules as :func:`measure`."""
+    runs = [(lambda _, call=call: call(), [None]) for call in calls]
+    return [round_ms for _, round_ms in _timed_rounds(runs, device, config or ProfilingConfig())]
+
+
 def _timed_rounds(runs: list[tuple[Callable[[Any], Any], Sequence[Any]]], device: torch.device,
                   config: ProfilingConfig) -> list[tuple[list[list[float]], list[float]]]:
     """Warm up every run, then time rounds of each in turn (the order rotating every round) until the

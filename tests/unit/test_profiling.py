@@ -14,6 +14,7 @@ from aitune.torch.profiling import (
     SampleTiming,
     beats,
     measure,
+    interleaved_round_ms,
     measure_pair,
     percentile,
 )
@@ -62,6 +63,22 @@ def test_measure_pair_alternates_which_run_goes_first_and_times_each():
     assert a.rounds == b.rounds == 6
     assert 2.0 <= a.samples[0].p50_ms < a.samples[1].p50_ms and b.samples[1].p50_ms >= 8.0
     assert b.median_round_ms > 1.6 * a.median_round_ms and beats(a, b) and not beats(b, a)
+
+
+def test_interleaved_rounds_rotate_the_order_and_stay_aligned():
+    order = []
+
+    def call(name, seconds):
+        def run():
+            order.append(name)
+            time.sleep(seconds)
+        return run
+
+    config = ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=3, max_rounds=3, time_budget_s=10)
+    a, b, c = interleaved_round_ms([call("a", 0.001), call("b", 0.002), call("c", 0.004)], torch.device("cpu"), config)
+    assert "".join(order) == "abc" + "abc" "bca" "cab"  # warm-up, then each round starts one later
+    assert len(a) == len(b) == len(c) == 3
+    assert all(x < y < z for x, y, z in zip(a, b, c)) and min(a) >= 1.0
 
 
 _FAULTS_SCRIPT = """
