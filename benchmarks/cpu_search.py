@@ -4,12 +4,17 @@ The all-MiniLM-L6-v2 sentence encoder (real weights, ``aitune.demo.SentenceEncod
 
 1. eager and hand-picked anchors: ``torch.compile()``, ``torch.compile`` with Inductor ``freezing``, and —
    where TorchAO is installed — TorchAO int8 dynamic activation / int8 weight + compile + freezing;
-2. ``ait.tune`` with the default strategy (quantizing candidates measured but not selectable);
-3. ``ait.tune`` with ``allow_quantization=True``;
+2. ``ait.tune`` with the default strategy (quantizing and reduced-precision candidates measured, not selectable);
+3. ``ait.tune`` with ``allow_reduced_precision=True`` (bf16 autocast allowed, int8 not), then with
+   ``allow_quantization=True`` (which implies reduced precision);
 
 each tuned module timed again after tuning beside eager, with the cosine similarity of its sentence
 embeddings to eager's. Targets (issue "Search"): ≥ 2.5x eager at cosine ≥ 0.99 with quantization allowed,
 ≥ 1.25x without.
+
+It also prints the fp32 floor: eager's FLOPs (``torch.utils.flop_counter``) at the best fp32 GEMM rate this CPU
+reaches on MiniLM's own matmul shapes — the time no fp32 implementation can beat by much, so the most an exact
+(fp32) backend can gain over eager here.
 
 The figure to quote is ``paired_speedup``: at the end eager and every row are called round-robin, one call
 each per round, for ``--paired-s`` seconds, and the median over rounds of eager's time over the row's is
@@ -64,6 +69,8 @@ def anchors(model, inputs, expected) -> dict:
     with torch.no_grad():
         results["hand-picked torch.compile()"] = (torch.compile(copy.deepcopy(model)), False)
         results["hand-picked torch.compile(freezing)"] = (torch.compile(copy.deepcopy(model)), True)
+        results["hand-picked torch.compile(freezing) + bf16 autocast"] = (torch.compile(copy.deepcopy(model)),
+                                                                          "bf16")
         try:
             from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
@@ -75,7 +82,8 @@ def anchors(model, inputs, expected) -> dict:
     rows, calls = {}, {}
     for label, (compiled, freezing) in results.items():
         def call(compiled=compiled, freezing=freezing):
-            with parameter_freezing(freezing):
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=freezing == "bf16")
+            with parameter_freezing(bool(freezing)), autocast:
                 return compiled(**inputs)
         with torch.no_grad():
             out = call()
@@ -94,9 +102,27 @@ def paired_speedups(eager, calls: dict, seconds: float) -> dict:
     return {label: statistics.median(e / x for e, x in zip(eager_ms, row_ms)) for label, row_ms in zip(calls, rows)}
 
 
-def tune_row(model, inputs, dataset, expected, allow_quantization: bool, cache_dir: str) -> dict:
-    strategy = ait.MaxThroughputStrategy(allow_quantization=allow_quantization)
-    wrapped = ait.Module(model, "minilm-quant" if allow_quantization else "minilm", strategy=strategy)
+def fp32_floor(model, inputs, eager_ms: float) -> dict:
+    """Eager's FLOPs and the best fp32 GEMM rate over MiniLM's matmul shapes (8 x 128 tokens; hidden 384,
+    FFN 1536): ``floor_ms`` = FLOPs / rate, ``max_fp32_speedup`` = eager's p50 / floor_ms."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(**inputs)
+    flops = counter.get_total_flops()
+    rates = {}
+    for m, k, n in ((1024, 384, 384), (1024, 384, 1536), (1024, 1536, 384)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        rates[f"{m}x{k}x{n}"] = 2 * m * k * n / (p50_ms(lambda: a @ b, seconds=1.0) / 1e3) / 1e9
+    best = max(rates.values())
+    floor_ms = flops / (best * 1e9) * 1e3
+    return {"gflop": flops / 1e9, "gemm_gflops": rates, "eager_gflops": flops / 1e9 / (eager_ms / 1e3),
+            "floor_ms": floor_ms, "max_fp32_speedup": eager_ms / floor_ms}
+
+
+def tune_row(model, inputs, dataset, expected, allow: dict, cache_dir: str) -> dict:
+    strategy = ait.MaxThroughputStrategy(**allow)
+    wrapped = ait.Module(model, "minilm-" + "-".join(allow) if allow else "minilm", strategy=strategy)
     started = time.perf_counter()
     report = ait.tune(lambda batch: wrapped(**batch), dataset, progress=False, ready_batches=True,
                       cache_dir_path=cache_dir)
@@ -132,7 +158,9 @@ def main(argv=None) -> int:
     anchor_rows, calls = anchors(model, inputs, expected)
     rows.update(anchor_rows)
     with tempfile.TemporaryDirectory() as cache_dir:
-        for label, allow in (("ait.tune (default)", False), ("ait.tune (allow_quantization)", True)):
+        for label, allow in (("ait.tune (default)", {}),
+                             ("ait.tune (allow_reduced_precision)", {"allow_reduced_precision": True}),
+                             ("ait.tune (allow_quantization)", {"allow_quantization": True})):
             rows[label], calls[label] = tune_row(model, inputs, dataset, expected, allow, cache_dir)
         rows["eager (again)"] = {"p50_ms": p50_ms(eager), "cosine_min": 1.0}
         for label, ratio in paired_speedups(eager, calls, args.paired_s).items():
@@ -146,6 +174,10 @@ def main(argv=None) -> int:
         extra = f"  {row['selected']} / {row['tune_wall_s']:.0f} s" if "selected" in row else ""
         print(f"{label:48s} {row['p50_ms']:8.1f} {row['speedup']:8.2f} {paired} {row['cosine_min']:9.5f}{extra}")
     result["rows"] = rows
+    floor = result["fp32_floor"] = fp32_floor(model, inputs, eager_ms)
+    print(f"\nfp32 floor: eager does {floor['gflop']:.1f} GFLOP at {floor['eager_gflops']:.0f} GFLOP/s; the best fp32 "
+          f"GEMM here runs {max(floor['gemm_gflops'].values()):.0f} GFLOP/s ({floor['gemm_gflops']}), so no fp32 run "
+          f"beats {floor['floor_ms']:.1f} ms: at most {floor['max_fp32_speedup']:.2f}x eager")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)

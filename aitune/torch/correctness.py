@@ -416,7 +416,8 @@ class OutputComparator:
                                              "elements differ from eager", leaf=path, tolerance="exact")
             return
         atol, rtol = self.tolerance.for_dtype(torch.float16 if self.low_precision else dtype)
-        errors = _LeafErrors(actual.device, compute_dtype(dtype), self.quantized)
+        # SQNR and cosine are also recorded for reduced-precision candidates: the report quotes them.
+        errors = _LeafErrors(actual.device, compute_dtype(dtype), self.quantized or self.low_precision)
         for expected_piece, actual_piece in _pieces([expected, actual], actual.device, self.chunk_elements):
             errors.add(expected_piece, actual_piece, atol, rtol)
         bad, extra = int(errors.non_finite), int(errors.extra_finite)
@@ -435,10 +436,11 @@ class OutputComparator:
         max_rel = max_abs / max(float(errors.max_expected), 1e-12)
         record.max_abs_error = max(record.max_abs_error, max_abs)
         record.max_rel_error = max(record.max_rel_error, max_rel)
-        if self.quantized:
+        if errors.norms is not None:
             sqnr, cosine = errors.norms.sqnr_db(), errors.norms.cosine()
             record.sqnr_db = sqnr if record.sqnr_db is None else min(record.sqnr_db, sqnr)
             record.cosine = cosine if record.cosine is None else min(record.cosine, cosine)
+        if self.quantized:
             if sqnr < self.tolerance.min_sqnr_db or cosine < self.tolerance.min_cosine:
                 raise ToleranceExceededError(
                     f"output {path}: SQNR {sqnr:.1f} dB (floor {self.tolerance.min_sqnr_db} dB), cosine "

@@ -27,3 +27,26 @@ def test_c20_cuda_graph_outputs_stay_valid():
     y_b = tuned(b)
     torch.testing.assert_close(y_a, model(a))
     torch.testing.assert_close(y_b, model(b))
+
+
+def test_the_bf16_variant_of_an_fp32_model_runs_reduce_overhead_in_bf16_when_allowed(monkeypatch):
+    """Issue "Search": on a GPU with bf16 tensor cores an fp32 model gets reduce-overhead + freezing + bf16
+    autocast; it is selected when reduced precision is allowed, returns fp32, and stays within bf16 accuracy."""
+    from aitune.torch.tune_strategy import base
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda().eval()
+    monkeypatch.setattr(base, "default_backends", lambda device, module=None, graph=None: [
+        v for v in TorchInductorJitBackend().search_space(module, graph, device) if v.reduces_precision])
+    strategy = ait.MaxThroughputStrategy(profiling_config=ProfilingConfig(time_budget_s=0.5),
+                                         allow_reduced_precision=True)
+    tuned = ait.Module(model, "mlp", strategy=strategy)
+    report = ait.tune(tuned, [torch.randn(b, 256, device="cuda") for b in (64, 128)], ready_batches=True)
+    backend = tuned.backends["graph0"]
+    assert backend.name == "inductor_jit", report.describe()
+    assert backend.config.mode == "reduce-overhead" and backend.config.autocast_dtype == torch.bfloat16
+    x = torch.randn(96, 256, device="cuda")
+    with torch.no_grad():
+        expected, actual = model(x), tuned(x)
+    assert actual.dtype == torch.float32 and not torch.equal(actual, expected)
+    torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)

@@ -307,4 +307,6 @@ def test_the_strategy_description_says_when_the_defaults_may_quantize():
     # fresh-clone trial: the demo allows quantization but its log said MaxThroughputStrategy(<defaults>)
     assert ait.MaxThroughputStrategy().describe() == "MaxThroughputStrategy(<defaults>)"
     assert ait.MaxThroughputStrategy(allow_quantization=True).describe() == \
-        "MaxThroughputStrategy(<defaults>, quantization allowed)"
+        "MaxThroughputStrategy(<defaults>, quantization allowed, reduced precision allowed)"
+    assert ait.MaxThroughputStrategy(allow_reduced_precision=True).describe() == \
+        "MaxThroughputStrategy(<defaults>, reduced precision allowed)"

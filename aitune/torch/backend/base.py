@@ -392,6 +392,14 @@ class Backend:
     _tier = 0  # set on search-space variants (see search_tier)
 
     @property
+    def reduces_precision(self) -> bool:
+        """Does this backend compute the model's float32 math in a 16-bit float type (autocast to bf16/fp16)?
+        Its outputs then differ from eager by design, as a quantizing backend's do, so a strategy selects it only
+        when reduced precision is allowed (``allow_reduced_precision``; see :class:`~aitune.torch.TuneStrategy`).
+        TF32 (``low_precision`` alone) keeps fp32 storage and accumulation and does not count."""
+        return False
+
+    @property
     def search_tier(self) -> int:
         """How much a search may spend on this candidate: 0 = always tried; 1 = an extra variant, tried only
         with an explicit time budget and >= 60 s of it left; 2 = expensive (max-autotune: minutes of kernel

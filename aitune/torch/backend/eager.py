@@ -45,6 +45,11 @@ class AutocastMixin:
         """Autocast computes fp32 outputs in reduced precision: the checker uses fp16/bf16 tolerances."""
         return bool(getattr(self.config, "autocast_enabled", False))
 
+    @property
+    def reduces_precision(self) -> bool:
+        """Autocast runs matmuls and convolutions in bf16/fp16: outputs differ from fp32 eager by design."""
+        return self.low_precision
+
     def _autocast(self):
         config = self.config
         if not getattr(config, "autocast_enabled", False):

@@ -156,6 +156,16 @@ class KernelSelectorBackend(Backend):
         self.is_quantizing = delegate_backend.is_quantizing
         self.plan = None
 
+    @property
+    def low_precision(self) -> bool:
+        """The delegate's (TF32/autocast): the checker uses its tolerances."""
+        return bool(getattr(self.delegate, "low_precision", False))
+
+    @property
+    def reduces_precision(self) -> bool:
+        """The delegate's (autocast): selected only when reduced precision is allowed."""
+        return self.delegate.reduces_precision
+
     # ---- identity
     def key(self) -> str:
         return f"{type(self).__name__}_{self.config.key()[:12]}_{self.delegate.key()}"

@@ -42,6 +42,8 @@ from aitune.torch.report import PASSED, SELECTED, SKIPPED, CandidateResult
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_NOTE = "quantization is not used unless allowed: allow_quantization=True on the strategy"
+REDUCED_PRECISION_NOTE = ("reduced precision (bf16/fp16 autocast of an fp32 model) is not used unless allowed: "
+                          "allow_reduced_precision=True (or allow_quantization=True) on the strategy")
 
 __all__ = ["Candidate", "GraphContext", "TuneStrategy", "default_backends"]
 
@@ -86,6 +88,10 @@ class TuneStrategy:
         allow_quantization: may a quantizing candidate (TorchAO, TensorRT with int8/fp8) be *selected*? They
             are always measured and shown. None (default) = only when you listed the backends yourself;
             with the default candidates a quantizing one is shown as "would be N x at SQNR ..." but not used.
+        allow_reduced_precision: may a candidate that computes an fp32 model in bf16/fp16 (autocast,
+            :attr:`Backend.reduces_precision`) be selected? Such variants are in the default search where the
+            hardware runs bf16 natively (Inductor with bf16 autocast on CPUs with AMX or AVX-512 BF16). None
+            (default) = as ``allow_quantization`` decides: quantization changes outputs more than bf16 does.
 
     Raises:
         ConfigError: when ``backends`` is empty or holds something that is not a Backend.
@@ -97,7 +103,8 @@ class TuneStrategy:
 
     def __init__(self, backends: Iterable[Backend] | Backend | None = None, *,
                  profiling_config: ProfilingConfig | None = None, tolerance: Tolerance | None = None,
-                 probe_config: ProbeConfig | None = None, allow_quantization: bool | None = None):
+                 probe_config: ProbeConfig | None = None, allow_quantization: bool | None = None,
+                 allow_reduced_precision: bool | None = None):
         if isinstance(backends, Backend):
             backends = [backends]
         if backends is not None:
@@ -117,7 +124,11 @@ class TuneStrategy:
             raise ConfigError("probe_config must be an aitune.torch.ProbeConfig")
         if allow_quantization is not None and not isinstance(allow_quantization, bool):
             raise ConfigError(f"allow_quantization must be True, False or None, got {allow_quantization!r}")
+        if allow_reduced_precision is not None and not isinstance(allow_reduced_precision, bool):
+            raise ConfigError(f"allow_reduced_precision must be True, False or None, got "
+                              f"{allow_reduced_precision!r}")
         self.allow_quantization = allow_quantization
+        self.allow_reduced_precision = allow_reduced_precision
         self.backends = backends
         self.probe_config = probe_config or ProbeConfig()
         self.runners_up: list[Backend] = []  # after tune(): next-best passing backends (the guard's fallbacks)
@@ -188,19 +199,38 @@ class TuneStrategy:
         self.allow_quantization = bool(enabled)
         return self
 
+    def enable_reduced_precision(self, enabled: bool = True) -> "TuneStrategy":
+        """Allow (or forbid) selecting candidates that compute an fp32 model in bf16/fp16 (autocast; outputs
+        differ from eager by design, checked with the fp16/bf16 tolerances). Returns self."""
+        self.allow_reduced_precision = bool(enabled)
+        return self
+
     @property
     def quantization_allowed(self) -> bool:
         """``allow_quantization``, or — when left at None — whether the user listed the backends."""
         return self.allow_quantization if self.allow_quantization is not None else self.backends is not None
 
+    @property
+    def reduced_precision_allowed(self) -> bool:
+        """``allow_reduced_precision``, or — when left at None — :attr:`quantization_allowed`."""
+        if self.allow_reduced_precision is not None:
+            return self.allow_reduced_precision
+        return self.quantization_allowed
+
     def selectable(self, candidate: Candidate) -> bool:
-        """May this passing candidate be chosen? A quantizing one only when quantization is allowed; otherwise
-        its row says what it would give and how to allow it."""
-        if not candidate.passed or candidate.backend is None or not candidate.backend.is_quantizing:
+        """May this passing candidate be chosen? A quantizing one only when quantization is allowed, one that
+        reduces precision only when that is allowed; otherwise its row says what it would give and how to
+        allow it."""
+        backend = candidate.backend
+        if not candidate.passed or backend is None or not (backend.is_quantizing or backend.reduces_precision):
             return candidate.passed
-        if self.quantization_allowed:
+        if backend.is_quantizing:
+            allowed, gate = self.quantization_allowed, QUANTIZATION_NOTE
+        else:
+            allowed, gate = self.reduced_precision_allowed, REDUCED_PRECISION_NOTE
+        if allowed:
             return True
-        if QUANTIZATION_NOTE in candidate.row.reason:
+        if gate in candidate.row.reason:
             return False
         comparison = candidate.row.comparison or {}
         figures = []
@@ -210,7 +240,7 @@ class TuneStrategy:
             figures.append(f"SQNR {comparison['min_sqnr_db']:.0f} dB")
         if comparison.get("min_cosine") is not None:
             figures.append(f"cosine {comparison['min_cosine']:.3f}")
-        note = (f"would be {', '.join(figures)}" if figures else "passed") + f" — {QUANTIZATION_NOTE}"
+        note = (f"would be {', '.join(figures)}" if figures else "passed") + f" — {gate}"
         candidate.row.reason = "; ".join(filter(None, [note, candidate.row.reason]))
         return False
 
@@ -232,6 +262,8 @@ class TuneStrategy:
         names = [backend.describe() for backend in self.backends] if self.backends is not None else ["<defaults>"]
         if self.backends is None and self.quantization_allowed:  # the defaults measure quantizing candidates only
             names.append("quantization allowed")
+        if self.backends is None and self.reduced_precision_allowed:
+            names.append("reduced precision allowed")
         return f"{type(self).__name__}({', '.join(names)})"
 
     # ---- the work
@@ -382,7 +414,8 @@ class TuneStrategy:
             return None  # a time budget asks for a search
         facts = {"strategy": type(self).__qualname__, "by_latency": by_latency, "tolerance": self.tolerance,
                  "profiling": self.profiling_config, "probes": self.probe_config,
-                 "quantization": self.quantization_allowed, "correctness": self.correctness_check,
+                 "quantization": self.quantization_allowed, "reduced_precision": self.reduced_precision_allowed,
+                 "correctness": self.correctness_check,
                  "performance_validation": self.performance_validation, "min_speedup": self.min_speedup_ratio,
                  "finalists": self.finalists}
         return context.rankings.key(context, blueprints, facts)

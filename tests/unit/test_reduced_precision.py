@@ -1,0 +1,110 @@
+"""Reduced precision only on request (issue "Search"): an fp32 model on hardware with native bf16 gets an Inductor
+variant with bf16 autocast in the default search. It is built, checked and shown ("would be N x eager, SQNR,
+cosine"), but selected only with ``allow_reduced_precision=True`` or ``allow_quantization=True``, or when the
+user lists it."""
+
+import pytest
+import torch
+
+import aitune.torch as ait
+from aitune.errors import ConfigError
+from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig, inductor_jit
+from aitune.torch.correctness import OutputComparator
+
+BF16_CONFIG = TorchInductorJitBackendConfig(freezing=True, autocast_enabled=True, autocast_dtype=torch.bfloat16)
+needs_native_bf16 = pytest.mark.skipif(not inductor_jit.native_bf16(torch.device("cpu")),
+                                       reason="this CPU has neither AMX nor AVX-512 BF16: bf16 would be emulated")
+
+
+class WideMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 64))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _recorded_graph(model):
+    wrapped = ait.Module(model, "mlp")
+    wrapped(torch.randn(4, 128, dtype=next(model.parameters()).dtype))
+    return wrapped.graphs[0]
+
+
+def test_the_search_adds_a_bf16_variant_only_for_fp32_models_on_native_bf16(monkeypatch):
+    model = WideMLP().eval()
+    graph = _recorded_graph(model)
+    monkeypatch.setattr(inductor_jit, "native_bf16", lambda device: True)
+    variants = TorchInductorJitBackend().search_space(model, graph, "cpu")
+    reduced = [variant for variant in variants if variant.reduces_precision]
+    assert [variant.config for variant in reduced] == [BF16_CONFIG]
+    assert reduced[0].search_tier == 0 and reduced[0].low_precision  # tried by default, fp16/bf16 tolerances
+    cuda = [v for v in TorchInductorJitBackend().search_space(model, graph, "cuda") if v.reduces_precision]
+    assert [(v.config.mode, v.search_tier) for v in cuda] == [("reduce-overhead", 0)]
+
+    bf16_model = WideMLP().eval().to(torch.bfloat16)  # already 16-bit: nothing to gain, nothing to ask
+    assert not any(v.reduces_precision for v in
+                   TorchInductorJitBackend().search_space(bf16_model, _recorded_graph(bf16_model), "cpu"))
+    monkeypatch.setattr(inductor_jit, "native_bf16", lambda device: False)  # emulated bf16 is slower
+    assert not any(v.reduces_precision for v in TorchInductorJitBackend().search_space(model, graph, "cpu"))
+
+
+def test_permission_follows_allow_quantization_unless_set():
+    assert not ait.MaxThroughputStrategy().reduced_precision_allowed
+    assert ait.MaxThroughputStrategy(allow_quantization=True).reduced_precision_allowed
+    assert not ait.MaxThroughputStrategy(allow_quantization=True,
+                                         allow_reduced_precision=False).reduced_precision_allowed
+    assert ait.MaxThroughputStrategy(allow_reduced_precision=True).reduced_precision_allowed
+    assert not ait.MaxThroughputStrategy(allow_reduced_precision=True).quantization_allowed
+    assert ait.MaxThroughputStrategy([TorchInductorJitBackend(BF16_CONFIG)]).reduced_precision_allowed  # listed
+    assert not ait.FirstWinsStrategy().enable_reduced_precision(False).reduced_precision_allowed
+    with pytest.raises(ConfigError, match="allow_reduced_precision must be True, False or None"):
+        ait.MaxThroughputStrategy(allow_reduced_precision="yes")
+
+
+def test_reduced_precision_comparisons_record_sqnr_and_cosine():
+    expected = torch.randn(64, 32)
+    close = expected.to(torch.bfloat16).float()
+    comparator = OutputComparator(low_precision=True)
+    comparator.compare(expected, close)
+    result = comparator.result()
+    assert result.metric == "allclose"  # judged by the fp16/bf16 tolerances, not by the quantization floors
+    signal = expected.pow(2).sum() / (expected - close).pow(2).sum()
+    assert result.min_sqnr_db == pytest.approx(10 * torch.log10(signal).item(), rel=1e-3)
+    assert result.min_cosine == pytest.approx(
+        torch.nn.functional.cosine_similarity(expected.flatten(), close.flatten(), dim=0).item(), abs=1e-6)
+    assert OutputComparator().result().min_cosine is None  # fp32 comparisons stay allclose-only
+
+
+def _tune(strategy):
+    model = WideMLP().eval()
+    tuned = ait.Module(model, "mlp", strategy=strategy)
+    torch.manual_seed(0)
+    report = ait.tune(tuned, [torch.randn(b, 128) for b in (8, 16)], ready_batches=True)
+    row = next(r for r in report.rows if r.backend == "inductor_jit")
+    return model, tuned, row
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("allowed", [False, True])
+def test_the_default_search_shows_bf16_and_selects_it_only_when_allowed(allowed, fast_profiling, monkeypatch):
+    from aitune.torch.tune_strategy import base
+
+    monkeypatch.setattr(base, "default_backends", lambda device, module=None, graph=None: [
+        variant for variant in TorchInductorJitBackend().search_space(module, graph, device)
+        if variant.reduces_precision])
+    strategy = ait.FirstWinsStrategy(profiling_config=fast_profiling, allow_quantization=allowed)
+    model, tuned, row = _tune(strategy.enable_performance_validation(False))
+    x = torch.randn(5, 128)  # a batch size tuning never saw
+    with torch.no_grad():
+        expected, actual = model(x), tuned(x)
+    assert actual.dtype == torch.float32  # autocast's bf16 output is cast back to eager's dtype
+    if allowed:
+        assert row.status == "selected" and tuned.backends["graph0"].reduces_precision
+        assert not torch.equal(actual, expected)  # it really ran in bf16 ...
+        torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)  # ... within bf16's accuracy
+    else:
+        assert row.status == "passed" and tuned.backends["graph0"].name == "eager"
+        assert "would be SQNR" in row.reason and "cosine" in row.reason
+        assert "allow_reduced_precision=True" in row.reason
+        assert torch.equal(actual, expected)
