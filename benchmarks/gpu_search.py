@@ -11,6 +11,10 @@ explode, so the comparison would be about the init, not the backend):
    chosen backend called directly and eager re-timed the same way;
 3. a second tune of a fresh wrapper in the same environment (same cache dir): its wall time.
 
+``--dtype float32`` runs the fp32 model instead (the default is fp16, as the issue's targets); it adds the
+hand-picked anchor reduce-overhead + freezing + bf16 autocast, and ``--allow-reduced-precision`` lets the
+tune select aitune's bf16-autocast variant.
+
 Prints one table and writes JSON. Usage (device tool, repo root)::
 
     python3 -m benchmarks.gpu_search --model resnet50 --batch 1 --json $OUT/resnet50.json
@@ -36,20 +40,20 @@ from aitune.torch.backend.inductor_jit import parameter_freezing
 from aitune.torch.profiling import ProfilingConfig, Timer, interleaved_round_ms
 
 
-def resnet50(batch: int):
+def resnet50(batch: int, dtype: torch.dtype = torch.float16):
     import torchvision
 
     torch.manual_seed(0)
-    model = torchvision.models.resnet50().cuda().half()
+    model = torchvision.models.resnet50().cuda().to(dtype)
     calibrate_batchnorm(model, (32, 3, 224, 224))
-    return model.eval(), {"x": torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.float16)}
+    return model.eval(), {"x": torch.randn(batch, 3, 224, 224, device="cuda", dtype=dtype)}
 
 
-def bert_base(batch: int, seq: int = 128):
+def bert_base(batch: int, seq: int = 128, dtype: torch.dtype = torch.float16):
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
-    model = BertModel(BertConfig()).cuda().half().eval()
+    model = BertModel(BertConfig()).cuda().to(dtype).eval()
     ids = torch.randint(0, 30522, (batch, seq), device="cuda")
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
@@ -59,7 +63,7 @@ def calibrate_batchnorm(model: torch.nn.Module, shape: tuple, passes: int = 8) -
     model.train()
     with torch.no_grad():
         for _ in range(passes):
-            model(torch.randn(*shape, device="cuda", dtype=torch.float16))
+            model(torch.randn(*shape, device="cuda", dtype=next(model.parameters()).dtype))
     model.eval()
 
 
@@ -93,16 +97,16 @@ def max_error(a, b) -> float:
     return float((first.float() - second.float()).abs().max())
 
 
-def anchors(model, inputs, conv: bool) -> dict:
+def anchors(model, inputs, conv: bool, bf16: bool = False) -> dict:
     """Hand-picked torch.compile runs (each its own compiled copy where the memory format changes)."""
     results = {}
     with torch.no_grad():
         expected = model(**inputs)
 
-        def run_compiled(compiled, call_inputs, freezing=False):
+        def run_compiled(compiled, call_inputs, freezing=False, autocast=False):
             def call():  # freezing as the PyTorch docs switch it on: the global flag while tracing and running
                 torch.compiler.cudagraph_mark_step_begin()
-                with parameter_freezing(freezing):
+                with parameter_freezing(freezing), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
                     return compiled(**call_inputs)
             return call
 
@@ -121,6 +125,11 @@ def anchors(model, inputs, conv: bool) -> dict:
         anchors.compiled = composite
         call = run_compiled(composite, composite_inputs, freezing=True)
         results[label] = {"p50_ms": p50_ms(call), "max_abs_error": max_error(call(), expected)}
+        if bf16:  # an fp32 model: the same composite under bf16 autocast
+            call = run_compiled(torch.compile(copy.deepcopy(composite_model), mode="reduce-overhead"),
+                                composite_inputs, freezing=True, autocast=True)
+            results[label + " + bf16 autocast"] = {"p50_ms": p50_ms(call),
+                                                   "max_abs_error": max_error(call(), expected)}
     return results
 
 
@@ -143,14 +152,19 @@ def main(argv=None) -> int:
     parser.add_argument("--atol", type=float, help="fp16 tolerance (default: aitune's)")
     parser.add_argument("--no-second-tune", action="store_true", help="skip the second tune (item 3)")
     parser.add_argument("--diagnose", action="store_true", help="time the chosen backend's layers separately")
+    parser.add_argument("--dtype", choices=["float16", "float32"], default="float16")
+    parser.add_argument("--allow-reduced-precision", action="store_true",
+                        help="MaxThroughputStrategy(allow_reduced_precision=True)")
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("aitune").setLevel(logging.INFO)  # the tune's timeline (building / passed lines) in the log
     torch.backends.cudnn.benchmark = True
-    model, inputs = resnet50(args.batch) if args.model == "resnet50" else bert_base(args.batch)
+    model, inputs = resnet50(args.batch, dtype) if args.model == "resnet50" else bert_base(args.batch, dtype=dtype)
     conv = args.model == "resnet50"
     result = {"model": args.model, "batch": args.batch, "torch": torch.__version__,
-              "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+              "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype,
+              "allow_reduced_precision": args.allow_reduced_precision}
 
     torch.cuda.reset_peak_memory_stats()
     eager_ms = p50_ms(lambda: model(**inputs))
@@ -167,10 +181,13 @@ def main(argv=None) -> int:
         del cl_model
         torch.cuda.empty_cache()
 
-    strategy = None
+    strategy, settings = None, {}
     if args.atol is not None:
-        strategy = ait.MaxThroughputStrategy(tolerance=ait.Tolerance(low_precision_atol=args.atol,
-                                                                     low_precision_rtol=args.atol))
+        settings["tolerance"] = ait.Tolerance(low_precision_atol=args.atol, low_precision_rtol=args.atol)
+    if args.allow_reduced_precision:
+        settings["allow_reduced_precision"] = True
+    if settings:
+        strategy = ait.MaxThroughputStrategy(**settings)
     wrapped = ait.Module(model, f"{args.model}-b{args.batch}", strategy=strategy)
     torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -190,7 +207,7 @@ def main(argv=None) -> int:
     result["tuned_over_best_candidate"] = selected.measurement["throughput"] / best.measurement["throughput"]
     result["rows"] = row_facts(rows)
 
-    result["anchors"] = anchors(model, inputs, conv)
+    result["anchors"] = anchors(model, inputs, conv, bf16=dtype == torch.float32)
     with torch.no_grad():
         kwargs = chosen.graph.signature.normalize((), inputs)[1]
         # the wrapper's cost: the tuned module and its chosen backend called directly, alternating call by call
@@ -255,7 +272,7 @@ def main(argv=None) -> int:
     reduce_overhead = result["anchors"]["hand-picked reduce-overhead"]["p50_ms"]
     best_anchor = min(value["p50_ms"] for value in result["anchors"].values())
     tuned = result["tuned_module_p50_ms"]
-    print(f"\n## {args.model} batch {args.batch} on {result['gpu']} (torch {result['torch']}, fp16)")
+    print(f"\n## {args.model} batch {args.batch} on {result['gpu']} (torch {result['torch']}, {args.dtype})")
     print(f"eager {result['eager_p50_ms']:.3f} ms")
     for label, value in result["anchors"].items():
         print(f"{label}: {value['p50_ms']:.3f} ms (max abs err {value['max_abs_error']:.3g})")

@@ -38,8 +38,9 @@ def test_the_bf16_variant_of_an_fp32_model_runs_reduce_overhead_in_bf16_when_all
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda().eval()
     monkeypatch.setattr(base, "default_backends", lambda device, module=None, graph=None: [
         v for v in TorchInductorJitBackend().search_space(module, graph, device) if v.reduces_precision])
-    strategy = ait.MaxThroughputStrategy(profiling_config=ProfilingConfig(time_budget_s=0.5),
-                                         allow_reduced_precision=True)
+    # Selection by speed is not what is tested: this MLP is launch-bound (0.11-0.44 ms either way on the H200).
+    strategy = ait.FirstWinsStrategy(profiling_config=ProfilingConfig(time_budget_s=0.5),
+                                     allow_reduced_precision=True).enable_performance_validation(False)
     tuned = ait.Module(model, "mlp", strategy=strategy)
     report = ait.tune(tuned, [torch.randn(b, 256, device="cuda") for b in (64, 128)], ready_batches=True)
     backend = tuned.backends["graph0"]
