@@ -27,7 +27,7 @@ from aitune.errors import (
 )
 from aitune.torch.backend.base import Backend, BackendState, BuildMode, one_line
 from aitune.torch.checks import check_against_eager, check_probes, verify_round_trip
-from aitune.torch.correctness import Tolerance, comparator_for
+from aitune.torch.correctness import Tolerance, comparator_for, exact_fp32
 from aitune.torch.crashes import crash_signal
 from aitune.torch.isolation import BACKGROUND_BUILDS, BUILD_DEADLINE
 from aitune.torch.probes import ProbeConfig, ProbeSet, make_probes
@@ -142,7 +142,8 @@ class GraphContext:
         self.references.close()
 
     def fp32_reference(self, index: int) -> Any:
-        """Outputs of a float32 copy of the module on sample ``index`` (fp16/bf16 inputs upcast), or None.
+        """Outputs of a float32 copy of the module on sample ``index`` (fp16/bf16 inputs upcast), or None; TF32
+        off (:func:`~aitune.torch.correctness.exact_fp32`). An fp32 module is run itself, not copied.
 
         Computed lazily, only when an fp16/bf16 candidate misses the plain tolerance (correctness rule 5),
         and kept like eager's references (``references``); the copy is dropped right after. None when the copy
@@ -152,8 +153,8 @@ class GraphContext:
             return None
         if index not in self._fp32_outputs:
             try:
-                module32 = copy.deepcopy(self.module).float()
-                with torch.no_grad(), one_off_calls():
+                module32 = _float32(self.module)
+                with torch.no_grad(), one_off_calls(), exact_fp32():
                     for position, sample in enumerate(self.graph.samples):
                         args, kwargs = _upcast(sample.clone())
                         self._fp32_outputs[position] = self.references.keep(module32(*args, **kwargs))
@@ -171,13 +172,21 @@ class GraphContext:
         try:
             if self.restore_state is not None:
                 self.restore_state()
-            module32 = copy.deepcopy(self.module).float()
-            with torch.no_grad(), one_off_calls():
+            module32 = _float32(self.module)
+            with torch.no_grad(), one_off_calls(), exact_fp32():
                 args, kwargs = _upcast(sample.clone())
                 return module32(*args, **kwargs)
         except Exception:  # noqa: BLE001 - rule 5 is a second chance, never a new failure
             logger.debug("no fp32 reference for a probe of %s/%s", self.module_name, self.graph.name, exc_info=True)
             return None
+
+
+def _float32(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` when its floating parameters and buffers are all float32, else a float32 copy."""
+    tensors = (*module.parameters(), *module.buffers())
+    if all(tensor.dtype == torch.float32 for tensor in tensors if tensor.is_floating_point()):
+        return module
+    return copy.deepcopy(module).float()
 
 
 @contextlib.contextmanager

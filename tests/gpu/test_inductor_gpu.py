@@ -51,3 +51,30 @@ def test_the_bf16_variant_of_an_fp32_model_runs_reduce_overhead_in_bf16_when_all
         expected, actual = model(x), tuned(x)
     assert actual.dtype == torch.float32 and not torch.equal(actual, expected)
     torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_fp32_convnet_candidates_are_judged_against_a_tf32_eager_by_its_own_accuracy():
+    """Correctness rule 5 for fp32 leaves (aitune/torch/correctness.py): with PyTorch's default
+    ``cudnn.allow_tf32 = True`` eager's convolutions run in TF32; Inductor + freezing (BatchNorm folded into the
+    convolutions) differed from fp32 ResNet-50's logits by up to 1.1e-3 on the H200 and was rejected by the plain
+    fp32 rule. Judged against eager's own distance from an exact fp32 run, it passes."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().cuda()
+    model.train()
+    with torch.no_grad():  # BatchNorm statistics from random data (RESULTS.md: random init explodes otherwise)
+        for _ in range(4):
+            model(torch.randn(16, 3, 224, 224, device="cuda"))
+    model.eval()
+    assert torch.backends.cudnn.allow_tf32  # PyTorch's default: the condition this test is about
+    backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="reduce-overhead", freezing=True))
+    tuned = ait.Module(model, "resnet", strategy=ait.OneBackendStrategy(backend, profiling_config=ProfilingConfig(
+        time_budget_s=0.3)).enable_performance_validation(False))
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    report = ait.tune(tuned, [x], ignore_failing_modules=False, ready_batches=True)
+    row = next(r for r in report.rows if r.backend == "inductor_jit")
+    assert row.status == "selected", report.describe()
+    assert row.comparison["metric"] == "allclose+fp32-parity"  # the plain rule alone would have rejected it
+    parity = row.comparison["leaves"][0]["fp32_parity"]
+    assert parity["candidate_rmse"] <= 2 * parity["eager_rmse"] + 1e-5
+    assert torch.backends.cudnn.allow_tf32 and torch.get_float32_matmul_precision() == "highest"  # restored

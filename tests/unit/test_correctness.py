@@ -102,6 +102,43 @@ def test_fp32_parity_never_rescues_nan_or_fp32_leaves():
         OutputComparator().compare(exact, exact + 0.5, reference_fp32=exact)
 
 
+def test_fp32_leaves_of_a_tf32_eager_are_judged_against_eager_s_own_distance_from_exact_fp32():
+    # fp32 ResNet-50 on the H200 (RESULTS.md 2026-12-02): eager's cuDNN convolutions ran in TF32 and compiled
+    # candidates differed from its logits by 4e-4 to 1e-3, beyond fp32's atol=1e-4 + rtol=1e-3.
+    generator = torch.Generator().manual_seed(7)
+    exact = torch.randn(4096, generator=generator) * 3
+    eager = exact + 2e-3 * torch.randn(4096, generator=generator)  # TF32-sized errors
+    candidate = exact + 2e-3 * torch.randn(4096, generator=generator)
+    with pytest.raises(ToleranceExceededError, match="atol=0.0001"):  # eager was exact fp32: plain rule only
+        OutputComparator(tf32_eager=False).compare(eager, candidate, reference_fp32=exact)
+    comparator = OutputComparator(tf32_eager=True)
+    comparator.compare(eager, candidate, reference_fp32=exact)
+    assert comparator.result().metric == "allclose+fp32-parity"
+    parity = comparator.result().leaves[0].fp32_parity
+    assert parity["eager_rmse"] == pytest.approx(float((eager - exact).pow(2).mean().sqrt()), rel=1e-4)
+    worse = exact + 1e-2 * torch.randn(4096, generator=generator)  # five times eager's error
+    with pytest.raises(ToleranceExceededError, match="exact fp32 run its RMSE .* \\+ 1e-05"):
+        OutputComparator(tf32_eager=True).compare(eager, worse, reference_fp32=exact)
+    # by default only CUDA outputs are taken for TF32 results: a CPU fp32 leaf keeps the plain rule
+    assert not OutputComparator().eager_in_tf32(candidate)
+
+
+def test_exact_fp32_turns_tf32_off_and_restores_the_user_settings():
+    from aitune.torch.correctness import exact_fp32, tf32_allowed
+
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("medium")
+    try:
+        assert tf32_allowed()
+        with exact_fp32():
+            assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+            assert not tf32_allowed()
+        assert torch.get_float32_matmul_precision() == "medium" and torch.backends.cudnn.allow_tf32 == before[1]
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
+
+
 # ---- chunked comparison (NOTE [chunked comparison]) against the float64 one it replaced
 
 

@@ -239,7 +239,7 @@ class TuneStrategy:
         if comparison.get("min_sqnr_db") is not None:
             figures.append(f"SQNR {comparison['min_sqnr_db']:.0f} dB")
         if comparison.get("min_cosine") is not None:
-            figures.append(f"cosine {comparison['min_cosine']:.3f}")
+            figures.append(f"cosine {comparison['min_cosine']:.5f}")
         note = (f"would be {', '.join(figures)}" if figures else "passed") + f" — {gate}"
         candidate.row.reason = "; ".join(filter(None, [note, candidate.row.reason]))
         return False
