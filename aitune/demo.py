@@ -142,16 +142,18 @@ def run(backends: list[str] | None = None, cache_dir: str | None = None, save_pa
     torch.manual_seed(0)
     bert, tokenizer = load_minilm()
     model = SentenceEncoder(bert).eval()
-    # The demo allows quantization (TorchAO int8 is judged by SQNR >= 20 dB and cosine >= 0.99 against eager
-    # and usually wins on a CPU); the default strategy only measures and shows quantizing candidates.
+    # The demo allows quantization (TorchAO int8 is judged by SQNR >= 20 dB and cosine >= 0.99 against eager)
+    # and with it reduced precision (Inductor with bf16 autocast, on CPUs with AMX or AVX-512 BF16); the default
+    # strategy only measures and shows such candidates.
     candidates = [get_backend_class(name)() for name in backends] if backends else None
     strategy = ait.MaxThroughputStrategy(candidates, allow_quantization=True)
     encoder = ait.Module(model, "minilm", strategy=strategy)
     dataset = make_batches(tokenizer, SENTENCES)
     print(f"Tuning the all-MiniLM-L6-v2 sentence encoder ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
           f"parameters) on {torch.get_num_threads()} CPU thread(s) with {len(dataset)} real batches "
-          f"(shapes {', '.join(str(tuple(b['input_ids'].shape)) for b in dataset)}). Quantizing candidates are "
-          "allowed in this demo (the default strategy would only show them).", flush=True)
+          f"(shapes {', '.join(str(tuple(b['input_ids'].shape)) for b in dataset)}). Quantizing and "
+          "reduced-precision (bf16) candidates are allowed in this demo (the default strategy would only show "
+          "them).", flush=True)
     started = time.perf_counter()
     report = ait.tune(lambda batch: encoder(**batch), dataset, cache_dir_path=cache_dir, ready_batches=True)
     print(f"\nTuned in {time.perf_counter() - started:.0f} s (the report table is logged above).")

@@ -1,4 +1,5 @@
-"""dtype names: the one place that turns ``torch.float16`` into ``"float16"`` and back.
+"""dtype names: the one place that turns ``torch.float16`` into ``"float16"`` and back; and whether a module
+is float32 throughout.
 
 Checkpoints, configs, artifacts' JSON and reports all write dtypes by these names.
 """
@@ -40,3 +41,11 @@ def dtype_from_name(name: Any, error: type[Exception] = ConfigError, where: str 
         prefix = f"{where}: " if where else ""
         raise error(f"{prefix}{name!r} is not a torch dtype (use e.g. torch.float16 or 'bfloat16')")
     return dtype
+
+
+def is_fp32_model(module: torch.nn.Module | None) -> bool:
+    """Every floating parameter and buffer of ``module`` is float32 (and there is at least one)."""
+    if module is None:
+        return False
+    dtypes = {tensor.dtype for tensor in (*module.parameters(), *module.buffers()) if tensor.is_floating_point()}
+    return dtypes == {torch.float32}

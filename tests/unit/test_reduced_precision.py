@@ -87,7 +87,8 @@ def _tune(strategy):
 
 @needs_native_bf16
 @pytest.mark.parametrize("allowed", [False, True])
-def test_the_default_search_shows_bf16_and_selects_it_only_when_allowed(allowed, fast_profiling, monkeypatch):
+def test_the_default_search_shows_bf16_and_selects_it_only_when_allowed(allowed, fast_profiling, monkeypatch,
+                                                                        tmp_path):
     from aitune.torch.tune_strategy import base
 
     monkeypatch.setattr(base, "default_backends", lambda device, module=None, graph=None: [
@@ -103,6 +104,11 @@ def test_the_default_search_shows_bf16_and_selects_it_only_when_allowed(allowed,
         assert row.status == "selected" and tuned.backends["graph0"].reduces_precision
         assert not torch.equal(actual, expected)  # it really ran in bf16 ...
         torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)  # ... within bf16's accuracy
+        path = ait.save(tuned, tmp_path / "mlp.ait")  # the checkpoint keeps the autocast configuration
+        loaded = ait.load(model, path)
+        assert loaded.backends["graph0"].reduces_precision
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), actual, atol=1e-3, rtol=1e-3)
     else:
         assert row.status == "passed" and tuned.backends["graph0"].name == "eager"
         assert "would be SQNR" in row.reason and "cosine" in row.reason

@@ -14,6 +14,7 @@ from aitune.errors import ConfigError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
 from aitune.torch.requirements import validate_flags
 from aitune.torch.backend.eager import AutocastMixin
+from aitune.torch.dtypes import is_fp32_model
 from aitune.torch.pytree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger(__name__)
@@ -79,14 +80,6 @@ def native_bf16(device: torch.device) -> bool:
         return any(probe is not None and probe() for probe in probes)
     except RuntimeError:  # a build without the cpuinfo probes
         return False
-
-
-def is_fp32_model(module: torch.nn.Module | None) -> bool:
-    """Every floating parameter and buffer of ``module`` is float32 (and there is at least one)."""
-    if module is None:
-        return False
-    dtypes = {tensor.dtype for tensor in (*module.parameters(), *module.buffers()) if tensor.is_floating_point()}
-    return dtypes == {torch.float32}
 
 
 def to_contiguous(value: Any) -> Any:
