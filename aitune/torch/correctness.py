@@ -69,7 +69,8 @@ def tf32_allowed() -> bool:
 @contextlib.contextmanager
 def exact_fp32() -> Iterator[None]:
     """CUDA fp32 convolutions and matmuls in full fp32 (TF32 off) for a reference run; the user's settings are
-    restored after."""
+    restored after. The settings are process-wide: another thread's CUDA work during the reference run runs
+    without TF32 too (slower, never less accurate)."""
     try:
         matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     except RuntimeError:  # mixed legacy/new TF32 settings: leave them alone

@@ -146,7 +146,8 @@ class GraphContext:
         """Outputs of a float32 copy of the module on sample ``index`` (fp16/bf16 inputs upcast), or None; TF32
         off (:func:`~aitune.torch.correctness.exact_fp32`). An fp32 module is run itself, not copied.
 
-        Computed lazily, only when an fp16/bf16 candidate misses the plain tolerance (correctness rule 5),
+        Computed lazily, only when a candidate misses the plain tolerance on an fp16/bf16 leaf, or on an fp32
+        leaf that eager computed in TF32 (correctness rule 5),
         and kept like eager's references (``references``); the copy is dropped right after. None when the copy
         or the call fails (e.g. out of memory).
         """
