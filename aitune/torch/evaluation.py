@@ -556,6 +556,30 @@ def _upcast(sample) -> tuple[tuple, dict]:
     return tree_unflatten(spec, leaves)
 
 
+def measure_candidate(candidate: Candidate, context: GraphContext, config: ProfilingConfig) -> Candidate:
+    """Measure a passing candidate (again): its measurement, the row's figures, its speed-up against eager
+    (measured first if it was not yet) and its noise note, which replaces an earlier measurement's. A call that
+    fails while being measured fails the candidate, as in :func:`evaluate` (a new, failed Candidate)."""
+    old_note = noise_note(candidate.measurement)
+    context.show(candidate.row.description, "measure")
+    try:
+        measurement = measure_backend(candidate.backend, context, config)
+    except Exception as exc:  # noqa: BLE001 - as in _complete: a row, not a crash
+        return _failed(_Stop(FAILED, exc, prefix="measuring: "), candidate.backend, context, candidate.row,
+                       candidate.backend, raise_errors=False)
+    finally:
+        candidate.backend.deactivate()
+    candidate.measurement = measurement
+    row = candidate.row
+    row.measurement = measurement.to_dict()
+    eager = eager_candidate(context, config).measurement
+    if eager.throughput > 0:
+        row.speedup = measurement.throughput / eager.throughput
+    notes = [note for note in row.reason.split("; ") if note and note != old_note]
+    row.reason = "; ".join(notes + [noise_note(measurement)]).strip("; ")
+    return candidate
+
+
 def measure_backend(backend: Backend, context: GraphContext, config: ProfilingConfig) -> Measurement:
     """Latency and throughput of ``backend`` over the graph's samples (see :func:`aitune.torch.profiling.measure`).
 

@@ -270,7 +270,7 @@ def render_table(rows: list[CandidateResult]) -> str:
         measurement = row.measurement or {}
         comparison = row.comparison or {}
         error = comparison.get("max_abs_error")
-        if comparison.get("metric") == "sqnr+cosine" and comparison.get("min_sqnr_db") is not None:
+        if comparison.get("min_sqnr_db") is not None:  # quantizing and reduced-precision candidates
             error_text = f"{_fmt(error, '.2g')} (SQNR {comparison['min_sqnr_db']:.1f} dB)"
         else:
             error_text = _fmt(error, ".2g")

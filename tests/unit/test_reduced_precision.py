@@ -82,7 +82,7 @@ def _tune(strategy):
     torch.manual_seed(0)
     report = ait.tune(tuned, [torch.randn(b, 128) for b in (8, 16)], ready_batches=True)
     row = next(r for r in report.rows if r.backend == "inductor_jit")
-    return model, tuned, row
+    return model, tuned, row, report
 
 
 @needs_native_bf16
@@ -95,7 +95,9 @@ def test_the_default_search_shows_bf16_and_selects_it_only_when_allowed(allowed,
         variant for variant in TorchInductorJitBackend().search_space(module, graph, device)
         if variant.reduces_precision])
     strategy = ait.FirstWinsStrategy(profiling_config=fast_profiling, allow_quantization=allowed)
-    model, tuned, row = _tune(strategy.enable_performance_validation(False))
+    model, tuned, row, report = _tune(strategy.enable_performance_validation(False))
+    assert row.comparison["metric"] == "allclose" and row.comparison["min_sqnr_db"] > 30  # bf16: ~45 dB
+    assert f"(SQNR {row.comparison['min_sqnr_db']:.1f} dB)" in report.describe()  # the table quotes it
     x = torch.randn(5, 128)  # a batch size tuning never saw
     with torch.no_grad():
         expected, actual = model(x), tuned(x)
