@@ -79,3 +79,29 @@ def test_cpu_candidates_are_timed_only_after_the_background_build(fast_profiling
     x = torch.randn(3, 16)
     with torch.no_grad():
         torch.testing.assert_close(tuned(x), model(x))
+
+
+def test_a_finalist_measured_again_loses_the_quick_round_s_noise_note(fast_profiling, monkeypatch):
+    """Fresh-clone trial, 2026-12-02: a finalist measured cleanly kept "noisy measurement (±393%)" from its quick
+    round. Fault injection: the first (quick) measurement of one candidate is reported as very noisy."""
+    import dataclasses
+
+    real = evaluation.measure_backend
+    calls: list[str] = []
+
+    def noisy_first(backend, context, config):
+        measurement = real(backend, context, config)
+        calls.append(backend.name)
+        if backend.name == "test_plain" and calls.count("test_plain") == 1:
+            return dataclasses.replace(measurement, noise=5.0)
+        return measurement
+
+    monkeypatch.setattr(evaluation, "measure_backend", noisy_first)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
+    strategy = ait.MaxThroughputStrategy([PlainBackend(), ChildBuiltBackend()], profiling_config=fast_profiling)
+    report = ait.tune(ait.Module(model, "mlp", strategy=strategy), [torch.randn(4, 16)], ready_batches=True)
+    row = next(row for row in report.rows if row.backend == "test_plain")
+    assert calls.count("test_plain") == 2  # the quick round, then again as a finalist
+    assert row.details["finalist"] and "(±500%)" not in row.reason and row.measurement["noise"] < 5.0
+    # the note that is left, if any, is the second measurement's own
+    assert ("noisy measurement" in row.reason) == (row.measurement["noise"] > evaluation.NOISY)
