@@ -40,7 +40,16 @@ def _env(args) -> int:
         capability = ".".join(map(str, torch.cuda.get_device_capability()))
         print(f"device: {torch.cuda.get_device_name()} (compute capability {capability})")
     else:
-        print(f"device: cpu ({platform.processor() or platform.machine()})")
+        from aitune.torch.environment import cpu_model_name
+
+        print(f"device: cpu ({cpu_model_name()}, {platform.machine()})")
+    from aitune.torch.backend.inductor_jit import native_bf16
+
+    if native_bf16(device):
+        print("native bf16: yes — an fp32 model's search includes Inductor with bf16 autocast, shown always and "
+              "selected only with allow_reduced_precision=True (or allow_quantization=True)")
+    else:
+        print("native bf16: no — bf16 would be emulated here, so the search adds no bf16 variant")
     rows = []
     for name, backend_class in sorted(registered_backends().items()):
         check = backend_class.availability()

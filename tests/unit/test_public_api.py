@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import torch
+
 import aitune.torch as ait
 import aitune.torch.backend as backend
 import aitune.torch.tune_strategy as tune_strategy
@@ -54,3 +56,7 @@ def test_cli_env_lists_every_backend():
     for name in ("eager", "inductor_jit", "tensorrt", "torch_tensorrt_jit"):
         assert name in output
     assert "pip install 'aitune[tensorrt]'" in output
+    from aitune.torch.backend.inductor_jit import native_bf16
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the device `aitune env` describes
+    assert ("native bf16: yes" if native_bf16(device) else "native bf16: no") in output
