@@ -249,8 +249,8 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         An fp32 model on hardware with native bf16 (:func:`native_bf16`) also gets a bf16-autocast variant
         (with freezing; reduce-overhead on CUDA). It reduces precision (:attr:`reduces_precision`), so it is
         selected only when the strategy allows that; otherwise its row shows what it would give. On this
-        project's CPU (AMX), MiniLM 8 x 128 ran 3.6x eager with it at cosine 0.99998, against 1.16x for fp32
-        with freezing (benchmarks/RESULTS.md, 2026-12-02)."""
+        project's CPU (AMX), MiniLM 8 x 128 tuned with it ran 3.2-3.5x eager at cosine 0.99998, against 1.12x for
+        fp32 with freezing, timed round-robin with eager (benchmarks/RESULTS.md, 2026-12-02)."""
         config = self.config
         if config != TorchInductorJitBackendConfig():  # a configuration the user chose is tried as given
             return [self]
