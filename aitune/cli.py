@@ -19,6 +19,7 @@ def _env(args) -> int:
 
     from aitune.torch.backend import registered_backends
     from aitune.torch.crashes import FILE_NAME, CrashRegistry
+    from aitune.torch.environment import cpu_model_name, native_bf16
     from aitune.torch.rankings import RANKINGS_DIR, RankingStore
     from aitune.torch.tuning import cache_dir
 
@@ -40,11 +41,7 @@ def _env(args) -> int:
         capability = ".".join(map(str, torch.cuda.get_device_capability()))
         print(f"device: {torch.cuda.get_device_name()} (compute capability {capability})")
     else:
-        from aitune.torch.environment import cpu_model_name
-
         print(f"device: cpu ({cpu_model_name()}, {platform.machine()})")
-    from aitune.torch.backend.inductor_jit import native_bf16
-
     if native_bf16(device):
         print("native bf16: yes — an fp32 model's search includes Inductor with bf16 autocast, shown always and "
               "selected only with allow_reduced_precision=True (or allow_quantization=True)")

@@ -67,23 +67,23 @@ def anchors(model, inputs, expected) -> dict:
     while the compiled model traces and runs: NOTE [freezing is decided while Dynamo traces])."""
     results = {}
     with torch.no_grad():
-        results["hand-picked torch.compile()"] = (torch.compile(copy.deepcopy(model)), False)
-        results["hand-picked torch.compile(freezing)"] = (torch.compile(copy.deepcopy(model)), True)
+        # label -> (compiled model, freezing, bf16 autocast)
+        results["hand-picked torch.compile()"] = (torch.compile(copy.deepcopy(model)), False, False)
+        results["hand-picked torch.compile(freezing)"] = (torch.compile(copy.deepcopy(model)), True, False)
         results["hand-picked torch.compile(freezing) + bf16 autocast"] = (torch.compile(copy.deepcopy(model)),
-                                                                          "bf16")
+                                                                          True, True)
         try:
             from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
             quantized = copy.deepcopy(model)
             quantize_(quantized, Int8DynamicActivationInt8WeightConfig())
-            results["hand-picked torchao int8 dyn + compile(freezing)"] = (torch.compile(quantized), True)
+            results["hand-picked torchao int8 dyn + compile(freezing)"] = (torch.compile(quantized), True, False)
         except ImportError:
             pass
     rows, calls = {}, {}
-    for label, (compiled, freezing) in results.items():
-        def call(compiled=compiled, freezing=freezing):
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=freezing == "bf16")
-            with parameter_freezing(bool(freezing)), autocast:
+    for label, (compiled, freezing, bf16) in results.items():
+        def call(compiled=compiled, freezing=freezing, bf16=bf16):
+            with parameter_freezing(freezing), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 return compiled(**inputs)
         with torch.no_grad():
             out = call()

@@ -1,4 +1,4 @@
-"""Facts about where aitune runs: library versions, the device and the CPU model.
+"""Facts about where aitune runs: library versions, the device, the CPU model and whether it runs bf16 natively.
 
 Reports record :func:`environment`; checkpoints record :func:`device_facts` per graph and compare them at
 load; the tuning cache keys builds by device facts too (:func:`aitune.torch.cache.device_key`).
@@ -68,3 +68,19 @@ def cpu_model_name() -> str:
     except OSError:
         pass
     return name or platform.processor() or platform.machine()
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Does ``device`` run bf16 matmuls in hardware, faster than fp32? CPUs with AMX tiles or AVX-512 BF16
+    (oneDNN's bf16 kernels; without them bf16 is emulated and slower), CUDA GPUs of compute capability >= 8.0
+    (bf16 tensor cores, Ampere onwards)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8
+    if device.type != "cpu":
+        return False
+    probes = (getattr(torch.cpu, "_is_amx_tile_supported", None), getattr(torch.cpu, "_is_avx512_bf16_supported", None))
+    try:
+        return any(probe is not None and probe() for probe in probes)
+    except RuntimeError:  # a build without the cpuinfo probes
+        return False

@@ -29,7 +29,6 @@ from aitune.torch.backend.base import Backend, BackendState, BuildMode, one_line
 from aitune.torch.checks import check_against_eager, check_probes, verify_round_trip
 from aitune.torch.correctness import Tolerance, comparator_for, exact_fp32
 from aitune.torch.crashes import crash_signal
-from aitune.torch.dtypes import is_fp32_model
 from aitune.torch.isolation import BACKGROUND_BUILDS, BUILD_DEADLINE
 from aitune.torch.probes import ProbeConfig, ProbeSet, make_probes
 from aitune.torch.profiling import Measurement, ProfilingConfig, measure
@@ -184,10 +183,11 @@ class GraphContext:
 
 
 def _float32(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` when it is float32 throughout (or holds no floating tensors), else a float32 copy."""
-    if is_fp32_model(module) or not any(t.is_floating_point() for t in (*module.parameters(), *module.buffers())):
-        return module
-    return copy.deepcopy(module).float()
+    """``module`` when it holds no floating tensor other than float32, else a float32 copy."""
+    tensors = (*module.parameters(), *module.buffers())
+    if any(tensor.is_floating_point() and tensor.dtype != torch.float32 for tensor in tensors):
+        return copy.deepcopy(module).float()
+    return module
 
 
 @contextlib.contextmanager

@@ -109,8 +109,15 @@ def test_fp32_leaves_of_a_tf32_eager_are_judged_against_eager_s_own_distance_fro
     exact = torch.randn(4096, generator=generator) * 3
     eager = exact + 2e-3 * torch.randn(4096, generator=generator)  # TF32-sized errors
     candidate = exact + 2e-3 * torch.randn(4096, generator=generator)
-    with pytest.raises(ToleranceExceededError, match="atol=0.0001"):  # eager was exact fp32: plain rule only
+    with pytest.raises(ToleranceExceededError, match="atol=0.0001") as plain:  # eager exact: plain rule only
         OutputComparator(tf32_eager=False).compare(eager, candidate, reference_fp32=exact)
+    assert plain.value.fp32_parity_possible is False  # so the checks compute no exact fp32 run for it
+    with pytest.raises(ToleranceExceededError) as first:  # before the exact run exists: it is worth making
+        OutputComparator(tf32_eager=True).compare(eager, candidate)
+    assert first.value.fp32_parity_possible is True
+    with pytest.raises(ToleranceExceededError) as half:
+        OutputComparator().compare(eager.half(), (eager + 0.5).half())
+    assert half.value.fp32_parity_possible is True
     comparator = OutputComparator(tf32_eager=True)
     comparator.compare(eager, candidate, reference_fp32=exact)
     assert comparator.result().metric == "allclose+fp32-parity"

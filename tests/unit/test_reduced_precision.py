@@ -10,9 +10,10 @@ import aitune.torch as ait
 from aitune.errors import ConfigError
 from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig, inductor_jit
 from aitune.torch.correctness import OutputComparator
+from aitune.torch.environment import native_bf16
 
 BF16_CONFIG = TorchInductorJitBackendConfig(freezing=True, autocast_enabled=True, autocast_dtype=torch.bfloat16)
-needs_native_bf16 = pytest.mark.skipif(not inductor_jit.native_bf16(torch.device("cpu")),
+needs_native_bf16 = pytest.mark.skipif(not native_bf16(torch.device("cpu")),
                                        reason="this CPU has neither AMX nor AVX-512 BF16: bf16 would be emulated")
 
 

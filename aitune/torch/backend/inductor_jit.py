@@ -15,6 +15,7 @@ from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, 
 from aitune.torch.requirements import validate_flags
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.dtypes import is_fp32_model
+from aitune.torch.environment import native_bf16
 from aitune.torch.pytree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger(__name__)
@@ -64,22 +65,6 @@ def has_4d_convolution(module: torch.nn.Module, graph) -> bool:
     if not any(isinstance(sub, torch.nn.Conv2d) for sub in module.modules()):
         return False
     return any(len(spec.min_shape) == 4 and spec.dtype.is_floating_point for spec in graph.tensor_specs)
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Does ``device`` run bf16 matmuls in hardware, faster than fp32? CPUs with AMX tiles or AVX-512 BF16
-    (oneDNN's bf16 kernels; without them bf16 is emulated and slower), CUDA GPUs of compute capability >= 8.0
-    (bf16 tensor cores, Ampere onwards)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8
-    if device.type != "cpu":
-        return False
-    probes = (getattr(torch.cpu, "_is_amx_tile_supported", None), getattr(torch.cpu, "_is_avx512_bf16_supported", None))
-    try:
-        return any(probe is not None and probe() for probe in probes)
-    except RuntimeError:  # a build without the cpuinfo probes
-        return False
 
 
 def to_contiguous(value: Any) -> Any:
@@ -269,10 +254,9 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             configs.append(dict(base, freezing=True, autocast_enabled=True, autocast_dtype=torch.bfloat16))
         variants = [TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)) for kwargs in configs]
         if device.type == "cuda":
-            for variant in variants[2:]:  # with a time budget: channels-last, default mode
-                variant._tier = 1
-            if variants[-1].config.autocast_enabled:  # bf16 tensor cores: the largest win for an fp32 model
-                variants[-1]._tier = 0
+            for variant in variants[2:]:  # with a time budget: channels-last, default mode (bf16 tensor cores,
+                if not variant.config.autocast_enabled:  # the largest win for an fp32 model, always)
+                    variant._tier = 1
         return variants
 
     @property
