@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import platform
 import shutil
 import sys
@@ -308,7 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("torch", "onnxscript", "onnx_ir", "torchao", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     handlers = {"env": _env, "demo": _demo, "report": _report, "serve": _serve}
-    return handlers[args.command](args)
+    try:
+        return handlers[args.command](args)
+    except BrokenPipeError:  # `aitune env | head`: the reader left; as the Python docs advise for SIGPIPE
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        return 0
 
 
 if __name__ == "__main__":

@@ -60,3 +60,14 @@ def test_cli_env_lists_every_backend():
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the device `aitune env` describes
     assert ("native bf16: yes" if native_bf16(device) else "native bf16: no") in output
+
+
+def test_cli_env_piped_into_head_ends_quietly():
+    """Fresh-clone trial, 2026-12-02: `aitune env | head -5` ended in a BrokenPipeError traceback, exit 1."""
+    process = subprocess.Popen([sys.executable, "-m", "aitune.cli", "env"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    first = process.stdout.readline()  # read one line, then leave, as head does
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert first.startswith("aitune ") and process.wait(timeout=120) == 0
+    assert "BrokenPipeError" not in stderr and "Traceback" not in stderr
