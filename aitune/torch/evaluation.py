@@ -455,6 +455,8 @@ def _check_budget_and_crashes(blueprint: Backend, context: GraphContext) -> None
     if tier and (remaining is None or remaining < TIER_MIN_S[min(tier, 2)]):
         left = "no time budget was given" if remaining is None else f"only {remaining:.0f} s of the budget left"
         what = "expensive build (minutes)" if tier >= 2 else "extra search variant"
+        if blueprint.search_fallback:
+            what = "fallback variant, tried by default only when no other variant of its backend passes (one did)"
         raise _Stop(SKIPPED, None, reason=f"{what}, tried only with >= {TIER_MIN_S[min(tier, 2)]:.0f} s of time "
                                           f"budget left; {left} (ait.tune(..., time_budget_s=...))")
 

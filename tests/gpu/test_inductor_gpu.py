@@ -78,3 +78,26 @@ def test_fp32_convnet_candidates_are_judged_against_a_tf32_eager_by_its_own_accu
     parity = row.comparison["leaves"][0]["fp32_parity"]
     assert parity["candidate_rmse"] <= 2 * parity["eager_rmse"] + 1e-5
     assert torch.backends.cudnn.allow_tf32 and torch.get_float32_matmul_precision() == "highest"  # restored
+
+
+def test_1x1_convolutions_as_matrix_multiplies_under_cuda_graphs_match_eager():
+    """Issue "Search": the first-tier CUDA variant for convnets with 1x1 convolutions (reduce-overhead +
+    freezing + ``conv_1x1_as_mm``) builds, matches eager in fp16, and its outputs survive the next replay."""
+    from aitune.torch.backend.inductor_jit import REDUCE_OVERHEAD_1X1_AS_MM
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
+                                torch.nn.Conv2d(32, 64, 1), torch.nn.ReLU(), torch.nn.Conv2d(64, 16, 1)
+                                ).cuda().half().eval()
+    backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(options=dict(REDUCE_OVERHEAD_1X1_AS_MM),
+                                                                    freezing=True))
+    tuned = ait.Module(model, "mm1x1", strategy=ait.OneBackendStrategy(backend, profiling_config=ProfilingConfig(
+        time_budget_s=0.2)).enable_performance_validation(False))
+    x, y = (torch.randn(1, 3, 28, 28, device="cuda", dtype=torch.half) for _ in range(2))
+    ait.tune(tuned, [x], ignore_failing_modules=False, ready_batches=True)
+    assert tuned.backends["graph0"].config.options["conv_1x1_as_mm"] is True
+    out_x = tuned(x)
+    out_y = tuned(y)
+    with torch.no_grad():
+        torch.testing.assert_close(out_x, model(x), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(out_y, model(y), atol=1e-2, rtol=1e-2)

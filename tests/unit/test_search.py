@@ -71,10 +71,93 @@ def test_default_candidates_expand_search_spaces():
     with_conv = [b.describe() for b in default_backends("cpu", conv, graph.graphs[0])]
     assert "TorchInductorJitBackend(freezing=True,memory_format=channels_last)" in with_conv
     cuda = [b.describe() for b in TorchInductorJitBackend().search_space(conv, graph.graphs[0], "cuda")]
-    assert cuda[0] == "TorchInductorJitBackend(mode=reduce-overhead)"
+    assert cuda[0] == "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)"
     assert any("max-autotune" in text for text in cuda)
     chosen = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="default"))
     assert chosen.search_space(conv, graph.graphs[0], "cpu") == [chosen]  # the user's choice is kept
+    assert not any("conv_1x1_as_mm" in text for text in cuda)  # a 3x3 convolution only
+
+
+def test_a_convnet_with_1x1_convolutions_gets_them_as_matrix_multiplies_first_on_cuda():
+    """On CUDA, reduce-overhead + freezing with ``conv_1x1_as_mm`` is first-tier for a model with 1x1
+    convolutions, beside reduce-overhead with and without freezing; on CPU nothing changes."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 4, 1)).eval()
+    wrapped = ait.Module(net, "net1x1")
+    wrapped(torch.randn(2, 3, 8, 8))
+    tiers = {b.describe(): b.search_tier for b in TorchInductorJitBackend().search_space(net, wrapped.graphs[0], "cuda")}
+    mm = "TorchInductorJitBackend(options={'conv_1x1_as_mm': True, 'triton.cudagraphs': True},freezing=True)"
+    assert [text for text, tier in tiers.items() if tier == 0] == [
+        "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)", mm]
+    assert tiers["TorchInductorJitBackend(mode=reduce-overhead,freezing=True,memory_format=channels_last)"] == 1
+    fallbacks = [b.describe() for b in TorchInductorJitBackend().search_space(net, wrapped.graphs[0], "cuda")
+                 if b.search_fallback]
+    assert fallbacks == ["TorchInductorJitBackend(mode=reduce-overhead)"]  # built when no freezing variant passes
+    assert tiers[fallbacks[0]] == 1
+    cpu = [b.describe() for b in TorchInductorJitBackend().search_space(net, wrapped.graphs[0], "cpu")]
+    assert not any("conv_1x1_as_mm" in text for text in cpu)
+    strided = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 1, stride=2)).eval()  # not lowered to a matrix multiply
+    assert not any("conv_1x1_as_mm" in b.describe() for b in TorchInductorJitBackend().search_space(
+        strided, wrapped.graphs[0], "cuda"))
+
+
+class Variant(TorchEagerBackend):
+    """Two variants of one backend class: one returns wrong values (fails its check), one is right."""
+
+    name = "test_variant"
+    passthrough = False
+    wrong = False
+    tag = ""
+
+    def describe(self):
+        return f"Variant({self.tag})"
+
+    def copy(self):
+        copy = super().copy()
+        copy.wrong, copy.tag = self.wrong, self.tag
+        return copy
+
+    def _infer(self, args, kwargs):
+        out = super()._infer(args, kwargs)
+        return out + 1.0 if self.wrong else out
+
+
+def _fallback_search(first_wrong: bool, fast_profiling):
+    first, fallback = Variant(), Variant()
+    first.wrong, first.tag, fallback.tag = first_wrong, "first", "fallback"
+    fallback._tier, fallback._fallback = 1, True
+    model = _net()
+    tuned = ait.Module(model, "fallback", strategy=ait.MaxThroughputStrategy(
+        [first, fallback], profiling_config=fast_profiling).enable_performance_validation(False))
+    report = ait.tune(tuned, [torch.randn(4, 16)], ready_batches=True)
+    return {r.description: r for r in report.rows if r.backend == "test_variant"}, tuned, model
+
+
+def test_a_fallback_variant_is_built_only_when_no_other_variant_of_its_backend_passes(fast_profiling):
+    rows, tuned, model = _fallback_search(first_wrong=True, fast_profiling=fast_profiling)
+    assert rows["Variant(first)"].status == "rejected (correctness)"
+    assert rows["Variant(fallback)"].status in ("passed", "selected")  # promoted: built without a budget
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x), model(x))
+    rows, _, _ = _fallback_search(first_wrong=False, fast_profiling=fast_profiling)
+    assert rows["Variant(first)"].status in ("passed", "selected")
+    skipped = rows["Variant(fallback)"]  # not needed
+    assert skipped.status == "skipped" and "fallback variant" in skipped.reason and "one did" in skipped.reason
+
+
+def test_1x1_convolutions_as_matrix_multiplies_with_freezing_match_eager(fast_profiling):
+    """The option plumbing of the CUDA variant (options + freezing), run on CPU without CUDA graphs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                torch.nn.Conv2d(16, 8, 1)).eval()
+    backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(options={"conv_1x1_as_mm": True}, freezing=True))
+    tuned = ait.Module(model, "mm1x1", strategy=ait.OneBackendStrategy(backend, profiling_config=fast_profiling)
+                       .enable_performance_validation(False))
+    ait.tune(tuned, [torch.randn(2, 3, 12, 12)], ignore_failing_modules=False, ready_batches=True)
+    assert tuned.backends["graph0"].config.options == {"conv_1x1_as_mm": True}
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x), model(x), atol=1e-4, rtol=1e-3)
 
 
 def test_onnxruntime_optimization_level_is_a_budgeted_variant_that_matches_eager(fast_profiling):

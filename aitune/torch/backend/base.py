@@ -390,6 +390,7 @@ class Backend:
         return False
 
     _tier = 0  # set on search-space variants (see search_tier)
+    _fallback = False  # set on search-space variants (see search_fallback)
 
     @property
     def reduces_precision(self) -> bool:
@@ -406,6 +407,13 @@ class Backend:
         benchmarking), tried only with >= 300 s left (see ``aitune.torch.evaluation.TIER_MIN_S``). A
         ``search_space`` marks its extra variants by setting ``_tier`` on them."""
         return self._tier
+
+    @property
+    def search_fallback(self) -> bool:
+        """A search-space variant kept as a fallback: an extra (its :attr:`search_tier`) while an earlier
+        variant of the same backend class passes its checks in the tune, and tried as a first-tier candidate
+        when none did. A ``search_space`` lists it after the variants it backs up and sets ``_fallback``."""
+        return self._fallback
 
     @property
     def expensive(self) -> bool:

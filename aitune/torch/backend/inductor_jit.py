@@ -67,6 +67,19 @@ def has_4d_convolution(module: torch.nn.Module, graph) -> bool:
     return any(len(spec.min_shape) == 4 and spec.dtype.is_floating_point for spec in graph.tensor_specs)
 
 
+def has_1x1_convolution(module: torch.nn.Module) -> bool:
+    """A 2-D convolution Inductor's ``conv_1x1_as_mm`` lowers to a matrix multiply: 1x1 kernel, stride 1, no
+    padding or dilation, one group (``torch/_inductor/kernel/conv.py``)."""
+    return any(isinstance(sub, torch.nn.Conv2d) and sub.kernel_size == (1, 1) and sub.stride == (1, 1)
+               and sub.dilation == (1, 1) and sub.groups == 1 and not sub.transposed
+               and (sub.padding == (0, 0) or sub.padding == "valid") for sub in module.modules())
+
+
+# reduce-overhead's own options (``torch._inductor.list_mode_options("reduce-overhead")``) plus 1x1
+# convolutions as matrix multiplies: ``mode`` and ``options`` cannot be combined (``torch.compile``)
+REDUCE_OVERHEAD_1X1_AS_MM = {"triton.cudagraphs": True, "conv_1x1_as_mm": True}
+
+
 def to_contiguous(value: Any) -> Any:
     """Channels-last 4-D tensors of an output back to contiguous (eager's layout for contiguous inputs)."""
     if isinstance(value, torch.Tensor):
@@ -227,24 +240,39 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
 
     def search_space(self, module, graph, device) -> list["Backend"]:
         """The configurations worth trying (issue "Search"): on CPU plain and with ``freezing``; on CUDA
-        reduce-overhead (CUDA graphs) with and without freezing, then — with a time budget — default mode,
-        and the max-autotune modes (expensive). Models with 2-D convolutions and 4-D inputs also get a
-        channels-last variant (with freezing).
+        reduce-overhead (CUDA graphs) with freezing, reduce-overhead without it as the fallback
+        (:attr:`Backend.search_fallback`: built by default only when no freezing variant passes its checks),
+        then — with a time budget — default mode, and the max-autotune modes (expensive). Models with 2-D
+        convolutions and 4-D inputs also get a channels-last variant (with freezing, with a budget).
+
+        Without freezing, reduce-overhead never won a measured tune on the H200 (ResNet-50 b1/b32 fp16: freezing
+        1.14-1.22x faster; BERT-base b32: freezing ahead by up to 5 %, benchmarks/RESULTS.md, 2026-12-01/02), and
+        building it cost 13-17 s of every default tune there.
 
         An fp32 model on hardware with native bf16 (:func:`native_bf16`) also gets a bf16-autocast variant
         (with freezing; reduce-overhead on CUDA). It reduces precision (:attr:`reduces_precision`), so it is
         selected only when the strategy allows that; otherwise its row shows what it would give. On this
         project's CPU (AMX), MiniLM 8 x 128 tuned with it ran 3.2-3.5x eager at cosine 0.99998, against 1.12x for
-        fp32 with freezing, timed round-robin with eager (benchmarks/RESULTS.md, 2026-12-02)."""
+        fp32 with freezing, timed round-robin with eager (benchmarks/RESULTS.md, 2026-12-02).
+
+        On CUDA, a model with 1x1 convolutions (:func:`has_1x1_convolution`) also gets reduce-overhead + freezing
+        with Inductor's ``conv_1x1_as_mm`` (those convolutions become matrix multiplies: cuBLAS instead of cuDNN)
+        in the first tier. Which of the two wins depends on the batch: on the H200 with torch 2.11, ResNet-50
+        fp16 ran 3.1 % faster with it at batch 1 (twice, timed call by call) and 7.6 % slower at batch 32, with
+        the same max abs error vs eager (benchmarks/RESULTS.md, 2026-12-02, eighth session)."""
         config = self.config
         if config != TorchInductorJitBackendConfig():  # a configuration the user chose is tried as given
             return [self]
         device = torch.device(device)
-        if device.type == "cuda":
-            configs = [dict(mode="reduce-overhead"), dict(mode="reduce-overhead", freezing=True), dict(),
+        first_tier = 1  # on CUDA, the first configurations are tried by default, the others with a budget
+        if device.type == "cuda":  # reduce-overhead without freezing: the fallback (docstring)
+            configs = [dict(mode="reduce-overhead", freezing=True), dict(mode="reduce-overhead"), dict(),
                        dict(mode="max-autotune-no-cudagraphs", freezing=True), dict(mode="max-autotune", freezing=True)]
             if module is not None and graph is not None and has_4d_convolution(module, graph):
                 configs.insert(2, dict(mode="reduce-overhead", freezing=True, memory_format="channels_last"))
+                if has_1x1_convolution(module):  # first tier too: which wins depends on the batch (docstring)
+                    configs.insert(1, dict(options=dict(REDUCE_OVERHEAD_1X1_AS_MM), freezing=True))
+                    first_tier = 2
         else:
             configs = [dict(), dict(freezing=True)]
             if module is not None and graph is not None and has_4d_convolution(module, graph):
@@ -254,16 +282,17 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             configs.append(dict(base, freezing=True, autocast_enabled=True, autocast_dtype=torch.bfloat16))
         variants = [TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)) for kwargs in configs]
         if device.type == "cuda":
-            for variant in variants[2:]:  # with a time budget: channels-last, default mode (bf16 tensor cores,
-                if not variant.config.autocast_enabled:  # the largest win for an fp32 model, always)
+            for variant in variants[first_tier:]:  # with a time budget: channels-last, default mode (bf16
+                if not variant.config.autocast_enabled:  # tensor cores, the largest win for an fp32 model, always)
                     variant._tier = 1
+            variants[first_tier]._fallback = True
         return variants
 
     @property
     def search_tier(self) -> int:
         """max-autotune modes benchmark many kernels while compiling (minutes on a large model): tier 2. On
-        CUDA, reduce-overhead with and without freezing are tried by default and the other variants
-        (channels-last, default mode) are extras (tier 1): on the H200 with torch 2.11, ResNet-50 b1 fp16 ran
+        CUDA, reduce-overhead with freezing is tried by default (without freezing as the fallback) and the other
+        variants (channels-last, default mode) are extras (tier 1): on the H200 with torch 2.11, ResNet-50 b1 fp16 ran
         reduce-overhead 0.615 ms, + freezing 0.501 ms, + freezing + channels-last 0.505 ms
         (benchmarks/RESULTS.md, 2026-12-01), and each variant costs a compile. See :meth:`Backend.search_tier`."""
         if (self.config.mode or "").startswith("max-autotune"):

@@ -377,7 +377,8 @@ class TuneStrategy:
                     continue
                 with DeviceSection(context.device) as section:
                     if results[index] is None:
-                        results[index] = evaluate(blueprint, context, settings)
+                        results[index] = evaluate(_promote_fallback(blueprint, blueprints[:index], results[:index]),
+                                                  context, settings)
                     elif isinstance(results[index], Evaluation):
                         results[index] = complete(results[index], context)
                     if results[index].backend is not None:
@@ -567,3 +568,13 @@ def _simplicity(backend: Backend) -> tuple[int, int]:
     if getattr(backend, "passthrough", False):
         return (0, 0)
     return (1 if backend.build_mode is BuildMode.AOT else 2, backend.rank)
+
+
+def _promote_fallback(blueprint: Backend, earlier: list[Backend], results: list) -> Backend:
+    """A fallback variant (``Backend.search_fallback``) as a first-tier candidate when no earlier variant of its
+    backend class passed its checks in this tune; otherwise (and for any other blueprint) ``blueprint`` itself."""
+    if not blueprint.search_fallback or any(
+            type(other) is type(blueprint) and result is not None and result.passed
+            for other, result in zip(earlier, results)):
+        return blueprint
+    return blueprint.copy()  # a fresh copy: first tier, no longer marked as a fallback
