@@ -452,13 +452,15 @@ def _check_budget_and_crashes(blueprint: Backend, context: GraphContext) -> None
     if remaining is not None and remaining <= 0:
         raise _Stop(SKIPPED, None, reason="time budget spent before this candidate could be built")
     tier = blueprint.search_tier
-    if tier and (remaining is None or remaining < TIER_MIN_S[min(tier, 2)]):
+    needed = TIER_MIN_S[min(tier, 2)] if tier else 0.0
+    if tier and (remaining is None or remaining < needed):
         left = "no time budget was given" if remaining is None else f"only {remaining:.0f} s of the budget left"
         what = "expensive build (minutes)" if tier >= 2 else "extra search variant"
+        when = f"tried only with >= {needed:.0f} s of time budget left"
         if blueprint.search_fallback:
-            what = "fallback variant, tried by default only when no other variant of its backend passes (one did)"
-        raise _Stop(SKIPPED, None, reason=f"{what}, tried only with >= {TIER_MIN_S[min(tier, 2)]:.0f} s of time "
-                                          f"budget left; {left} (ait.tune(..., time_budget_s=...))")
+            what, when = ("fallback variant", "tried without a budget only when no other variant of its backend "
+                          f"passes its checks (one did), otherwise only with >= {needed:.0f} s of it left")
+        raise _Stop(SKIPPED, None, reason=f"{what}, {when}; {left} (ait.tune(..., time_budget_s=...))")
 
 
 def _build(blueprint: Backend, context: GraphContext, row: CandidateResult) -> Backend:
