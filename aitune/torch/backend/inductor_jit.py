@@ -239,11 +239,13 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         return bool(self.config.freezing or (self.config.options or {}).get("freezing") or self.config.memory_format)
 
     def search_space(self, module, graph, device) -> list["Backend"]:
-        """The configurations worth trying (issue "Search"): on CPU plain and with ``freezing``; on CUDA
-        reduce-overhead (CUDA graphs) with freezing, reduce-overhead without it as the fallback
-        (:attr:`Backend.search_fallback`: built by default only when no freezing variant passes its checks),
-        then — with a time budget — default mode, and the max-autotune modes (expensive). Models with 2-D
-        convolutions and 4-D inputs also get a channels-last variant (with freezing, with a budget).
+        """The configurations worth trying (issue "Search"). On CPU: plain and with ``freezing``, and for models
+        with 2-D convolutions and 4-D inputs also freezing + channels-last, all in the first tier (no
+        max-autotune: on this project's CPU it kept MKL's linear kernels and gained nothing, RESULTS.md,
+        2026-12-02). On CUDA: reduce-overhead (CUDA graphs) with freezing, reduce-overhead without it as the
+        fallback (:attr:`Backend.search_fallback`: built by default only when no freezing variant passes its
+        checks), then — with a time budget — channels-last (with freezing) for convnets, default mode, and the
+        max-autotune modes (expensive).
 
         Without freezing, reduce-overhead never won a measured tune on the H200 (ResNet-50 b1/b32 fp16: freezing
         1.14-1.22x faster; BERT-base b32: freezing ahead by up to 5 %, benchmarks/RESULTS.md, 2026-12-01/02), and
@@ -252,8 +254,9 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         An fp32 model on hardware with native bf16 (:func:`native_bf16`) also gets a bf16-autocast variant
         (with freezing; reduce-overhead on CUDA). It reduces precision (:attr:`reduces_precision`), so it is
         selected only when the strategy allows that; otherwise its row shows what it would give. On this
-        project's CPU (AMX), MiniLM 8 x 128 tuned with it ran 3.2-3.5x eager at cosine 0.99998, against 1.12x for
-        fp32 with freezing, timed round-robin with eager (benchmarks/RESULTS.md, 2026-12-02).
+        project's CPU (AMX), MiniLM 8 x 128 tuned with it ran 3.2-3.5x eager at cosine 0.99998, against 1.12-1.15x for
+        exact fp32 (hand-picked compile + freezing; the default tune's choice), timed round-robin with eager
+        (benchmarks/RESULTS.md, 2026-12-02).
 
         On CUDA, a model with 1x1 convolutions (:func:`has_1x1_convolution`) also gets reduce-overhead + freezing
         with Inductor's ``conv_1x1_as_mm`` (those convolutions become matrix multiplies: cuBLAS instead of cuDNN)
