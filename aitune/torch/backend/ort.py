@@ -246,6 +246,7 @@ class ONNXRuntimeBackend(Backend):
         self._onnx_path = export.path
         if self.config.transformer_fusions:
             self._onnx_path = self._fuse(export, device)
+            self.build_info["onnx_path"] = str(self._onnx_path)  # the graph the session runs
         self._setup_device(device)
         self._create_session(BackendBuildError)
         self._validate_samples(graph, export)
