@@ -70,9 +70,9 @@ def _env(args) -> int:
     if remembered:
         print(f"\n{len(remembered)} ranking(s) of earlier searches ({rankings.root}): re-tunes of the same graph "
               "rebuild only the earlier winners — `aitune env --clear-rankings` searches all candidates again:")
-        print(tabulate([[record.get("module"), record.get("graph"), record["ranked"][0].get("description"),
-                         record.get("when")] for record in remembered],
-                       headers=["module", "graph", "ranked first", "when"], tablefmt="github"))
+        print(tabulate([[record.get("module"), record.get("graph"), record.get("strategy", ""),
+                         record["ranked"][0].get("description"), record.get("when")] for record in remembered],
+                       headers=["module", "graph", "strategy", "ranked first", "when"], tablefmt="github"))
     return 0
 
 

@@ -101,10 +101,12 @@ class RankingStore:
             path.unlink(missing_ok=True)
         return len(paths)
 
-    def record(self, key: str, context, ranked: list[dict]) -> None:
-        """Write the ranking of a full search (best first); failures are logged, never raised."""
+    def record(self, key: str, context, ranked: list[dict], strategy: str = "") -> None:
+        """Write the ranking of a full search (best first); ``strategy`` describes the strategy that made it (its
+        settings are part of the key: ``aitune env`` shows it so that rankings of one graph can be told apart).
+        Failures are logged, never raised."""
         record = {"format": FORMAT_VERSION, "when": datetime.datetime.now().isoformat(timespec="seconds"),
-                  "module": context.module_name, "graph": context.graph.name, "ranked": ranked}
+                  "module": context.module_name, "graph": context.graph.name, "strategy": strategy, "ranked": ranked}
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             partial = self.path(key).with_name(f".{key}.{os.getpid()}")

@@ -454,6 +454,7 @@ def test_aitune_env_lists_and_clears_rankings(fast_profiling, tmp_path, monkeypa
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "1 ranking(s) of earlier searches" in out and "listed" in out and "Delayed(0.0)" in out
+    assert "MaxThroughputStrategy(Delayed(0.004), Delayed(0.0)" in out  # which strategy (settings) the ranking belongs to
     assert main(["env", "--clear-rankings"]) == 0
     assert "forgot 1 ranking(s)" in capsys.readouterr().out
     assert _ranked_tune(net, batches, fast_profiling, "relisted")[2] == [0.0, 0.002, 0.004]  # a full search again

@@ -438,7 +438,7 @@ class TuneStrategy:
         if ranked:
             context.rankings.record(key, context, [
                 {"candidate": candidate_key(c.backend), "description": c.row.description, "score": score(c),
-                 "noise": c.measurement.noise, "speedup": c.row.speedup} for c in ranked])
+                 "noise": c.measurement.noise, "speedup": c.row.speedup} for c in ranked], strategy=self.describe())
 
     def _search_again(self, context: GraphContext, blueprints: list[Backend],
                       record: dict) -> tuple[list[Candidate] | None, dict[int, Candidate]]:
