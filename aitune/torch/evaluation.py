@@ -538,24 +538,9 @@ def build_notes(details: dict) -> str:
         notes.append("shape-specialized: calls outside its shapes run eager")
     if details.get("export_batch_repeated"):
         notes.append("exported at batch >= 2 (sample repeated)")
-    if details.get("transformer_fusions") is not None:
-        notes.append(transformer_fusion_note(details["transformer_fusions"]))
+    if details.get("fusion_note"):
+        notes.append(details["fusion_note"])
     return "; ".join(notes)
-
-
-# Fusions ONNX Runtime's own graph optimizer also makes at level "extended"/"all" on CPU and CUDA (LayerNormFusion,
-# SimplifiedLayerNormFusion, GeluFusion, BiasGeluFusion: ONNX Runtime's "Graph optimizations" documentation)
-SESSION_FUSIONS = frozenset({"LayerNormalization", "SimplifiedLayerNormalization", "Gelu", "BiasGelu"})
-
-
-def transformer_fusion_note(counts: dict) -> str:
-    """What ONNX Runtime's transformer optimizer fused (``{operator: count}``), saying so when it fused only what
-    the session's own optimizer fuses anyway: the variant then runs the same graph as plain ONNX Runtime."""
-    fused = ", ".join(f"{name} {count}" for name, count in sorted(counts.items()))
-    if set(counts) <= SESSION_FUSIONS:
-        return (f"transformer optimizer fused no attention or skip/embed layer norm ({fused or 'nothing'}; ONNX "
-                "Runtime's own optimizer makes these too): the same graph as the default variant")
-    return f"transformer fusions: {fused}"
 
 
 def failure_reason(exc: BaseException | None) -> str:

@@ -184,8 +184,7 @@ def test_the_bert_fusion_variant_says_what_it_fused_and_matches_eager(fast_profi
     from transformers import BertConfig, BertModel
 
     from aitune.torch.backend import ONNXRuntimeBackend
-    from aitune.torch.backend.ort import ONNXRuntimeBackendConfig
-    from aitune.torch.evaluation import transformer_fusion_note
+    from aitune.torch.backend.ort import ONNXRuntimeBackendConfig, transformer_fusion_note
 
     class Encoder(torch.nn.Module):
         def __init__(self):

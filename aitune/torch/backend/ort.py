@@ -261,6 +261,7 @@ class ONNXRuntimeBackend(Backend):
         fused.save_model_to_file(str(fused_path), use_external_data_format=bool(export.external_data_files))
         counts = {name: count for name, count in fused.get_fused_operator_statistics().items() if count}
         self.build_info["transformer_fusions"] = counts
+        self.build_info["fusion_note"] = transformer_fusion_note(counts)  # the report row's note
         logger.debug("onnxruntime: transformer fusions %s", counts)
         return fused_path
 
@@ -514,3 +515,18 @@ class _CudaArray:
             "version": 2,
             "strides": None,
         }
+
+
+# Fusions ONNX Runtime's own graph optimizer also makes at level "extended"/"all" on CPU and CUDA (LayerNormFusion,
+# SimplifiedLayerNormFusion, GeluFusion, BiasGeluFusion: ONNX Runtime's "Graph optimizations" documentation)
+SESSION_FUSIONS = frozenset({"LayerNormalization", "SimplifiedLayerNormalization", "Gelu", "BiasGelu"})
+
+
+def transformer_fusion_note(counts: dict) -> str:
+    """What ONNX Runtime's transformer optimizer fused (``{operator: count}``), saying so when it fused only what
+    the session's own optimizer fuses anyway: the variant then runs the same graph as plain ONNX Runtime."""
+    fused = ", ".join(f"{name} {count}" for name, count in sorted(counts.items()))
+    if set(counts) <= SESSION_FUSIONS:
+        return (f"transformer optimizer fused no attention or skip/embed layer norm ({fused or 'nothing'}; ONNX "
+                "Runtime's own optimizer makes these too): the same graph as the default variant")
+    return f"transformer fusions: {fused}"
