@@ -533,7 +533,7 @@ def build_notes(details: dict) -> str:
     if details.get("graph_breaks"):
         notes.append(f"{details['graph_breaks']} graph break(s)")
     if details.get("providers"):
-        notes.append("EP " + ",".join(p.removesuffix("ExecutionProvider") for p in details["providers"]))
+        notes.append("execution provider " + ",".join(p.removesuffix("ExecutionProvider") for p in details["providers"]))
     if details.get("shape_specialized") or details.get("specialized_axes"):
         notes.append("shape-specialized: calls outside its shapes run eager")
     if details.get("export_batch_repeated"):

@@ -60,6 +60,25 @@ def test_successive_halving_measures_only_the_finalists_at_full_length(fast_prof
         report.graphs[0].selection_reason
 
 
+def test_a_finalist_measured_below_a_non_finalist_says_which_quick_figure_made_it_a_finalist():
+    """Rows of finalists show their full measurement and the others their quick one; where that makes a finalist
+    look slower than a non-finalist (fresh-clone trial: Inductor + freezing 1.00x finalist, AOT 1.06x not), the
+    finalist's row gives its quick figure."""
+    from aitune.torch.evaluation import Candidate
+    from aitune.torch.report import CandidateResult
+    from aitune.torch.tune_strategy.base import _explain_finalists
+
+    def candidate(name, quick, full=None):
+        row = CandidateResult(module="m", graph="g", backend=name, description=name, speedup=full or quick,
+                              details={"quick_speedup": quick})
+        return Candidate(backend=None, row=row)
+
+    slipped, held, other = candidate("slipped", 1.12, 1.00), candidate("held", 1.10, 1.09), candidate("other", 1.06)
+    _explain_finalists([slipped, held], [other])
+    assert slipped.row.reason.startswith("finalist on its quick measurement (1.12x eager)")
+    assert held.row.reason == "" and other.row.reason == ""
+
+
 def test_default_candidates_expand_search_spaces():
     from aitune.torch.tune_strategy.base import default_backends
 

@@ -400,6 +400,7 @@ class TuneStrategy:
         finalists = sorted(measured, key=score, reverse=True)[:self.finalists]
         for candidate in measured:
             candidate.row.details["finalist"] = candidate in finalists
+            candidate.row.details["quick_speedup"] = candidate.row.speedup
             if candidate not in finalists:
                 candidate.row.reason = "; ".join(filter(None, [
                     f"quick measurement only: not among the {self.finalists} finalists", candidate.row.reason]))
@@ -408,6 +409,7 @@ class TuneStrategy:
             if candidate.row.speedup is not None and candidate.row.status == PASSED:
                 logger.info("  %-28s finalist, measured again: %.2fx eager", candidate.row.description,
                             candidate.row.speedup)
+        _explain_finalists(finalists, [c for c in measured if c not in finalists])
         return candidates
 
     # ---- earlier rankings (aitune/torch/rankings.py)
@@ -578,3 +580,17 @@ def _promote_fallback(blueprint: Backend, earlier: list[Backend], results: list)
             for other, result in zip(earlier, results)):
         return blueprint
     return blueprint.copy()  # a fresh copy: first tier, no longer marked as a fallback
+
+
+def _explain_finalists(finalists: list[Candidate], others: list[Candidate]) -> None:
+    """A finalist whose full measurement came out below a non-finalist's quick figure would look misranked in the
+    table (the two rows show figures of different rounds): its row says which quick figure made it a finalist."""
+    quick = [c.row.speedup for c in others if c.row.speedup is not None]
+    if not quick:
+        return
+    for candidate in finalists:
+        full, first = candidate.row.speedup, candidate.row.details.get("quick_speedup")
+        if full is not None and first is not None and full < max(quick):
+            candidate.row.reason = "; ".join(filter(None, [
+                f"finalist on its quick measurement ({first:.2f}x eager); the figures shown are the full one",
+                candidate.row.reason]))
