@@ -151,8 +151,9 @@ def kernel_profile(model, inputs) -> dict:
         if event.device_time_total <= 0:
             continue
         name = event.key
-        group = "triton" if name.startswith("triton") else (
-            "conv" if any(k in name.lower() for k in ("conv", "xmma", "cudnn", "cutlass", "implicit", "sm90", "sm80", "gemm")) else "other:" + name[:60])
+        convolution = any(k in name.lower() for k in ("conv", "xmma", "cudnn", "cutlass", "implicit", "sm90", "sm80",
+                                                       "gemm"))
+        group = "triton" if name.startswith("triton") else ("conv" if convolution else "other:" + name[:60])
         groups[group] = groups.get(group, 0.0) + event.device_time_total / calls
         count[group] = count.get(group, 0) + event.count // calls
     return {"us_per_call": groups, "kernels_per_call": count}

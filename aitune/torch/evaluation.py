@@ -29,6 +29,7 @@ from aitune.torch.backend.base import Backend, BackendState, BuildMode, one_line
 from aitune.torch.checks import check_against_eager, check_probes, verify_round_trip
 from aitune.torch.correctness import Tolerance, comparator_for, exact_fp32
 from aitune.torch.crashes import crash_signal
+from aitune.torch.dtypes import is_fp32_model
 from aitune.torch.isolation import BACKGROUND_BUILDS, BUILD_DEADLINE
 from aitune.torch.probes import ProbeConfig, ProbeSet, make_probes
 from aitune.torch.profiling import Measurement, ProfilingConfig, measure
@@ -183,11 +184,8 @@ class GraphContext:
 
 
 def _float32(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` when it holds no floating tensor other than float32, else a float32 copy."""
-    tensors = (*module.parameters(), *module.buffers())
-    if any(tensor.is_floating_point() and tensor.dtype != torch.float32 for tensor in tensors):
-        return copy.deepcopy(module).float()
-    return module
+    """``module`` when it is float32 throughout (:func:`~aitune.torch.dtypes.is_fp32_model`), else a float32 copy."""
+    return module if is_fp32_model(module) else copy.deepcopy(module).float()
 
 
 @contextlib.contextmanager
@@ -533,7 +531,8 @@ def build_notes(details: dict) -> str:
     if details.get("graph_breaks"):
         notes.append(f"{details['graph_breaks']} graph break(s)")
     if details.get("providers"):
-        notes.append("execution provider " + ",".join(p.removesuffix("ExecutionProvider") for p in details["providers"]))
+        providers = ",".join(p.removesuffix("ExecutionProvider") for p in details["providers"])
+        notes.append(f"execution provider {providers}")
     if details.get("shape_specialized") or details.get("specialized_axes"):
         notes.append("shape-specialized: calls outside its shapes run eager")
     if details.get("export_batch_repeated"):

@@ -103,13 +103,16 @@ def test_a_convnet_with_1x1_convolutions_gets_them_as_matrix_multiplies_first_on
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 4, 1)).eval()
     wrapped = ait.Module(net, "net1x1")
     wrapped(torch.randn(2, 3, 8, 8))
-    tiers = {b.describe(): b.search_tier for b in TorchInductorJitBackend().search_space(net, wrapped.graphs[0], "cuda")}
+    variants = TorchInductorJitBackend().search_space(net, wrapped.graphs[0], "cuda")
+    tiers = {b.describe(): b.search_tier for b in variants}
     mm = "TorchInductorJitBackend(options={'conv_1x1_as_mm': True, 'triton.cudagraphs': True},freezing=True)"
     assert [text for text, tier in tiers.items() if tier == 0] == [
         "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)", mm]
     assert tiers["TorchInductorJitBackend(mode=reduce-overhead,freezing=True,memory_format=channels_last)"] == 1
-    fallbacks = [b.describe() for b in TorchInductorJitBackend().search_space(net, wrapped.graphs[0], "cuda")
-                 if b.search_fallback]
+    [as_mm] = [b for b in variants if b.describe() == mm]  # what torch.compile gets: CUDA graphs, 1x1 as mm, freezing
+    assert as_mm.config.compile_arguments() == (None, {"triton.cudagraphs": True, "conv_1x1_as_mm": True,
+                                                      "freezing": True})
+    fallbacks = [b.describe() for b in variants if b.search_fallback]
     assert fallbacks == ["TorchInductorJitBackend(mode=reduce-overhead)"]  # built when no freezing variant passes
     assert tiers[fallbacks[0]] == 1
     cpu = [b.describe() for b in TorchInductorJitBackend().search_space(net, wrapped.graphs[0], "cpu")]
@@ -229,7 +232,8 @@ def test_the_bert_fusion_variant_says_what_it_fused_and_matches_eager(fast_profi
     other = torch.randint(0, 100, (2, 16))
     mask = torch.ones_like(other)
     with torch.no_grad():
-        torch.testing.assert_close(tuned(input_ids=other, attention_mask=mask), model(other, mask), atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(tuned(input_ids=other, attention_mask=mask), model(other, mask),
+                                   atol=1e-4, rtol=1e-3)
     # fusions the session makes itself (as on MiniLM, where symbolic shape inference failed): said so
     note = transformer_fusion_note({"BiasGelu": 6, "LayerNormalization": 13})
     assert "fused no attention" in note and "same graph as the default variant" in note
@@ -472,7 +476,7 @@ def test_aitune_env_lists_and_clears_rankings(fast_profiling, tmp_path, monkeypa
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "1 ranking(s) of earlier searches" in out and "listed" in out and "Delayed(0.0)" in out
-    assert "MaxThroughputStrategy(Delayed(0.004), Delayed(0.0)" in out  # which strategy (settings) the ranking belongs to
+    assert "MaxThroughputStrategy(Delayed(0.004), Delayed(0.0)" in out  # the strategy the ranking belongs to
     assert main(["env", "--clear-rankings"]) == 0
     assert "forgot 1 ranking(s)" in capsys.readouterr().out
     assert _ranked_tune(net, batches, fast_profiling, "relisted")[2] == [0.0, 0.002, 0.004]  # a full search again

@@ -71,8 +71,8 @@ def has_1x1_convolution(module: torch.nn.Module) -> bool:
     """A 2-D convolution Inductor's ``conv_1x1_as_mm`` lowers to a matrix multiply: 1x1 kernel, stride 1, no
     padding or dilation, one group (``torch/_inductor/kernel/conv.py``)."""
     return any(isinstance(sub, torch.nn.Conv2d) and sub.kernel_size == (1, 1) and sub.stride == (1, 1)
-               and sub.dilation == (1, 1) and sub.groups == 1 and not sub.transposed
-               and (sub.padding == (0, 0) or sub.padding == "valid") for sub in module.modules())
+               and sub.dilation == (1, 1) and sub.groups == 1 and sub.padding in ((0, 0), "valid")
+               for sub in module.modules())
 
 
 # reduce-overhead's own options (``torch._inductor.list_mode_options("reduce-overhead")``) plus 1x1
