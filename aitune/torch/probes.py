@@ -45,6 +45,10 @@ from aitune.torch.samples import BATCH, STATIC, Sample, clone_tree
 
 logger = logging.getLogger(__name__)
 
+# Probes that send float magnitudes the user never sent: judged for structure when they miss the sample rules
+# (correctness rule 6, NOTE [judging probes at other magnitudes] in aitune/torch/correctness.py).
+SCALED_KINDS = frozenset({"float-scale-up", "float-scale-down"})
+
 
 @dataclasses.dataclass(kw_only=True)
 class ProbeConfig(KnownFields):

@@ -258,3 +258,47 @@ def test_a_probe_eager_cannot_run_is_dropped(fast_profiling):
     x = torch.randn(2, 12)
     with torch.no_grad():
         torch.testing.assert_close(tuned(x), model(x))
+
+
+# ------------------------------------------------------------------------------------------ rule 6
+
+
+class MagnitudeRoundingBackend(TorchEagerBackend):
+    """Eager's outputs with a relative error that grows with the input's magnitude, as rounding does when a
+    transformation reorders floating-point work (BatchNorm folded into a convolution): 0.3 % of each output at
+    the recorded magnitudes (|x| <= ~4), ~3 % at 10x them. No structural fault: same function, more rounding."""
+
+    name = "test_magnitude_rounding"
+    passthrough = False
+
+    def _infer(self, args, kwargs):
+        x = (list(args) + list(kwargs.values()))[0]
+        exact = self.module(x).float()
+        pattern = torch.linspace(-1.0, 1.0, exact.shape[-1])  # a fixed sign pattern, like rounding's
+        relative = 7.5e-4 * x.detach().abs().amax().float()
+        return (exact * (1 + relative * pattern)).to(x.dtype)
+
+
+def test_scaled_probes_judge_structure_not_rounding_at_magnitudes_never_sent(fast_profiling):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).eval().to(torch.bfloat16)
+    data = [torch.randn(2, 8).clamp(-3, 3).to(torch.bfloat16), torch.randn(4, 8).clamp(-3, 3).to(torch.bfloat16)]
+    tuned = ait.Module(model, "rounding", strategy=forced(MagnitudeRoundingBackend(), fast_profiling))
+    report = ait.tune(tuned, data, ready_batches=True)
+    row = report.rows[0]
+    assert row.status == "selected", row.reason
+    assert row.probes["judged_by_structure"] >= 1 and row.probes["passed"] == row.probes["checked"]
+    assert "judged for structure" in report.describe()
+    # the row's errors are those of rules 3 and 5 (samples and probes at the user's magnitudes)
+    assert row.comparison["max_rel_error"] < 0.02
+
+
+def test_scaled_probes_still_catch_a_value_dependent_fault(fast_profiling):
+    """SaturatingBackend (above): wrong by a sizable fraction of the output at 10x magnitudes, so rule 6 rejects it."""
+    model = Normalize().eval()
+    data = [torch.randn(2, 8) * 3, torch.randn(4, 8) * 3]
+    tuned = ait.Module(model, "saturating", strategy=forced(SaturatingBackend(), fast_profiling))
+    report = ait.tune(tuned, data, ready_batches=True)
+    assert report.rows[0].status == "rejected (correctness)"
+    assert "beyond rounding at this probe's magnitudes" in report.rows[0].reason
+    assert tuned.state is ait.ModuleState.PASSTHROUGH

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import aitune.torch as ait
-from aitune.errors import ConfigError
-from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig, inductor_jit
-from aitune.torch.correctness import OutputComparator
+from aitune.errors import ConfigError, ToleranceExceededError
+from aitune.torch.backend import (TorchEagerBackend, TorchEagerBackendConfig, TorchInductorJitBackend,
+                                  TorchInductorJitBackendConfig, inductor_jit)
+from aitune.torch.correctness import OutputComparator, Tolerance, comparator_for
 from aitune.torch.environment import native_bf16
 
 BF16_CONFIG = TorchInductorJitBackendConfig(freezing=True, autocast_enabled=True, autocast_dtype=torch.bfloat16)
@@ -117,3 +118,52 @@ def test_the_default_search_shows_bf16_and_selects_it_only_when_allowed(allowed,
         assert "would be SQNR" in row.reason and "cosine" in row.reason
         assert "allow_reduced_precision=True" in row.reason
         assert torch.equal(actual, expected)
+
+
+class Cancellation(torch.nn.Module):
+    """``x (W + D)^T - x W^T``: small fp32 outputs (|out| <= ~2) that are the difference of two large products
+    (~1e3), which bf16 rounds to a few units each, so a bf16-autocast run is off by far more than its
+    tolerance while shapes, dtypes and finiteness all match eager."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        base = torch.randn(32, 64, generator=generator) * 300
+        self.big, self.shifted = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False)
+        with torch.no_grad():
+            self.big.weight.copy_(base)
+            self.shifted.weight.copy_(base + torch.randn(32, 64, generator=generator) * 0.05)
+
+    def forward(self, x):
+        return self.shifted(x) - self.big(x)
+
+
+def test_reduced_precision_leaves_are_judged_by_the_fp16_bf16_tolerances():
+    expected = torch.rand(64, 32) * 2.3
+    comparator = OutputComparator(low_precision=True)
+    comparator.compare(expected, expected + 0.005)  # inside atol=rtol=1e-2
+    with pytest.raises(ToleranceExceededError, match="atol=0.01") as caught:
+        OutputComparator(low_precision=True).compare(expected, expected + 6.0)
+    assert caught.value.max_abs_error == pytest.approx(6.0, abs=1e-4)
+    eager_bf16 = TorchEagerBackend(TorchEagerBackendConfig(autocast_enabled=True, autocast_dtype="bfloat16"))
+    with pytest.raises(ToleranceExceededError):  # the run-time guard's comparator is the same one
+        comparator_for(eager_bf16, Tolerance()).compare(expected, expected + 6.0)
+
+
+def test_a_bf16_candidate_far_from_eager_is_rejected_even_when_reduced_precision_is_allowed(fast_profiling):
+    model = Cancellation().eval()
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16_error = (model(x).float() - expected).abs().max().item()
+    assert bf16_error > 1.0 and expected.abs().max().item() < 5  # the premise: bf16 is far off here
+    eager_bf16 = TorchEagerBackend(TorchEagerBackendConfig(autocast_enabled=True, autocast_dtype="bfloat16"))
+    strategy = ait.FirstWinsStrategy([eager_bf16], profiling_config=fast_profiling, allow_reduced_precision=True)
+    tuned = ait.Module(model, "cancel", strategy=strategy.enable_performance_validation(False))
+    report = ait.tune(tuned, [x, x[:3]], ready_batches=True)
+    row = next(r for r in report.rows if r.backend == "eager" and r.status != "selected")
+    assert row.status == "rejected (correctness)" and "atol=0.01" in row.reason
+    assert not tuned.backends["graph0"].reduces_precision
+    with torch.no_grad():
+        assert torch.equal(tuned(x), model(x))
