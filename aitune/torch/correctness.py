@@ -157,6 +157,8 @@ class LeafError:
     sqnr_db: float | None = None
     cosine: float | None = None
     fp32_parity: dict | None = None  # {"candidate_rmse", "eager_rmse"} when rule 5 decided the leaf
+    atol: float | None = None  # the atol / rtol of rule 3 this leaf was held to (its dtype's, or fp16's for
+    rtol: float | None = None  # a reduced-precision candidate); None for integer leaves and SQNR/cosine checks
 
 
 @dataclasses.dataclass
@@ -493,6 +495,8 @@ class OutputComparator:
             sqnr, cosine = errors.norms.sqnr_db(), errors.norms.cosine()
             record.sqnr_db = sqnr if record.sqnr_db is None else min(record.sqnr_db, sqnr)
             record.cosine = cosine if record.cosine is None else min(record.cosine, cosine)
+        if not self.quantized:
+            record.atol, record.rtol = atol, rtol
         if self.quantized:
             if sqnr < self.tolerance.min_sqnr_db or cosine < self.tolerance.min_cosine:
                 raise ToleranceExceededError(
