@@ -33,6 +33,23 @@ def _isolated_cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def fake_clock(monkeypatch):
+    """aitune's timers read a :class:`fake_clock.FakeClock` (tests/fake_clock.py) for this test: durations are the
+    pauses the test's code makes with ``fake_clock.pause`` (plus 1 us per clock reading), whatever the machine's
+    load. Returns the clock."""
+    import fake_clock
+    from aitune.torch import profiling
+    from aitune.torch.jit import inspection
+
+    clock = fake_clock.FakeClock()
+    monkeypatch.setattr(profiling, "_clock", clock)
+    monkeypatch.setattr(inspection, "_clock", clock)
+    fake_clock.install(clock)
+    yield clock
+    fake_clock.install(None)
+
+
+@pytest.fixture
 def fast_profiling() -> ProfilingConfig:
     """Short measurements: tests check values and choices, never speed."""
     return ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=3, max_rounds=20, time_budget_s=0.2)

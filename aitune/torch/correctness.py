@@ -180,6 +180,8 @@ class LeafError:
     sqnr_db: float | None = None
     cosine: float | None = None
     fp32_parity: dict | None = None  # {"candidate_rmse", "eager_rmse"} when rule 5 decided the leaf
+    atol: float | None = None  # the atol / rtol of rule 3 this leaf was held to (its dtype's, or fp16's for
+    rtol: float | None = None  # a reduced-precision candidate); None for integer leaves and SQNR/cosine checks
 
 
 @dataclasses.dataclass
@@ -538,6 +540,8 @@ class OutputComparator:
             sqnr, cosine = errors.norms.sqnr_db(), errors.norms.cosine()
             record.sqnr_db = sqnr if record.sqnr_db is None else min(record.sqnr_db, sqnr)
             record.cosine = cosine if record.cosine is None else min(record.cosine, cosine)
+        if not self.quantized:
+            record.atol, record.rtol = atol, rtol
         if self.structure and not self.quantized:
             reduced = self.low_precision or dtype in LOW_PRECISION or (dtype == torch.float32
                                                                       and self.eager_in_tf32(actual))

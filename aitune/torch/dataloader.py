@@ -118,8 +118,11 @@ def _collate_values(values: list, where: str) -> Any:
     if isinstance(first, torch.Tensor):
         shapes = {tuple(value.shape) for value in values}
         if len(shapes) > 1:
-            raise ConfigError(f"cannot stack {where}: tensors of shapes {sorted(shapes)}; items of different shapes "
-                              "go in a DynamicShapeDataset (each batch repeats one item), or use batch_sizes=[1]")
+            raise ConfigError(f"cannot stack {where}: tensors of shapes {sorted(shapes)} do not make one batch. "
+                              "For examples of different shapes, pass batches you made yourself (padded to one "
+                              "length each) with ait.tune(..., ready_batches=True); or tune with batch_sizes=[1] "
+                              "(each example a batch of one); or pass ait.DataLoaderFactory(examples, "
+                              "collate_fn=...) with a collate_fn that pads them")
         return torch.stack(values)
     if _is_numpy(first):
         import numpy

@@ -24,7 +24,7 @@ def test_collator_rules():
     assert default_data_collator([np.zeros((2, 2))] * 2)[0].shape == (2, 2, 2)
     args, kwargs = default_data_collator([([torch.ones(1)], {"k": torch.zeros(1)})] * 2)
     assert args[0].shape == (2, 1) and kwargs["k"].shape == (2, 1)
-    with pytest.raises(ConfigError, match="DynamicShapeDataset"):
+    with pytest.raises(ConfigError, match=r"ready_batches=True"):
         default_data_collator([torch.ones(2), torch.ones(3)])
     with pytest.raises(ConfigError, match="collate_fn"):
         default_data_collator([object(), object()])
@@ -87,3 +87,41 @@ def test_an_iterable_dataset_is_read_once_for_every_batch_size():
     with pytest.raises(ConfigError, match="max_num_batches_per_batch_size must be None or an int >= 0"):
         ait.tune(ait.Module(torch.nn.Linear(4, 4).eval(), "negative-cap"), [torch.randn(2, 4)], ready_batches=True,
                  max_num_batches_per_batch_size=-1)
+
+
+def test_examples_of_different_lengths_name_ready_batches_and_only_exported_names(fast_profiling):
+    """The message names what the README says (``ready_batches=True``) and only names ``aitune.torch`` exports;
+    each way it offers tunes the same examples and matches eager."""
+    import re
+
+    import aitune.torch as ait
+    from aitune.torch.backend import TorchEagerBackend
+
+    model = torch.nn.Linear(4, 2).eval()
+    examples = [torch.randn(3, 4), torch.randn(5, 4)]  # sequences of 3 and 5 steps
+
+    def tuned(name):
+        return ait.Module(model, name, strategy=ait.OneBackendStrategy(TorchEagerBackend(),
+                                                                      profiling_config=fast_profiling))
+
+    with pytest.raises(ConfigError) as info:
+        ait.tune(tuned("stacked"), examples)
+    message = str(info.value)
+    assert "[(3, 4), (5, 4)]" in message and "ait.tune(..., ready_batches=True)" in message
+    named = set(re.findall(r"\bait\.(\w+)", message)) | set(re.findall(r"\b[A-Z][a-z]+[A-Z]\w*", message))
+    assert named == {"tune", "DataLoaderFactory"}
+    assert named <= set(ait.__all__) and all(hasattr(ait, name) for name in named)
+
+    def pad(items):  # the collate_fn the message asks for: pad to the longest, then stack
+        length = max(item.shape[0] for item in items)
+        return torch.stack([torch.nn.functional.pad(item, (0, 0, 0, length - item.shape[0])) for item in items])
+
+    probe = torch.randn(2, 5, 4)
+    for name, dataset, options in [("ready", examples, {"ready_batches": True}),
+                                   ("one_each", examples, {"batch_sizes": [1]}),
+                                   ("padded", ait.DataLoaderFactory(examples, collate_fn=pad), {})]:
+        module = tuned(name)
+        report = ait.tune(module, dataset, ignore_failing_modules=False, **options)
+        assert report.graphs[0].selected.startswith("TorchEagerBackend"), name
+        with torch.no_grad():
+            torch.testing.assert_close(module(probe), model(probe))

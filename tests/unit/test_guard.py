@@ -2,11 +2,11 @@
 gets that input right takes over) and stale weights (case C33 (a)-(d) on weight-baking backends)."""
 
 import logging
-import time
 
 import pytest
 import torch
 import torch.nn as nn
+from fake_clock import pause
 
 import aitune.torch as ait
 from aitune.errors import ConfigError
@@ -17,14 +17,15 @@ PAUSE_S = 0.002
 
 
 class PausedNet(nn.Module):
-    """Eager pays a 2 ms pause per call: backends that skip it are clearly faster."""
+    """Eager pays a 2 ms pause per call (on the fake clock: tests using it take ``fake_clock``): backends that skip
+    it are clearly faster."""
 
     def __init__(self):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
     def forward(self, x):
-        time.sleep(PAUSE_S)
+        pause(PAUSE_S)
         return self.body(x)
 
 
@@ -47,7 +48,7 @@ class SlowerButRight(TorchEagerBackend):
     passthrough = False
 
     def _infer(self, args, kwargs):
-        time.sleep(PAUSE_S / 4)
+        pause(PAUSE_S / 4)
         return self.module.body(kwargs["x"])
 
 
@@ -60,7 +61,7 @@ def _tune_guarded(fast_profiling, guard=None):
     return model, tuned
 
 
-def test_guard_retires_a_wrong_backend_on_the_call_that_shows_it(fast_profiling, caplog):
+def test_guard_retires_a_wrong_backend_on_the_call_that_shows_it(fast_profiling, fake_clock, caplog):
     model, tuned = _tune_guarded(fast_profiling)
     x = torch.randn(5, 16) * 1e5  # batch 5 was never checked (recorded 2, 4; probed 3): its first call is
     with caplog.at_level(logging.WARNING, logger="aitune"):
@@ -78,7 +79,7 @@ def test_guard_retires_a_wrong_backend_on_the_call_that_shows_it(fast_profiling,
             torch.testing.assert_close(tuned(y), model(y))
 
 
-def test_guard_checks_one_call_in_n_of_known_shapes(fast_profiling):
+def test_guard_checks_one_call_in_n_of_known_shapes(fast_profiling, fake_clock):
     model, tuned = _tune_guarded(fast_profiling, GuardConfig(check_unseen_shapes=False, check_every=3))
     x = torch.randn(2, 16) * 1e5  # a recorded shape: only the periodic check can catch it
     outputs = [tuned(x) for _ in range(3)]
@@ -97,7 +98,7 @@ def test_default_interval_keeps_eager_reruns_within_two_percent():
         GuardConfig(max_overhead=0)
 
 
-def test_guard_off_means_no_checks(fast_profiling):
+def test_guard_off_means_no_checks(fast_profiling, fake_clock):
     model, tuned = _tune_guarded(fast_profiling, GuardConfig(enabled=False))
     x = torch.randn(3, 16) * 1e5
     assert not torch.allclose(tuned(x), model(x))  # documented: with the guard off nothing re-checks
@@ -192,7 +193,7 @@ def test_state_watch_ignores_other_modules_being_built():
 # ------------------------------------------------------------------------------------------ checkpoints
 
 
-def test_guard_events_are_saved_and_shown_by_describe(fast_profiling, tmp_path):
+def test_guard_events_are_saved_and_shown_by_describe(fast_profiling, fake_clock, tmp_path):
     from aitune.torch.checkpoint import describe_checkpoint
 
     model, tuned = _tune_guarded(fast_profiling)

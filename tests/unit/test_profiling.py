@@ -2,10 +2,10 @@ import os
 import platform
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from fake_clock import pause
 
 from aitune.errors import ConfigError
 from aitune.torch.profiling import (
@@ -27,33 +27,35 @@ def test_percentile_matches_numpy_linear():
     assert percentile(values, 0) == 1 and percentile(values, 100) == 10
 
 
-def test_measure_counts_rounds_and_orders_latencies():
+def test_measure_counts_rounds_and_orders_latencies(fake_clock):
     calls = []
 
     def run(sample):
         calls.append(sample)
-        time.sleep(0.002 * sample)
+        pause(0.002 * sample)
 
     config = ProfilingConfig(warmup_rounds=2, warmup_s=0.0, min_rounds=5, max_rounds=5, time_budget_s=10)
     measurement = measure(run, [1, 3], [1, 4], torch.device("cpu"), config)
     assert len(calls) == (2 + 5) * 2 and measurement.rounds == 5
     slow, fast = measurement.samples[1], measurement.samples[0]
-    assert slow.p50_ms > fast.p50_ms >= 2.0
+    # each call: its pause plus one clock tick (1 us) between the timer's two readings
+    assert fast.p50_ms == pytest.approx(2.001) and slow.p50_ms == pytest.approx(6.001)
+    assert measurement.median_round_ms == pytest.approx(8.002)
     assert measurement.throughput == pytest.approx(5 / (measurement.median_round_ms / 1000))
     assert measurement.min_batch_latency_ms == fast.p50_ms and measurement.p50_ms == slow.p50_ms
 
 
-def test_measure_pair_alternates_which_run_goes_first_and_times_each():
+def test_measure_pair_alternates_which_run_goes_first_and_times_each(fake_clock):
     """Two runs timed in alternation: a round of each per timed round, the first swapping every round."""
     calls = []
 
     def run_a(sample):
         calls.append("a")
-        time.sleep(0.002 * sample)
+        pause(0.002 * sample)
 
     def run_b(sample):
         calls.append("b")
-        time.sleep(0.004 * sample)
+        pause(0.004 * sample)
 
     config = ProfilingConfig(warmup_rounds=2, warmup_s=0.0, min_rounds=6, max_rounds=6, time_budget_s=10)
     a, b = measure_pair(run_a, [1, 2], run_b, [1, 2], [1, 1], torch.device("cpu"), config)
@@ -61,24 +63,30 @@ def test_measure_pair_alternates_which_run_goes_first_and_times_each():
     timed = "".join(calls[8:])
     assert timed == "aabb" "bbaa" "aabb" "bbaa" "aabb" "bbaa"
     assert a.rounds == b.rounds == 6
-    assert 2.0 <= a.samples[0].p50_ms < a.samples[1].p50_ms and b.samples[1].p50_ms >= 8.0
-    assert b.median_round_ms > 1.6 * a.median_round_ms and beats(a, b) and not beats(b, a)
+    assert [a.samples[0].p50_ms, a.samples[1].p50_ms] == pytest.approx([2.001, 4.001])
+    assert [b.samples[0].p50_ms, b.samples[1].p50_ms] == pytest.approx([4.001, 8.001])
+    assert b.median_round_ms == pytest.approx(12.002) and a.median_round_ms == pytest.approx(6.002)
+    assert beats(a, b) and not beats(b, a)
 
 
-def test_interleaved_rounds_rotate_the_order_and_stay_aligned():
+def test_interleaved_rounds_rotate_the_order_and_stay_aligned(fake_clock):
+    """Round i of every list is the same round: a call's pause in round i shows up at index i of its list."""
     order = []
 
     def call(name, seconds):
         def run():
             order.append(name)
-            time.sleep(seconds)
+            pause(seconds[len([n for n in order if n == name]) - 1])
         return run
 
     config = ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=3, max_rounds=3, time_budget_s=10)
-    a, b, c = interleaved_round_ms([call("a", 0.001), call("b", 0.002), call("c", 0.004)], torch.device("cpu"), config)
+    # pauses per call, warm-up first: each run is slowest in a different timed round
+    a, b, c = interleaved_round_ms([call("a", [0.0, 0.001, 0.005, 0.009]), call("b", [0.0, 0.002, 0.006, 0.003]),
+                                    call("c", [0.0, 0.008, 0.004, 0.007])], torch.device("cpu"), config)
     assert "".join(order) == "abc" + "abc" "bca" "cab"  # warm-up, then each round starts one later
-    assert len(a) == len(b) == len(c) == 3
-    assert all(x < y < z for x, y, z in zip(a, b, c)) and min(a) >= 1.0
+    assert a == pytest.approx([1.001, 5.001, 9.001])
+    assert b == pytest.approx([2.001, 6.001, 3.001])
+    assert c == pytest.approx([8.001, 4.001, 7.001])
 
 
 _FAULTS_SCRIPT = """

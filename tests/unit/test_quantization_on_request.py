@@ -3,6 +3,7 @@ backend is measured and shown but not selected; allow_quantization=True (or list
 
 import pytest
 import torch
+from fake_clock import pause
 
 import aitune.torch as ait
 from aitune.torch.backend import TorchEagerBackend
@@ -10,16 +11,15 @@ from aitune.torch.backend import TorchEagerBackend
 
 
 class PausedMLP(torch.nn.Module):
-    """Eager pays a 3 ms pause; the 'quantizing' test backend below skips it, so it always wins on speed."""
+    """Eager pays a 3 ms pause (on the fake clock); the 'quantizing' test backend below skips it, so it always wins
+    on speed."""
 
     def __init__(self):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
 
     def forward(self, x):
-        import time
-
-        time.sleep(0.003)
+        pause(0.003)
         return self.body(x)
 
 
@@ -51,7 +51,7 @@ def _tune(strategy):
     return tuned, next(r for r in report.rows if r.backend == "test_fake_int8")
 
 
-def test_default_candidates_show_but_never_select_quantization(fast_profiling, monkeypatch):
+def test_default_candidates_show_but_never_select_quantization(fast_profiling, fake_clock, monkeypatch):
     from aitune.torch.tune_strategy import base
 
     monkeypatch.setattr(base, "default_backends", lambda device, module=None, graph=None: [FakeInt8Backend()])
@@ -62,7 +62,7 @@ def test_default_candidates_show_but_never_select_quantization(fast_profiling, m
 
 
 @pytest.mark.parametrize("how", ["switch", "listed"])
-def test_allowed_quantization_is_selected(how, fast_profiling):
+def test_allowed_quantization_is_selected(how, fast_profiling, fake_clock):
     if how == "switch":
         strategy = ait.MaxThroughputStrategy([FakeInt8Backend()], profiling_config=fast_profiling,
                                              allow_quantization=True)
@@ -73,7 +73,7 @@ def test_allowed_quantization_is_selected(how, fast_profiling):
     assert tuned.backends["graph0"].name == "test_fake_int8"
 
 
-def test_listed_but_explicitly_forbidden(fast_profiling):
+def test_listed_but_explicitly_forbidden(fast_profiling, fake_clock):
     strategy = ait.FirstWinsStrategy([FakeInt8Backend()], profiling_config=fast_profiling).enable_quantization(False)
     tuned, row = _tune(strategy)
     assert row.status == "passed" and "would be" in row.reason

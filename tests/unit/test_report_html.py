@@ -116,6 +116,70 @@ def test_without_matplotlib_the_page_has_tables_and_names_the_extra(tuned, monke
     assert page.count('class="badge"') >= len(tuned.report.rows)
 
 
+def _figure_texts(page: str, kind: str) -> list[str]:
+    """The text elements of one figure's SVG, in drawing order (figures keep their text as text)."""
+    figure = re.search(rf'<figure class="chart" data-figure="{kind}"[^>]*>(.*?)</figure>', page, re.S).group(1)
+    return [html.unescape(text) for text in re.findall(r"<text[^>]*>(.*?)</text>", figure, re.S)]
+
+
+def _report(rows: list[CandidateResult]) -> TuneReport:
+    graph = GraphReport("m", "graph0", {}, "MaxThroughputStrategy()", rows[0].description, "why", rows)
+    return TuneReport(graphs=[graph])
+
+
+def test_figure_labels_break_between_words_never_inside_one():
+    """A label breaks after a separator ("(", ",", a space); what does not fit on two lines ends in "…" at a
+    break; only a single word longer than a line is cut, and the "…" says so."""
+    from aitune.torch.report_html.page import _labels
+
+    descriptions = ["TorchInductorJitBackend(freezing=True,memory_format=channels_last)",
+                    "TorchInductorJitBackend(mode=max-autotune-no-cudagraphs,freezing=True)",
+                    "ONNXRuntimeBackend(graph_optimization_level=extended)",
+                    "A" * 50 + "(x=1)"]
+    rows = [CandidateResult("m", "graph0", "b", text, speedup=1.0) for text in descriptions]
+    labels = [label.split("\n") for label in _labels([row.to_dict() for row in rows])]
+    assert labels == [["TorchInductorJitBackend(freezing=True,", "memory_format=channels_last)"],
+                      ["TorchInductorJitBackend(", "mode=max-autotune-no-cudagraphs,…"],
+                      ["ONNXRuntimeBackend(", "graph_optimization_level=extended)"],
+                      ["A" * 39 + "…"]]
+    texts = _figure_texts(_report(rows).to_html(), "speed-error")
+    assert "TorchInductorJitBackend(freezing=True," in texts and "memory_format=channels_last)" in texts
+    assert not any(text.startswith(("e,", "Tru")) for text in texts)  # the old cut: "freezing=Tru" / "e,..."
+
+
+def test_passed_bars_beyond_the_atol_line_say_which_rule_they_passed_by():
+    """Comparisons from the real comparator: within atol (no note), rtol's share on large values, fp16
+    tolerances of a reduced-precision candidate, fp32 parity of an fp16 output, SQNR of a quantized one, and a
+    rejected candidate (no note: it did not pass)."""
+    from aitune.torch.correctness import OutputComparator, Tolerance
+
+    def comparison(expected, actual, reference_fp32=None, **options):
+        comparator = OutputComparator(Tolerance(), **options)
+        comparator.compare(expected, actual, reference_fp32)
+        return comparator.result().to_dict()
+
+    torch.manual_seed(0)
+    x, large = torch.randn(256), torch.full((64,), 10.0)
+    fp32 = [("Within()", comparison(x, x + 5e-5)),  # atol 1e-4
+            ("LargeValues()", comparison(large, large + 5e-3)),  # 1e-4 + 1e-3 * 10 allowed
+            ("Autocast()", comparison(x * 0.1, x * 0.1 + 4e-3, low_precision=True)),  # fp16 atol 1e-2
+            ("Half()", comparison((x + 0.05 * torch.randn(256)).half(), (x + 0.05 * torch.randn(256)).half(), x)),
+            ("Int8()", comparison(x, x + 0.06 * torch.randn(256), quantized=True))]
+    assert [data["metric"] for _, data in fp32] == ["allclose"] * 3 + ["allclose+fp32-parity", "sqnr+cosine"]
+    rows = [CandidateResult("m", "graph0", "eager", "TorchEagerBackend()", speedup=1.0)]
+    rows += [CandidateResult("m", "graph0", "b", name, status="passed", speedup=1.1 + index / 10, comparison=data)
+             for index, (name, data) in enumerate(fp32)]
+    rows.append(CandidateResult("m", "graph0", "b", "Wrong()", status="rejected (correctness)", comparison={
+        **comparison(x, x), "max_abs_error": 1.0}))
+    sqnr = fp32[-1][1]["min_sqnr_db"]
+    texts = _figure_texts(_report(rows).to_html(), "speed-error")
+    notes = {text.split("  ", 1)[0]: text.split("  ", 1)[1] for text in texts if "  passed: " in text}
+    assert notes == {"0.005": "passed: rtol 0.001·|eager|", "0.004": "passed: fp16/bf16 atol 0.01",
+                     f"{fp32[3][1]['max_abs_error']:.2g}": "passed: fp32 parity",
+                     f"{fp32[4][1]['max_abs_error']:.2g}": f"passed: SQNR {sqnr:.0f} dB"}
+    assert "5e-05" in texts and "1" in texts and " atol 0.0001" in texts  # within atol / rejected: no note
+
+
 def test_report_json_round_trip_and_round_times(tuned):
     data = json.loads(tuned.json.read_text())
     again = TuneReport.from_json(tuned.json)

@@ -3,10 +3,10 @@ crashes remembered per environment. Backends here are real code (test subclasses
 a child build step that really segfaults), not mocks."""
 
 import ctypes
-import time
 
 import pytest
 import torch
+from fake_clock import pause
 
 import aitune.torch as ait
 from aitune.torch.backend import TorchEagerBackend, TorchInductorJitBackend, TorchInductorJitBackendConfig
@@ -18,7 +18,8 @@ def _net():
 
 
 class Delayed(TorchEagerBackend):
-    """Right, and slower than eager by a configurable pause (so the ranking is known)."""
+    """Right, and slower than eager by a configurable pause on the fake clock (so the ranking is known whatever
+    the machine's load; tests using it take the ``fake_clock`` fixture)."""
 
     name = "test_delayed"
     passthrough = False
@@ -33,7 +34,7 @@ class Delayed(TorchEagerBackend):
         return copy
 
     def _infer(self, args, kwargs):
-        time.sleep(self.delay_s)
+        pause(self.delay_s)
         return super()._infer(args, kwargs)
 
 
@@ -43,7 +44,7 @@ def delayed(seconds):
     return backend
 
 
-def test_successive_halving_measures_only_the_finalists_at_full_length(fast_profiling):
+def test_successive_halving_measures_only_the_finalists_at_full_length(fast_profiling, fake_clock):
     backends = [delayed(s) for s in (0.004, 0.0, 0.001, 0.002, 0.003)]
     strategy = ait.MaxThroughputStrategy(backends, profiling_config=fast_profiling)
     tuned = ait.Module(_net(), "halving", strategy=strategy)
@@ -303,7 +304,7 @@ def test_a_frozen_variant_retuned_after_new_weights_uses_them(fast_profiling):
     assert not tuned.needs_retune
 
 
-def test_expensive_candidates_need_a_budget_and_a_spent_budget_skips(fast_profiling):
+def test_expensive_candidates_need_a_budget_and_a_spent_budget_skips(fast_profiling, fake_clock):
     expensive = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="max-autotune-no-cudagraphs"))
     assert expensive.expensive
     strategy = ait.MaxThroughputStrategy([expensive, delayed(0.0)], profiling_config=fast_profiling)
@@ -400,7 +401,7 @@ def _ranked_tune(net, batches, fast_profiling, name, **tune_kwargs):
     return tuned, report, sorted(CountedDelayed.builds)
 
 
-def test_a_retune_in_the_same_environment_rebuilds_only_the_earlier_winner(fast_profiling):
+def test_a_retune_in_the_same_environment_rebuilds_only_the_earlier_winner(fast_profiling, fake_clock):
     net = _net()
     batches = [torch.randn(2, 16), torch.randn(4, 16)]
     _, first, builds = _ranked_tune(net, batches, fast_profiling, "first")
@@ -433,7 +434,7 @@ class NeedsTwoInputs(Delayed):
         return Check(len(graph.tensor_specs) >= 2, "needs two tensor inputs")
 
 
-def test_a_retune_keeps_unsupported_rows_as_they_are(fast_profiling):
+def test_a_retune_keeps_unsupported_rows_as_they_are(fast_profiling, fake_clock):
     net, batches = _net(), [torch.randn(2, 16)]
     for name in ("first", "second"):
         strategy = ait.MaxThroughputStrategy([counted(0.0), NeedsTwoInputs()], profiling_config=fast_profiling)
@@ -443,7 +444,7 @@ def test_a_retune_keeps_unsupported_rows_as_they_are(fast_profiling):
     assert "rebuilt: among the winners" in next(r for r in report.rows if r.backend == "test_counted_delayed").reason
 
 
-def test_a_ranking_is_not_reused_for_new_weights_a_budget_an_opt_out_or_a_failing_winner(fast_profiling):
+def test_a_ranking_is_not_reused_for_new_weights_a_budget_an_opt_out_or_a_failing_winner(fast_profiling, fake_clock):
     net = _net()
     batches = [torch.randn(2, 16)]
     _ranked_tune(net, batches, fast_profiling, "first")
@@ -467,7 +468,7 @@ def test_a_ranking_is_not_reused_for_new_weights_a_budget_an_opt_out_or_a_failin
     assert _ranked_tune(net, batches, fast_profiling, "new-weights")[2] == [0.0, 0.002, 0.004]
 
 
-def test_aitune_env_lists_and_clears_rankings(fast_profiling, tmp_path, monkeypatch, capsys):
+def test_aitune_env_lists_and_clears_rankings(fast_profiling, fake_clock, tmp_path, monkeypatch, capsys):
     from aitune.cli import main
 
     monkeypatch.setenv("AITUNE_CACHE_DIR", str(tmp_path))

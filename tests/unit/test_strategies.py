@@ -1,9 +1,8 @@
 """Strategies on real backends plus three deliberately faulty test backends (real code, not mocks)."""
 
-import time
-
 import pytest
 import torch
+from fake_clock import pause
 
 import aitune.torch as ait
 from aitune.errors import BackendBuildError, ConfigError, ToleranceExceededError, TuningError
@@ -29,12 +28,12 @@ class CrashingBackend(TorchEagerBackend):
 
 
 class SlowBackend(TorchEagerBackend):
-    """Correct, but 20 ms slower than eager per call."""
+    """Correct, but 20 ms slower than eager per call (on the fake clock: tests using it take ``fake_clock``)."""
 
     name = "test_slow"
 
     def _infer(self, args, kwargs):
-        time.sleep(0.02)
+        pause(0.02)
         return super()._infer(args, kwargs)
 
 
@@ -50,7 +49,7 @@ def _tune(strategy, model=None, data=None, **options):
     return wrapped, model, report
 
 
-def test_max_throughput_skips_wrong_crashing_and_slow(fast_profiling):
+def test_max_throughput_skips_wrong_crashing_and_slow(fast_profiling, fake_clock):
     strategy = ait.MaxThroughputStrategy([OffByOneBackend(), CrashingBackend(), SlowBackend()],
                                          profiling_config=fast_profiling)
     wrapped, model, report = _tune(strategy)
@@ -82,7 +81,7 @@ def test_one_backend_strategy_raises_correctness_error(fast_profiling):
                  [torch.randn(2, 16)], ignore_failing_modules=False, ready_batches=True)
 
 
-def test_first_wins_takes_first_passing_and_beating_eager(fast_profiling):
+def test_first_wins_takes_first_passing_and_beating_eager(fast_profiling, fake_clock):
     strategy = ait.FirstWinsStrategy([CrashingBackend(), SlowBackend(), OffByOneBackend()],
                                      profiling_config=fast_profiling)
     _, _, report = _tune(strategy)
@@ -91,7 +90,7 @@ def test_first_wins_takes_first_passing_and_beating_eager(fast_profiling):
     assert report.graphs[0].selected.startswith("TorchEagerBackend")
 
 
-def test_first_wins_without_performance_validation_takes_slow(fast_profiling):
+def test_first_wins_without_performance_validation_takes_slow(fast_profiling, fake_clock):
     strategy = ait.FirstWinsStrategy([SlowBackend(), TorchInductorJitBackend()], profiling_config=fast_profiling)
     strategy.enable_performance_validation(False)
     _, _, report = _tune(strategy)
@@ -99,7 +98,7 @@ def test_first_wins_without_performance_validation_takes_slow(fast_profiling):
     assert [row.status for row in report.rows] == ["selected", "skipped"]
 
 
-def test_latency_budget(fast_profiling):
+def test_latency_budget(fast_profiling, fake_clock):
     with pytest.raises(ConfigError):
         ait.LatencyBudgetStrategy(0)
     impossible = ait.LatencyBudgetStrategy(1e-6, [SlowBackend()], profiling_config=fast_profiling)
@@ -111,7 +110,7 @@ def test_latency_budget(fast_profiling):
     assert slow.status == "rejected (performance)" and "budget" in slow.reason
 
 
-def test_min_latency_prefers_eager_over_slow(fast_profiling):
+def test_min_latency_prefers_eager_over_slow(fast_profiling, fake_clock):
     _, _, report = _tune(ait.MinLatencyStrategy([SlowBackend()], profiling_config=fast_profiling))
     assert report.graphs[0].selected.startswith("TorchEagerBackend")
 
@@ -187,7 +186,7 @@ class BrokenEligibilityBackend(TorchEagerBackend):
         raise KeyError("no such preset")
 
 
-def test_a_raising_supports_is_a_row(fast_profiling):
+def test_a_raising_supports_is_a_row(fast_profiling, fake_clock):
     strategy = ait.MaxThroughputStrategy([BrokenEligibilityBackend(), SlowBackend()], profiling_config=fast_profiling)
     wrapped, model, report = _tune(strategy)
     rows = {row.backend: row for row in report.rows}

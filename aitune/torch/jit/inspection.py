@@ -280,11 +280,12 @@ class _ThreadFrames(threading.local):
 
 
 _frames = _ThreadFrames()
+_clock = time.perf_counter  # seconds, monotonic; one name, so that tests can put a fake clock in its place
 _record_lock = threading.Lock()
 
 
 def _open(node: InspectModule, args: tuple, kwargs: dict, first_call_only: bool) -> _Timing:
-    begin = time.perf_counter()
+    begin = _clock()
     timing = _Timing(node)
     try:
         with _record_lock:
@@ -297,10 +298,10 @@ def _open(node: InspectModule, args: tuple, kwargs: dict, first_call_only: bool)
         cuda_device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_cuda), None)
     timing.cuda_device = cuda_device
     _frames.stack.append(timing)
-    timing.overhead_s = time.perf_counter() - begin
+    timing.overhead_s = _clock() - begin
     if cuda_device is not None:
         torch.cuda.synchronize(cuda_device)
-    timing.started = time.perf_counter()
+    timing.started = _clock()
     return timing
 
 
@@ -311,7 +312,7 @@ def _close(timing: _Timing, output: Any, raised: bool = False) -> None:
         except Exception:  # noqa: BLE001 - the call's own error is the one to see
             if not raised:
                 raise
-    ended = time.perf_counter()
+    ended = _clock()
     elapsed = ended - timing.started
     stack = _frames.stack
     if stack and stack[-1] is timing:
@@ -336,7 +337,7 @@ def _close(timing: _Timing, output: Any, raised: bool = False) -> None:
     if stack:
         caller = stack[-1]
         caller.inner_s += elapsed
-        caller.inner_overhead_s += timing.overhead_s + (time.perf_counter() - ended)
+        caller.inner_overhead_s += timing.overhead_s + (_clock() - ended)
 
 
 def _recording_failed(node: InspectModule, side: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import math
 import re
-import textwrap
 
 from aitune.torch.report_html.page import (
     _TOP_MODULES,
@@ -14,14 +13,48 @@ from aitune.torch.report_html.page import (
     _escape_mathtext,
     _is_number,
     _labels,
+    _shorten_left,
     _speedup_text,
     _style,
+    _wrap_label,
 )
 
 
 def figures_available() -> bool:
     """True when matplotlib can be imported, i.e. pages get their figures (NOTE [figures are optional])."""
     return _FigureMaker().available
+
+
+# Statuses of candidates that passed the check against eager (the others failed it, or were never checked).
+_PASSED_CHECK = ("selected", "passed", "rejected (performance)")
+
+
+def _why_passed_beyond(row: dict, max_abs_error, atol_line) -> str:
+    """For a candidate that passed its check with a max abs error beyond the figure's dotted ``atol`` line,
+    the rule that let it pass (aitune/torch/correctness.py, module docstring): ``"passed: SQNR 24 dB"``
+    (quantized: SQNR and cosine instead of atol), ``"passed: fp32 parity"`` (rule 5: as close to an exact fp32
+    run as eager), ``"passed: fp16/bf16 atol 0.01"`` (reduced-precision tolerances: fp16/bf16 outputs, TF32 or
+    autocast), ``"passed: rtol 0.001·|eager|"`` (rule 3's relative part: large values). "" for the others."""
+    if row.get("status") not in _PASSED_CHECK or not (_is_number(max_abs_error) and _is_number(atol_line)
+                                                       and max_abs_error > atol_line):
+        return ""
+    comparison = row.get("comparison") or {}
+    if comparison.get("metric") == "sqnr+cosine":
+        sqnr = comparison.get("min_sqnr_db")
+        return f"passed: SQNR {sqnr:.0f} dB" if _is_number(sqnr) else "passed: SQNR and cosine"
+    leaves = [leaf for leaf in comparison.get("leaves") or [] if isinstance(leaf, dict)]
+    worst = max(leaves, key=lambda leaf: leaf.get("max_abs_error") or 0.0, default={})
+    if worst.get("fp32_parity") or (not leaves and "fp32-parity" in str(comparison.get("metric"))):
+        return "passed: fp32 parity"
+    atol, rtol = worst.get("atol"), worst.get("rtol")
+    own_atol = (comparison.get("tolerance") or {}).get("atol")
+    if not (_is_number(atol) and _is_number(rtol)):  # a report from before the leaves kept their tolerances
+        return "passed: rtol or fp16/bf16 tolerance"
+    if _is_number(own_atol) and atol > own_atol:
+        return f"passed: fp16/bf16 atol {atol:g}" + ("" if max_abs_error <= atol else f" + rtol·|eager|")
+    if max_abs_error <= atol:
+        return f"passed: atol {atol:g}"
+    return f"passed: rtol {rtol:g}·|eager|"
 
 
 class _FigureMaker:
@@ -88,13 +121,24 @@ class _FigureMaker:
 
     def speed_and_error(self, key: str, rows: list[dict]) -> str:
         """Speed-up vs eager (bars, eager = 1) beside the largest absolute error vs eager (log scale, with the
-        ``atol`` it was held to; quantized candidates annotated with their SQNR)."""
+        ``atol`` it was held to; quantized candidates annotated with their SQNR). A candidate that passed its
+        check with an error beyond the dotted atol line says on its bar which rule let it pass
+        (:func:`_why_passed_beyond`)."""
         shown = [row for row in rows if row.get("speedup") is not None or row.get("comparison")]
         if not shown:
             return ""
         shown.sort(key=lambda row: row.get("speedup") if _is_number(row.get("speedup")) else -1.0)
-        figure = self._figure(len(shown), width=9.2)
-        speed_axes, error_axes = figure.subplots(1, 2, sharey=True, gridspec_kw={"wspace": 0.08})
+        errors = [(row.get("comparison") or {}).get("max_abs_error") for row in shown]
+        positive = [value for value in errors if _is_number(value) and value > 0]
+        tolerances = [((row.get("comparison") or {}).get("tolerance") or {}).get("atol") for row in shown]
+        tolerances = [value for value in tolerances if _is_number(value) and value > 0]
+        whys = [_why_passed_beyond(row, value, max(tolerances) if tolerances else None)
+                for row, value in zip(shown, errors)]
+        # room on the right of the error bars for the longest "passed: ..." note
+        room = min(2 + 0.21 * max(len(why) for why in whys), 8) if any(whys) else 3.5
+        figure = self._figure(len(shown), width=9.2 if not any(whys) else 10.4)
+        speed_axes, error_axes = figure.subplots(1, 2, sharey=True, gridspec_kw={
+            "wspace": 0.08, "width_ratios": (1, 1.45 if any(whys) else 1)})
         positions = list(range(len(shown)))
         colours = [_style(row.get("status"))[0] for row in shown]
         speedups = [row.get("speedup") if _is_number(row.get("speedup")) else 0.0 for row in shown]
@@ -107,13 +151,9 @@ class _FigureMaker:
         speed_axes.set_xlim(0, top * 1.28)
         speed_axes.set_xlabel("speed-up vs eager (throughput ratio; dashed: eager)")
         speed_axes.set_yticks(positions, _labels(shown))
-        errors = [(row.get("comparison") or {}).get("max_abs_error") for row in shown]
-        positive = [value for value in errors if _is_number(value) and value > 0]
-        tolerances = [((row.get("comparison") or {}).get("tolerance") or {}).get("atol") for row in shown]
-        tolerances = [value for value in tolerances if _is_number(value) and value > 0]
         floor = min(positive + tolerances + [1e-6]) / 30
         ceiling = max(positive + tolerances + [floor * 100])
-        for position, row, value, colour in zip(positions, shown, errors, colours):
+        for position, row, value, colour, why in zip(positions, shown, errors, colours, whys):
             comparison = row.get("comparison") or {}
             if _is_number(value) and value > 0:
                 error_axes.barh([position], [value - floor], left=floor, color=colour, height=0.6)
@@ -122,12 +162,14 @@ class _FigureMaker:
                 text = "0 (identical)"
             else:
                 text = "baseline" if row.get("backend") == "eager" else "not compared"
-            if _is_number(comparison.get("min_sqnr_db")):
+            if why:  # which rule it passed by, in place of the SQNR a reduced-precision candidate also records
+                text += f"  {why}"
+            elif _is_number(comparison.get("min_sqnr_db")):
                 text += f"  SQNR {comparison['min_sqnr_db']:.1f} dB"
             error_axes.text((value if _is_number(value) and value > 0 else floor) * 1.25, position, text,
                             va="center", fontsize=8.5, color="#333333")
         self._log_x(error_axes, subs=(1.0,))
-        error_axes.set_xlim(floor, ceiling * 3e3)
+        error_axes.set_xlim(floor, ceiling * 10 ** room)
         if tolerances:
             error_axes.axvline(max(tolerances), color="#CC3311", linewidth=1, linestyle=":")
             error_axes.text(max(tolerances), len(shown) - 0.45, f" atol {max(tolerances):g}", color="#CC3311",
@@ -139,7 +181,8 @@ class _FigureMaker:
         self._tidy(error_axes)
         caption = ("Speed-up and error side by side: a candidate is worth having when its bar on the left is long "
                    "and its error on the right stays left of the dotted tolerance (quantized candidates are judged "
-                   "by SQNR and cosine instead). Colour = status.")
+                   "by SQNR and cosine instead; a passed bar beyond the line says which rule it passed by). "
+                   "Colour = status.")
         return self._svg(figure, key, "speed-error", caption)
 
     def probes(self, key: str, rows: list[dict]) -> str:
@@ -181,7 +224,7 @@ class _FigureMaker:
 
     def time_share(self, key: str, modules: list[dict], total_ms: float) -> str:
         shown = list(modules[:25])
-        labels = [_escape_mathtext(textwrap.shorten(f"{module['name'] or '<root>'} ({module['class']})", 48))
+        labels = [_escape_mathtext(_wrap_label(f"{module['name'] or '<root>'} ({module['class']})", 48, 1)[0])
                   for module in shown]
         shares = [100 * module["share"] for module in shown]
         outside = 100 * (1 - sum(module["share"] for module in modules)) if total_ms else 0.0
@@ -215,7 +258,7 @@ class _FigureMaker:
         labels, self_shares, total_shares = [], [], []
         for module in shown:
             label = f"{module['name']} ({str(module.get('class', '')).rsplit('.', 1)[-1]})"
-            labels.append(_escape_mathtext(label if len(label) <= 52 else "…" + label[-51:]))
+            labels.append(_escape_mathtext(_shorten_left(label, 52)))
             self_shares.append(100 * 1e3 * module.get("self_s", 0.0) / total_ms)
             total_shares.append(100 * 1e3 * module.get("total_s", 0.0) / total_ms)
         labels, self_shares, total_shares = labels[::-1], self_shares[::-1], total_shares[::-1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 import math
-import textwrap
+import re
 from typing import Any, Iterable
 
 
@@ -134,20 +134,81 @@ def _name(row: dict) -> str:
 
 
 def _labels(rows: list[dict]) -> list[str]:
-    """Figure labels: each row's description on at most two lines of 36 characters (longer ones end in "…"; the
-    tables carry them whole), numbered where two would read the same; ``$`` kept literal (no mathtext)."""
-    labels = []
-    for row in rows:
-        lines = textwrap.wrap(_name(row), 36, break_long_words=True)
-        if len(lines) > 2:
-            lines = [lines[0], lines[1][:35] + "…"]
-        labels.append("\n".join(lines))
+    """Figure labels: each row's description on at most two lines of 40 characters, broken only between words
+    (:func:`_wrap_label`; longer ones end in "…"; the tables carry them whole), numbered where two would read
+    the same; ``$`` kept literal (no mathtext)."""
+    labels = ["\n".join(_wrap_label(_name(row), _LABEL_WIDTH)) for row in rows]
     for label in set(labels):
         indices = [i for i, other in enumerate(labels) if other == label]
         if len(indices) > 1:
             for number, index in enumerate(indices, start=1):
                 labels[index] = f"{label} #{number}"
     return [_escape_mathtext(label) for label in labels]
+
+
+_LABEL_WIDTH = 40
+# Where a label may break: after a space or , ; ( [ { / | (between a backend and its settings, between two
+# settings); an overlong piece also after = or before a dotted name's next part.
+_BREAK_AFTER = re.compile(r"[\s,;(\[{/|]+")
+_BREAK_AFTER_IF_NEEDED = re.compile(r"=|\.(?=[A-Za-z_])")
+
+
+def _wrap_label(text: str, width: int, max_lines: int = 2) -> list[str]:
+    """``text`` on at most ``max_lines`` lines of at most ``width`` characters, broken only at the places
+    :data:`_BREAK_AFTER` names (``=`` and dots only inside a piece too long for a line), never inside a word.
+    What does not fit ends in "…" at the last break that fits; a single word longer than a line is cut, and
+    the "…" says so."""
+    pieces = []
+    for piece in _split_after(text, _BREAK_AFTER):
+        pieces.extend(_split_after(piece, _BREAK_AFTER_IF_NEEDED) if len(piece.rstrip()) > width else [piece])
+    lines: list[list[str]] = [[]]
+    for piece in pieces:
+        line = lines[-1]
+        if len("".join(line + [piece]).rstrip()) <= width:
+            line.append(piece)
+            continue
+        if line and len(lines) < max_lines:  # start the next line with this piece
+            lines.append([piece.lstrip()])
+            if len(piece.strip()) <= width:
+                continue
+        return [_joined(line) for line in lines[:-1]] + [_ellipsis(lines[-1] if line else [piece], width)]
+    return [_joined(line) for line in lines if line]
+
+
+def _joined(pieces: list[str]) -> str:
+    return "".join(pieces).strip()
+
+
+def _ellipsis(pieces: list[str], width: int) -> str:
+    """The line of ``pieces`` ended by "…" within ``width``: whole pieces while any fits, else the first piece
+    cut (a word longer than a line)."""
+    pieces = list(pieces)
+    while len(pieces) > 1 and len(_joined(pieces)) + 1 > width:
+        pieces.pop()
+    return _joined(pieces)[:width - 1] + "…"
+
+
+def _shorten_left(text: str, width: int) -> str:
+    """``text`` within ``width`` characters by dropping whole leading pieces (a module path's first parts),
+    marked by a leading "…"; a last piece longer than a line keeps its end."""
+    if len(text) <= width:
+        return text
+    pieces = []
+    for piece in _split_after(text, _BREAK_AFTER):
+        pieces.extend(_split_after(piece, _BREAK_AFTER_IF_NEEDED))
+    while len(pieces) > 1 and len("".join(pieces).strip()) + 1 > width:
+        pieces.pop(0)
+    rest = "".join(pieces).strip()
+    return "…" + rest[len(rest) - (width - 1):] if len(rest) + 1 > width else "…" + rest
+
+
+def _split_after(text: str, breaks: re.Pattern) -> list[str]:
+    pieces, start = [], 0
+    for match in breaks.finditer(text):
+        if match.end() > start:
+            pieces.append(text[start:match.end()])
+            start = match.end()
+    return pieces + ([text[start:]] if start < len(text) else [])
 
 
 def _escape_mathtext(text: str) -> str:
