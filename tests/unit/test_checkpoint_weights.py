@@ -149,5 +149,23 @@ def test_meta_and_random_modules_load_the_checkpoints_model(checkpoint, caplog):
 
 
 def test_a_bad_weights_choice_is_a_config_error(checkpoint):
-    with pytest.raises(ConfigError, match=r"weights must be None \(the default\), 'checkpoint' or 'module', got 'mine'"):
+    with pytest.raises(ConfigError, match=r"weights must be None \(the default\), 'checkpoint' or 'module', "
+                                          r"got 'mine'"):
         ait.load(MLP(seed=0).eval(), checkpoint.path, weights="mine")
+
+
+def test_weights_module_keeps_a_jit_modules_own_weights(tmp_path):
+    """A JIT checkpoint stores the weights and loads them into the module; ``weights="module"`` keeps the
+    module's own (its JIT backends are rebuilt from them), so every call is that module's model too."""
+    from aitune.torch.backend import TorchEagerBackend
+
+    module = ait.Module(MLP(seed=0).eval(), "mlp", strategy=ait.OneBackendStrategy(
+        TorchEagerBackend(), profiling_config=FAST).enable_performance_validation(False))
+    ait.tune(module, [torch.randn(2, 8), torch.randn(4, 8)], cache_dir_path=tmp_path / "cache", ready_batches=True)
+    path = ait.save(module, tmp_path / "jit.ait")
+
+    kept = ait.load(fine_tuned(), path, weights="module")
+    torch.testing.assert_close(eager(kept, INSIDE), eager(fine_tuned(), INSIDE), rtol=0, atol=0)
+    torch.testing.assert_close(kept.layers[2].weight, fine_tuned().layers[2].weight, rtol=0, atol=0)
+    restored = ait.load(fine_tuned(), path)  # the default loads the stored weights, as before
+    torch.testing.assert_close(eager(restored, INSIDE), eager(MLP(seed=0).eval(), INSIDE), rtol=0, atol=0)

@@ -271,7 +271,8 @@ def _stored_weights_difference(module: torch.nn.Module, file: Path, aliases: dic
     stored = load_file(str(file), device="cpu")
     for alias, canonical in aliases.items():
         if canonical not in stored:
-            raise CheckpointIntegrityError(f"module {plan.name!r}: weight alias {alias!r} points to missing {canonical!r}")
+            raise CheckpointIntegrityError(f"module {plan.name!r}: weight alias {alias!r} points to missing "
+                                           f"{canonical!r}")
         stored[alias] = stored[canonical]
     for name, value in module.state_dict().items():
         if not isinstance(value, torch.Tensor):

@@ -2,7 +2,8 @@
 
 Per tuned module: its path in the saved object, name, class, ``max_samples``, strategy, ``training``, weights
 file and tied-weight aliases, or, for a module whose weights are not stored (AOT-only), the digest of the
-weights its artifacts carry (``"weights_sha256"``, :func:`weights_digest`; None when it could not be taken). Per graph: :meth:`GraphSpec.to_json <aitune.torch.samples.GraphSpec.to_json>`
+weights its artifacts carry (``"weights_sha256"``, :func:`weights_digest`; None when it could not be taken).
+Per graph: :meth:`GraphSpec.to_json <aitune.torch.samples.GraphSpec.to_json>`
 plus the backend (name, class, build mode, config, description, metadata), device and device facts,
 package versions, artifacts, output structure, samples file, the chosen backend's tune-report row and the
 tolerance it was compared with eager under (``"tolerance"``, a ``Tolerance.to_dict``; absent before it was
