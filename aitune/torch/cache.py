@@ -143,7 +143,7 @@ class BuildCache:
             module.named_buffers(remove_duplicate=False))
         for name, tensor in tensors:
             hasher.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
-            _hash_tensor(hasher, tensor)
+            hash_tensor(hasher, tensor)
         for name, submodule in module.named_modules(remove_duplicate=False):
             sub_class = type(submodule)
             attributes = {key: value for key, value in vars(submodule).items()
@@ -266,7 +266,7 @@ def graph_fingerprint(graph, include_values: bool = False) -> dict:
         if include_values:
             for leaf in leaves:
                 if isinstance(leaf, torch.Tensor):
-                    _hash_tensor(values, leaf)
+                    hash_tensor(values, leaf)
     return {
         "structure": structure,
         "tensor_specs": specs,
@@ -290,7 +290,12 @@ def device_key(device: torch.device | str) -> dict:
     return {"type": device.type}
 
 
-def _hash_tensor(hasher, tensor: torch.Tensor) -> None:
+def hash_tensor(hasher, tensor: torch.Tensor) -> None:
+    """Feed ``tensor``'s bytes (copied to the CPU, contiguous) to ``hasher``.
+
+    Raises:
+        ValueError: a tensor on the ``meta`` device (it has no data).
+    """
     tensor = tensor.detach()
     if tensor.device.type == "meta":
         raise ValueError("tensor on the meta device has no data to fingerprint")

@@ -317,10 +317,19 @@ class Module(wrapt.ObjectProxy):
             self._self_guards[id(graph)] = guard
         self._self_routes = {}
 
-    def watch_state(self) -> None:
-        """Start noticing weights changed after tuning when a dispatched backend baked them in."""
+    def watch_state(self, stale: str | None = None) -> None:
+        """Start noticing weights changed after tuning when a dispatched backend baked them in.
+
+        Args:
+            stale: the baked-in weights are not the module's from the start, for this reason (``ait.load(...,
+                weights="module")`` into a module whose weights differ from the checkpoint's): such calls run
+                eagerly and :attr:`needs_retune` reports it. A module already stale stays stale.
+        """
         bakes = any(backend.bakes_weights and not graph.stateful for graph, backend in self._self_dispatch.values())
-        self._self_watch = StateWatch(self.__wrapped__) if bakes else None
+        previous = self._self_watch.reason if self._self_watch is not None else None
+        self._self_watch = StateWatch(self.__wrapped__) if bakes or stale else None
+        if self._self_watch is not None:
+            self._self_watch.reason = stale or previous
 
     @property
     def max_samples(self) -> int:

@@ -31,6 +31,7 @@ from aitune.errors import CheckpointIntegrityError, ConfigError
 from aitune.torch.arguments import known_keywords
 from aitune.torch import checkpoint
 from aitune.torch.checkpoint.archive import CHUNK, sums_path
+from aitune.torch.checkpoint.load import check_weights_choice
 from aitune.utils.logging import libraries_logging
 
 logger = logging.getLogger(__name__)
@@ -120,29 +121,33 @@ class LocalTorchStorage:
             return folder
         return archive
 
-    def load(self, model_or_pipeline: Any, name: str | os.PathLike, device: str | torch.device | None = None) -> Any:
-        """Restore the checkpoint ``name`` into ``model_or_pipeline`` (:func:`aitune.torch.checkpoint.load`).
+    def load(self, model_or_pipeline: Any, name: str | os.PathLike, device: str | torch.device | None = None,
+             weights: str | None = None) -> Any:
+        """Restore the checkpoint ``name`` into ``model_or_pipeline`` (:func:`aitune.torch.checkpoint.load`, which
+        documents ``device`` and ``weights``).
 
         Raises:
             FileNotFoundError: neither the archive nor the folder exists.
             CheckpointIntegrityError: a digest (SHA-256, or SHA-512 with ``sha_type="512"``) does not match.
+            ConfigError: ``weights`` is not None, ``"checkpoint"`` or ``"module"``.
         """
+        check_weights_choice(weights)
         archive, folder = self.archive_path(name), self.folder_path(name)
         if not archive.exists() and not folder.is_dir():
             literal = Path(name).expanduser()
             if not Path(name).is_absolute() and literal.is_file():
                 logger.info("aitune.load: %s not found; reading %s as given", archive, literal)
-                return checkpoint.load(model_or_pipeline, literal, device=device)
+                return checkpoint.load(model_or_pipeline, literal, device=device, weights=weights)
             raise FileNotFoundError(f"no checkpoint {archive} (nor an unpacked {folder}/)")
         if archive.exists():
             side = _sha512_path(archive)
             if self.sha_type == "512" or side.exists():
                 _check_sha512(archive, side)
-            return checkpoint.load(model_or_pipeline, archive, device=device)
+            return checkpoint.load(model_or_pipeline, archive, device=device, weights=weights)
         with tempfile.TemporaryDirectory(prefix="aitune-pack-") as scratch:
             packed = Path(scratch) / archive.name
             _pack(folder, packed)
-            return checkpoint.load(model_or_pipeline, packed, device=device)
+            return checkpoint.load(model_or_pipeline, packed, device=device, weights=weights)
 
 
 def existing_checkpoint(name: str | os.PathLike) -> Path:
@@ -173,7 +178,7 @@ def save(model_or_pipeline: Any, path: str | os.PathLike, storage: LocalTorchSto
 @known_keywords
 def load(model_or_pipeline: Any, path: str | os.PathLike, storage: LocalTorchStorage | None = None,
          device_map: dict[str, str | torch.device] | None = None, disable_external_logging: bool = True,
-         *, device: str | torch.device | None = None) -> Any:
+         *, device: str | torch.device | None = None, weights: str | None = None) -> Any:
     """Restore a checkpoint saved by :func:`save` into a freshly built model or pipeline; returns it tuned.
 
     Args:
@@ -184,9 +189,15 @@ def load(model_or_pipeline: Any, path: str | os.PathLike, storage: LocalTorchSto
             map's values must agree (they become ``device``).
         disable_external_logging: silence loggers other than aitune's (below ERROR) while loading.
         device: where to run (default: per module, NOTE [checkpoint devices] in :mod:`aitune.torch.checkpoint`).
+        weights: for a module whose checkpoint stores no weights (AOT-only) and whose own weights differ from
+            those it was tuned with: ``"checkpoint"`` (the artifacts answer; calls they do not take raise),
+            ``"module"`` (the module's own weights answer every call, eagerly; ``needs_retune`` says why) or
+            None (as ``"checkpoint"``, with a warning). See NOTE [one model per loaded module] in
+            :func:`aitune.torch.checkpoint.load`.
 
     Raises:
-        ConfigError: a ``device_map`` naming several devices, or together with ``device``.
+        ConfigError: a ``device_map`` naming several devices, or together with ``device``; a ``weights`` other
+            than None, ``"checkpoint"`` or ``"module"``.
         FileNotFoundError, CheckpointError: as :meth:`LocalTorchStorage.load`.
     """
     if device_map:
@@ -196,7 +207,7 @@ def load(model_or_pipeline: Any, path: str | os.PathLike, storage: LocalTorchSto
                               "device='cuda:0' (or a device_map whose entries agree)")
         device = devices.pop()
     with libraries_logging(disable_external_logging):
-        return _storage(storage).load(model_or_pipeline, path, device=device)
+        return _storage(storage).load(model_or_pipeline, path, device=device, weights=weights)
 
 
 def _storage(storage: LocalTorchStorage | None) -> LocalTorchStorage:

@@ -642,10 +642,12 @@ class Affine(nn.Module):
 
 @pytest.mark.skipif(not ONNXRuntimeBackend.availability().ok, reason=ONNXRuntimeBackend.availability().reason)
 def test_aot_load_checks_eager_fallback_with_the_tuned_tolerance(tmp_path):
-    """The fallback check uses the tolerance the module was tuned with, not the default ``Tolerance()``.
+    """Without the weights' digest (checkpoints saved before it was stored), the fallback check uses the
+    tolerance the module was tuned with, not the default ``Tolerance()``.
 
     A bias shift of 0.01 exceeds the default (atol 1e-4, rtol 1e-3) but lies within atol/rtol 0.05, the
-    tolerance this module was tuned under: its eager fallback is as correct as its tuning demanded.
+    tolerance this module was tuned under: its eager fallback is as correct as its tuning demanded. With the
+    digest, the shift is known exactly: other weights, so calls the artifact does not take raise.
     """
     from aitune.errors import BackendRuntimeError
 
@@ -653,22 +655,27 @@ def test_aot_load_checks_eager_fallback_with_the_tuned_tolerance(tmp_path):
     module = ait.Module(Affine().eval(), "affine", strategy=ait.OneBackendStrategy(
         ONNXRuntimeBackend(), profiling_config=FAST, tolerance=loose).enable_performance_validation(False))
     ait.tune(module, [torch.randn(2, 4), torch.randn(3, 4)], cache_dir_path=tmp_path / "cache", ready_batches=True)
-    path = ait.save(module, tmp_path / "affine.ait")
+    digested = ait.save(module, tmp_path / "affine.ait")
+    path = edit_manifest(digested, tmp_path / "undigested.ait",
+                         lambda manifest: manifest["modules"][0].pop("weights_sha256"))
     outside = torch.randn(8, 4)  # batch 8 > recorded max 3: the artifact does not take it, eager runs
 
-    def load_shifted(shift: float):
+    def load_shifted(shift: float, checkpoint=path):
         target = Affine().eval()
         with torch.no_grad():
             target.linear.bias.add_(shift)
-        return ait.load(target, path)
+        return ait.load(target, checkpoint)
 
     with torch.no_grad():
+        with pytest.raises(BackendRuntimeError, match="weights differ"):
+            load_shifted(0.01, digested)(outside)
         within = load_shifted(0.01)
         torch.testing.assert_close(within(outside), within.module(outside))  # fallback allowed
         beyond = load_shifted(0.5)
         with pytest.raises(BackendRuntimeError, match="weights differ"):
             beyond(outside)
     graph = read_manifest(path)["modules"][0]["graphs"][0]
+    assert "weights_sha256" not in read_manifest(path)["modules"][0]
     assert graph["tolerance"]["atol"] == 0.05 and graph["tolerance"]["rtol"] == 0.05
 
     # A manifest written before the tolerance was stored falls back to the default Tolerance().

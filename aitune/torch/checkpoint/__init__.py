@@ -15,7 +15,8 @@ A checkpoint is one zip archive (stored, not compressed) holding:
 ``modules/<m>/weights.safetensors``
     the module's ``state_dict`` — only for modules with at least one JIT graph (eager, Inductor JIT,
     TorchAO): AOT artifacts are self-contained, so the weights of AOT-only modules are neither stored nor
-    needed at load.
+    needed at load; their SHA-256 is (``weights_sha256``), and ``load`` compares the target module with it
+    (NOTE [one model per loaded module] in :mod:`.load`).
 ``SHA256SUMS``
     ``<sha256 hex>  <path>`` for every other file (the layout of ``sha256sum``); a copy is written beside
     the archive as ``<stem>_sha256_sums.txt`` (:mod:`.archive`).

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from aitune.errors import CheckpointError, CheckpointIntegrityError
+from aitune.errors import CheckpointError, CheckpointIntegrityError, ConfigError
 from aitune.torch.backend.eager import TorchEagerBackend
 from aitune.torch.checkpoint.archive import check_member_name
-from aitune.torch.checkpoint.manifest import read_manifest
+from aitune.torch.checkpoint.manifest import read_manifest, weights_digest
 from aitune.torch.checkpoint.plan import ModulePlan, plan_module, warn_differences
 from aitune.torch.checkpoint.wrappers import replace_at, resolve_path
 from aitune.torch.correctness import comparator_for
@@ -30,7 +30,24 @@ from aitune.torch.signature import CallSignature
 logger = logging.getLogger(__name__)
 
 
-def load(model_or_pipeline: Any, path: str | os.PathLike, device: str | torch.device | None = None) -> Any:
+WEIGHTS_CHOICES = (None, "checkpoint", "module")
+
+
+def check_weights_choice(weights: Any) -> str | None:
+    """``weights`` of :func:`load`, validated.
+
+    Raises:
+        ConfigError: anything but None, ``"checkpoint"`` or ``"module"``.
+    """
+    if weights is not None and (not isinstance(weights, str) or weights not in WEIGHTS_CHOICES):
+        raise ConfigError(f"weights must be None (the default), 'checkpoint' or 'module', got {weights!r}: "
+                          "'checkpoint' runs the checkpoint's model (what its AOT artifacts carry), 'module' runs the "
+                          "weights of the module you load into")
+    return weights
+
+
+def load(model_or_pipeline: Any, path: str | os.PathLike, device: str | torch.device | None = None,
+         weights: str | None = None) -> Any:
     """Restore the tuned modules of a checkpoint into ``model_or_pipeline``; returns it TUNED.
 
     Every digest is verified before anything is deserialised (see NOTE [checkpoint safety] in
@@ -39,9 +56,19 @@ def load(model_or_pipeline: Any, path: str | os.PathLike, device: str | torch.de
     only from sources you trust. Where the checkpoint has a wrapper and ``model_or_pipeline`` holds a plain
     ``nn.Module``, the module is wrapped in place (as :func:`aitune.torch.wrap` does); when that place is the
     root, the new wrapper is returned. Weights stored for JIT graphs are loaded into the module
-    (``load_state_dict(strict=True)``); AOT graphs run their artifact and never touch the module's weights
-    (calls outside an artifact's recorded shape range still run the module eagerly, with the weights it has,
-    if they reproduce the tuned outputs within the tolerance it was tuned with).
+    (``load_state_dict(strict=True)``); AOT graphs run their artifact, which carries the weights the module was
+    tuned with, and never touch the module's weights.
+
+    NOTE [one model per loaded module]: every call of a loaded module comes from one model. For a module
+    whose checkpoint stores no weights (AOT-only), the module passed here is compared with the weights the
+    artifacts carry (their sha256, ``weights_sha256`` in the manifest; for checkpoints without it, the
+    module's outputs on a recorded sample within the tuned tolerance). The same weights: calls the artifacts
+    do not take (other shapes, untuned structures) run the module eagerly. No weights (``meta``): such calls
+    raise :class:`~aitune.errors.BackendRuntimeError`. Other weights (a freshly initialised model, or a
+    fine-tuned copy) are two models, and ``weights`` chooses: ``"checkpoint"`` — the artifacts answer and
+    calls they do not take raise (never this module's other weights); ``"module"`` — the module's own weights
+    answer every call, eagerly (the artifacts are stale: :attr:`~aitune.torch.Module.needs_retune` says why;
+    re-tune for speed); None — as ``"checkpoint"``, with a warning naming the module and both options.
 
     Args:
         model_or_pipeline: the same model/pipeline structure that was saved (freshly constructed: its
@@ -49,6 +76,10 @@ def load(model_or_pipeline: Any, path: str | os.PathLike, device: str | torch.de
             weights).
         path: the ``.ait`` file.
         device: where to run; None chooses per module (see NOTE [checkpoint devices]).
+        weights: whose weights answer when the module's differ from those the checkpoint was tuned with:
+            ``"checkpoint"``, ``"module"`` or None (``"checkpoint"`` with a warning); see NOTE [one model per
+            loaded module]. With ``"module"``, JIT graphs are rebuilt from the module's own weights too (the
+            stored ones are not loaded).
 
     Returns:
         ``model_or_pipeline``, or the new wrapper when its root was wrapped.
@@ -59,8 +90,11 @@ def load(model_or_pipeline: Any, path: str | os.PathLike, device: str | torch.de
         CheckpointVersionError: the checkpoint was written by a newer format version.
         CheckpointError: a structure type that is not imported here, a module path missing from
             ``model_or_pipeline``, weights that do not fit, an AOT artifact for another device type or
-            GPU architecture, an unavailable backend, or a backend that fails to restore (cause chained).
+            GPU architecture, an unavailable backend, a backend that fails to restore (cause chained), or
+            ``weights="module"`` for a module without weights (``meta``).
+        ConfigError: ``weights`` is not None, ``"checkpoint"`` or ``"module"``.
     """
+    weights = check_weights_choice(weights)
     path = Path(path)
     scratch = Path(tempfile.mkdtemp(prefix="aitune-checkpoint-"))
     keep_scratch = False
@@ -68,9 +102,11 @@ def load(model_or_pipeline: Any, path: str | os.PathLike, device: str | torch.de
         manifest, sums = read_manifest(path, extract_to=scratch)
         plans = [plan_module(model_or_pipeline, entry, set(sums), device) for entry in manifest["modules"]]
         warn_differences(manifest, plans, path)
+        if weights == "module":
+            _refuse_modules_without_weights(plans)
         files = ExtractedFiles(scratch)
         for plan in plans:
-            _restore_module(plan, files)
+            _restore_module(plan, files, weights, path)
         keep_scratch = True
         result = model_or_pipeline
         for plan in plans:
@@ -113,11 +149,31 @@ def _release(files: ExtractedFiles) -> None:
     """Drops the last reference a collected user held (see NOTE [keeping extracted files])."""
 
 
-def _restore_module(plan: ModulePlan, files: ExtractedFiles) -> None:
+def _refuse_modules_without_weights(plans: list[ModulePlan]) -> None:
+    """``weights="module"`` runs the modules' own weights: refuse, before anything is touched, a module without."""
+    for plan in plans:
+        if _on_meta(plan.module):
+            raise CheckpointError(
+                f"module {plan.name!r}: weights='module' runs the weights of the module passed to ait.load, but it "
+                "has none (meta tensors); build it with its weights (e.g. from_pretrained), or load with "
+                "weights='checkpoint' to run the checkpoint's model")
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+def _restore_module(plan: ModulePlan, files: ExtractedFiles, weights: str | None, path: Path) -> None:
     entry = plan.entry
     module = plan.module
     if entry.get("weights"):
-        _load_weights(module, files.root / entry["weights"], entry.get("weight_aliases") or {}, plan)
+        stored, aliases = files.root / entry["weights"], entry.get("weight_aliases") or {}
+        if weights != "module":
+            _load_weights(module, stored, aliases, plan)
+        elif any(graph_plan.entry.get("build_mode") == "aot" for graph_plan in plan.graphs):
+            difference = _stored_weights_difference(module, stored, aliases, plan)
+            if difference is not None:
+                plan.stale_reason = _stale_reason(difference)
     if module.training != bool(entry.get("training", module.training)):
         logger.warning("aitune.load: %s is in %s mode but was tuned in %s mode; tuned backends run only when the "
                        "modes agree (call .eval() / .train())", plan.name, "training" if module.training else "eval",
@@ -148,22 +204,93 @@ def _restore_module(plan: ModulePlan, files: ExtractedFiles) -> None:
         backend.build_info.update({"restored_from_checkpoint": True})
         plan.dispatch[graph.key] = (graph, backend)
     if not entry.get("weights"):
-        plan.eager_fallback_error = _eager_fallback_problem(module, plan)
+        _choose_weights(module, plan, weights, path)
+
+
+def _choose_weights(module: torch.nn.Module, plan: ModulePlan, weights: str | None, path: Path) -> None:
+    """Whose weights answer the calls of an AOT-only module (NOTE [one model per loaded module] in :func:`load`).
+
+    Sets ``plan.eager_fallback_error`` (calls the artifacts do not take raise: the module has no weights, or
+    other ones and the checkpoint's model was chosen) or ``plan.stale_reason`` (``weights="module"``: the
+    artifacts carry other weights, every call runs the module eagerly); neither when the weights agree.
+    """
+    if _on_meta(module):
+        plan.eager_fallback_error = (
+            f"{plan.name} was loaded from an AOT checkpoint into a module without weights (meta tensors), so "
+            "calls its artifacts do not take cannot run eagerly; load into a module with its real weights "
+            "(e.g. from_pretrained) to allow that")
+        return
+    difference = _weights_difference(module, plan)
+    if difference is None:
+        return
+    if weights == "module":
+        plan.stale_reason = _stale_reason(difference)
+        return
+    plan.eager_fallback_error = (
+        f"{plan.name}'s weights differ from those the checkpoint was tuned with ({difference}) and its calls come "
+        f"from the checkpoint's model (ait.load weights={weights!r}), so calls its AOT artifacts do not take "
+        "(other shapes, untuned structures) cannot run this module's other weights; load with weights='module' to "
+        "run the module's own weights, or into the model with the checkpoint's weights")
+    if weights is None:
+        logger.warning(
+            "aitune.load: %s's weights differ from those %s was tuned with (%s). Its AOT artifacts carry the "
+            "checkpoint's weights, so every call of the loaded module comes from the checkpoint's model, and calls "
+            "the artifacts do not take (other shapes, untuned structures) raise instead of running this module's "
+            "weights. Pass weights='checkpoint' to ait.load to choose this without the warning, or "
+            "weights='module' to run this module's own weights (eagerly until re-tuned; needs_retune says so)",
+            plan.name, path, difference)
+    else:
+        logger.info("aitune.load: %s's weights differ from the checkpoint's (%s); weights='checkpoint': its "
+                    "artifacts answer, calls they do not take raise", plan.name, difference)
+
+
+def _stale_reason(difference: str) -> str:
+    return (f"the module's weights differ from those the checkpoint was tuned with ({difference}; ait.load "
+            "weights='module')")
+
+
+def _weights_difference(module: torch.nn.Module, plan: ModulePlan) -> str | None:
+    """How ``module``'s weights differ from those the AOT artifacts carry, or None when they agree.
+
+    With the digest stored at save (``weights_sha256``) the comparison is exact. Checkpoints without it (saved
+    before it was stored, or whose weights were unknown at save) use NOTE [eager fallback after load].
+    """
+    saved = plan.entry.get("weights_sha256")
+    if saved:
+        current = weights_digest(module)
+        if current == saved:
+            return None
+        return f"weights sha256 {current[:12]}… here, {saved[:12]}… in the checkpoint"
+    return _eager_fallback_problem(module, plan)
+
+
+def _stored_weights_difference(module: torch.nn.Module, file: Path, aliases: dict, plan: ModulePlan) -> str | None:
+    """The first ``state_dict`` entry of ``module`` that differs from the checkpoint's stored weights, or None."""
+    from safetensors.torch import load_file
+
+    stored = load_file(str(file), device="cpu")
+    for alias, canonical in aliases.items():
+        if canonical not in stored:
+            raise CheckpointIntegrityError(f"module {plan.name!r}: weight alias {alias!r} points to missing "
+                                           f"{canonical!r}")
+        stored[alias] = stored[canonical]
+    for name, value in module.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        saved = stored.get(name)
+        if saved is None or saved.dtype != value.dtype or not torch.equal(value.detach().to("cpu"), saved):
+            return f"'{name}' differs from the stored one"
+    return None
 
 
 def _eager_fallback_problem(module: torch.nn.Module, plan: ModulePlan) -> str | None:
-    """Can calls an AOT artifact does not take (other shapes, untuned structures) still run eagerly?
+    """Does ``module`` reproduce the AOT artifacts' outputs? None when it does, else how it does not.
 
-    The checkpoint holds no weights for an AOT-only module, so eager fallback runs ``module`` with the weights
-    it was given. NOTE [eager fallback after load]: we run it once per graph on a recorded sample and compare
-    with the artifact under the tolerance the graph was tuned with (the default ``Tolerance()`` for
-    checkpoints that predate storing it); if they disagree (random or missing weights) fallback would be
-    silently wrong, so the wrapper refuses such calls with this reason instead.
+    NOTE [eager fallback after load]: for a checkpoint without the weights' digest, we run the module once
+    per graph on a recorded sample and compare with the artifact under the tolerance the graph was tuned with
+    (the default ``Tolerance()`` for checkpoints that predate storing it); if they disagree, its weights
+    differ from the tuned ones.
     """
-    if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
-        return (f"{plan.name} was loaded from an AOT checkpoint into a module without weights (meta tensors), so "
-                "calls its artifacts do not take cannot run eagerly; load into a module with its real weights "
-                "(e.g. from_pretrained) to allow that")
     tolerances = {graph_plan.entry.get("name"): graph_plan.tolerance for graph_plan in plan.graphs}
     for graph, backend in plan.dispatch.values():
         if not graph.samples:
@@ -176,10 +303,8 @@ def _eager_fallback_problem(module: torch.nn.Module, plan: ModulePlan) -> str | 
                 actual = module(*inputs.args, **inputs.kwargs)
             comparator_for(backend, tolerances[graph.name]).compare(expected, actual)
         except Exception as exc:  # noqa: BLE001
-            return (f"the module passed to ait.load does not reproduce {plan.name}/{graph.name}'s tuned outputs "
-                    f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}) — its weights differ from the tuned "
-                    "ones — so calls the AOT artifacts do not take cannot fall back to eager; load into the model "
-                    "with its real weights")
+            return (f"it does not reproduce {graph.name}'s tuned outputs: {type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:160]}")
     return None
 
 
@@ -284,13 +409,14 @@ def _install(root: Any, plan: ModulePlan) -> Any:
     rows = {g.entry["name"]: g.entry.get("tune_row") for g in plan.graphs if g.entry.get("tune_row")}
     wrapper.install_tuned(list(plan.dispatch.values()), eager_fallback_error=plan.eager_fallback_error,
                           tune_rows=rows)
-    if plan.eager_fallback_error is None:  # the guard re-runs eager: only where eager is right
+    # The guard re-runs eager: only where eager is the artifacts' model.
+    if plan.eager_fallback_error is None and plan.stale_reason is None:
         tolerances = {g.entry["name"]: g.tolerance for g in plan.graphs}
         for graph, backend in plan.dispatch.values():
             checked = {signature(sample.leaves()) for sample in graph.samples}
             wrapper.arm_guard(graph, guard_for(wrapper.guard_config, graph, backend, tolerances[graph.name],
                                                rows.get(graph.name), checked))
-    wrapper.watch_state()
+    wrapper.watch_state(stale=plan.stale_reason)
     return root
 
 

@@ -1,7 +1,9 @@
 """``manifest.json``: what a checkpoint holds, as JSON (format name and version, versions, device, modules).
 
 Per tuned module: its path in the saved object, name, class, ``max_samples``, strategy, ``training``, weights
-file and tied-weight aliases. Per graph: :meth:`GraphSpec.to_json <aitune.torch.samples.GraphSpec.to_json>`
+file and tied-weight aliases, or, for a module whose weights are not stored (AOT-only), the digest of the
+weights its artifacts carry (``"weights_sha256"``, :func:`weights_digest`; None when it could not be taken).
+Per graph: :meth:`GraphSpec.to_json <aitune.torch.samples.GraphSpec.to_json>`
 plus the backend (name, class, build mode, config, description, metadata), device and device facts,
 package versions, artifacts, output structure, samples file, the chosen backend's tune-report row and the
 tolerance it was compared with eager under (``"tolerance"``, a ``Tolerance.to_dict``; absent before it was
@@ -11,6 +13,7 @@ stored: the default then applies).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import platform
@@ -44,6 +47,26 @@ def state_signature(module: torch.nn.Module) -> list[list]:
     target module against (stored for every module, also AOT-only ones whose weights are not stored)."""
     return [[name, list(value.shape), dtype_name(value.dtype)] for name, value in module.state_dict().items()
             if isinstance(value, torch.Tensor)]
+
+
+def weights_digest(module: torch.nn.Module) -> str | None:
+    """sha256 hex over the module's ``state_dict`` tensors (name, dtype, shape and bytes, in order): what
+    ``ait.load`` compares the target module with for modules whose weights are not stored (AOT-only).
+
+    Returns:
+        The digest, or None when a tensor is on the ``meta`` device (no data to digest).
+    """
+    from aitune.torch.cache import hash_tensor
+
+    hasher = hashlib.sha256()
+    for name, value in module.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.device.type == "meta":
+            return None
+        hasher.update(f"{name}|{dtype_name(value.dtype)}|{list(value.shape)}\n".encode())
+        hash_tensor(hasher, value)
+    return hasher.hexdigest()
 
 
 def check_state(entry: dict, module: torch.nn.Module, where: str) -> None:

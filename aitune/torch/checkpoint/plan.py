@@ -39,7 +39,8 @@ class GraphPlan:
 @dataclasses.dataclass
 class ModulePlan:
     """How one module is restored: where it sits (``parent``, ``target``), its device and graphs; filled
-    with the restored ``dispatch`` (graph key -> (GraphSpec, Backend)) and eager-fallback verdict."""
+    with the restored ``dispatch`` (graph key -> (GraphSpec, Backend)), the eager-fallback verdict and, with
+    ``weights="module"``, why the artifacts are stale."""
 
     entry: dict
     name: str
@@ -49,6 +50,7 @@ class ModulePlan:
     graphs: list[GraphPlan]
     dispatch: dict = dataclasses.field(default_factory=dict)
     eager_fallback_error: str | None = None
+    stale_reason: str | None = None  # weights="module": the artifacts carry other weights than the module's
 
     @property
     def module(self) -> torch.nn.Module:

@@ -21,6 +21,7 @@ from aitune.torch.checkpoint.manifest import (
     graph_entry,
     manifest_bytes,
     state_signature,
+    weights_digest,
 )
 from aitune.torch.checkpoint.wrappers import WrapperEntry, find_wrappers, path_text
 from aitune.torch.jsonsafe import json_safe
@@ -123,7 +124,18 @@ def _save_module(index: int, entry: WrapperEntry, staging: Path) -> dict:
         record["weights"] = f"{base}/weights.safetensors"
         record["weight_aliases"], record["num_weight_tensors"] = _save_weights(
             module, staging / record["weights"], wrapper.name)
+    else:
+        record["weights_sha256"] = _carried_weights_digest(wrapper)
     return record
+
+
+def _carried_weights_digest(wrapper) -> str | None:
+    """The digest of the weights an AOT-only module's artifacts carry (``ait.load`` compares the target module
+    with it); None when unknown: weights on ``meta`` (offloaded after tuning), changed since tuning (the
+    artifacts hold the old ones), or changed by ``forward`` itself (a stateful graph)."""
+    if wrapper.needs_retune is not None or any(graph.stateful for graph, _ in wrapper.tuned_graphs()):
+        return None
+    return weights_digest(wrapper.module)
 
 
 def _save_backend(module_name: str, graph_name: str, backend, directory: Path) -> dict:
