@@ -57,7 +57,9 @@ class GuardConfig(KnownFields):
             measured at tuning (1000 when unknown); 0 = never.
         max_overhead: the share of serving time the periodic eager re-runs may cost with ``check_every=None``
             (default 0.02 = 2 %).
-        max_signatures: input signatures remembered per graph (beyond that only the periodic check runs).
+        max_signatures: input signatures remembered per graph, the ones checked at tuning included; once
+            that many are remembered, a call of a new signature is no longer checked for being new (only the
+            periodic check runs), so serving many shapes never re-runs eager on every call.
 
     Raises:
         ConfigError: on a negative count or an overhead outside (0, 1].
@@ -138,11 +140,12 @@ class RuntimeGuard:
         self.calls += 1
         if self.interval and self.calls % self.interval == 0:
             return True
-        if self.config.check_unseen_shapes:
+        if self.config.check_unseen_shapes and len(self.seen) < self.config.max_signatures:
+            # Once the table is full only the periodic check runs (GuardConfig.max_signatures): checking
+            # every call of a shape it can no longer remember would re-run eager on all of them.
             key = signature(leaves)
             if key not in self.seen:
-                if len(self.seen) < self.config.max_signatures:
-                    self.seen.add(key)
+                self.seen.add(key)
                 return True
         return False
 

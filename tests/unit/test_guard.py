@@ -11,7 +11,7 @@ import torch.nn as nn
 import aitune.torch as ait
 from aitune.errors import ConfigError
 from aitune.torch.backend import TorchEagerBackend, TorchInductorAotBackend
-from aitune.torch.guard import FULL_SCAN_EVERY, GuardConfig, StateWatch
+from aitune.torch.guard import FULL_SCAN_EVERY, GuardConfig, RuntimeGuard, StateWatch
 
 PAUSE_S = 0.002
 
@@ -95,6 +95,44 @@ def test_default_interval_keeps_eager_reruns_within_two_percent():
     assert GuardConfig(max_overhead=0.1).interval(2.0) == 20 and GuardConfig(check_every=0).interval(5.0) == 0
     with pytest.raises(ConfigError, match="max_overhead"):
         GuardConfig(max_overhead=0)
+
+
+def test_a_full_signature_table_stops_checking_new_shapes():
+    """Once ``max_signatures`` signatures are remembered only the periodic check runs (GuardConfig's docstring):
+    a stream of new shapes (dynamic sequence lengths) must not re-run eager on every call."""
+    eager_runs = []
+    guard = RuntimeGuard("graph0", GuardConfig(check_every=0, max_signatures=4), lambda *_: None,
+                         {(torch.Size([2, 16]),)}, speedup=3.0)
+    backend = TorchEagerBackend()
+    for length in range(1, 41):  # 40 calls, each of a new shape
+        leaves = [torch.zeros(length, 16)]
+        if guard.due(leaves):
+            guard.check(backend, lambda chosen: leaves[0] + 1, lambda: eager_runs.append(length) or leaves[0] + 1,
+                        leaves)
+    assert eager_runs == [1, 3, 4]  # 2 x 16 was checked at tuning; the table is full after three new ones
+    assert guard.checks == 3 and guard.stats()["calls"] == 40
+
+
+def test_guard_with_a_full_table_on_a_tuned_module(fast_profiling):
+    model = PausedNet().eval()
+    strategy = ait.MaxThroughputStrategy([SlowerButRight()], profiling_config=fast_profiling)
+    tuned = ait.Module(model, "paused", strategy=strategy.enable_performance_validation(False),
+                       guard=GuardConfig(check_every=0, max_signatures=20))
+    ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
+    assert tuned.backends["graph0"].name == "test_slower_but_right"
+    eager_runs = [0]
+    model.register_forward_pre_hook(lambda *_: eager_runs.__setitem__(0, eager_runs[0] + 1))
+    expected = []
+    with torch.no_grad():
+        for batch in range(5, 65):  # 60 batch sizes, all but a few never recorded nor probed
+            x = torch.randn(batch, 16)
+            expected.append((x, model(x)))
+    eager_runs[0] = 0
+    for x, reference in expected:
+        torch.testing.assert_close(tuned(x), reference)
+    stats = tuned.stats["guard"]["graph0"]
+    assert stats["calls"] == 60 and stats["checks"] == eager_runs[0]
+    assert eager_runs[0] <= 20  # before the fix: one eager re-run per new shape (over 50)
 
 
 def test_guard_off_means_no_checks(fast_profiling):
