@@ -42,10 +42,10 @@ def fake_clock(monkeypatch):
     from aitune.torch.jit import inspection
 
     clock = fake_clock.FakeClock()
-    monkeypatch.setattr(profiling, "_clock", clock)
     monkeypatch.setattr(inspection, "_clock", clock)
     fake_clock.install(clock)
-    yield clock
+    with profiling.use_clock(clock.nanoseconds):
+        yield clock
     fake_clock.install(None)
 
 

@@ -32,7 +32,7 @@ from aitune.torch.crashes import crash_signal
 from aitune.torch.dtypes import is_fp32_model
 from aitune.torch.isolation import BACKGROUND_BUILDS, BUILD_DEADLINE
 from aitune.torch.probes import ProbeConfig, ProbeSet, make_probes
-from aitune.torch.profiling import Measurement, ProfilingConfig, measure
+from aitune.torch.profiling import Measurement, ProfilingConfig, measure, measure_pair, paired_speedup
 from aitune.torch.pytree import tree_flatten, tree_unflatten
 from aitune.torch.references import ReferenceStore
 from aitune.torch.report import (
@@ -101,6 +101,7 @@ class GraphContext:
     rankings: Any = None  # a RankingStore (aitune/torch/rankings.py); None: every tune searches in full
     deadline: float | None = None  # perf_counter() by which this graph's evaluations should end (time budget)
     references: ReferenceStore = dataclasses.field(default_factory=ReferenceStore)
+    _eager_runner: Any = None  # the eager backend candidates are timed against (measure_backend)
     _probes: dict = dataclasses.field(default_factory=dict)
     _fp32_outputs: dict = dataclasses.field(default_factory=dict)
     _fp32_unavailable: bool = False
@@ -113,6 +114,17 @@ class GraphContext:
         inputs = sample.clone()
         with torch.no_grad():
             return self.module(*inputs.args, **inputs.kwargs)
+
+    def eager_runner(self) -> Backend:
+        """Plain eager as a built backend, made once per graph: what every candidate is timed against in
+        alternation (NOTE [paired speed-up] in :mod:`aitune.torch.profiling`)."""
+        if self._eager_runner is None:
+            from aitune.torch.backend.eager import TorchEagerBackend
+
+            blueprint = TorchEagerBackend()
+            self._eager_runner = blueprint.copy().build(self.module, self.graph, self.device,
+                                                        self.workdir / blueprint.key())
+        return self._eager_runner
 
     def probes(self, config: ProbeConfig) -> ProbeSet:
         """The graph's probes with eager's outputs (derived once per graph and config, shared by candidates)."""
@@ -138,6 +150,9 @@ class GraphContext:
         """Drop the references (probes', rule 5's) and remove spilled files once the graph is tuned."""
         self._probes.clear()
         self._fp32_outputs.clear()
+        if self._eager_runner is not None:
+            self._eager_runner.deactivate()
+            self._eager_runner = None
         self.reference_outputs = []
         self.reference_inputs_after = None
         self.references.close()
@@ -374,15 +389,13 @@ def _complete(evaluation: Evaluation, context: GraphContext, show) -> Candidate:
                 measurement = measure_backend(backend, context, settings.profiling)
             except Exception as exc:  # noqa: BLE001
                 raise _Stop(FAILED, exc, prefix="measuring: ") from exc
-            row.measurement = measurement.to_dict()
-            eager = eager_candidate(context, settings.profiling).measurement
-            if eager.throughput > 0:
-                row.speedup = measurement.throughput / eager.throughput
+            _set_figures(row, measurement, context, settings.profiling)
     except _Stop as stop:
         return _failed(stop, blueprint, context, row, backend, evaluation.raise_errors)
     if context.progress is not None:
         context.progress.candidate_done()
-    row.reason = "; ".join(filter(None, [build_notes(row.details), noise_note(measurement)]))
+    row.reason = "; ".join(filter(None, [build_notes(row.details), noise_note(measurement),
+                                         speedup_noise_note(measurement)]))
     logger.info("  %-28s passed%s", blueprint.describe(),
                 f" ({row.speedup:.2f}x eager)" if row.speedup is not None else "")
     return Candidate(backend, row, measurement)
@@ -505,7 +518,7 @@ def eager_candidate(context: GraphContext, profiling: ProfilingConfig) -> Candid
     backend = blueprint.copy().build(context.module, context.graph, context.device, context.workdir / blueprint.key())
     if context.eager_measurement is None:
         context.show("eager (baseline)", "measure")
-        context.eager_measurement = measure_backend(backend, context, profiling)
+        context.eager_measurement = measure(_caller(backend, context), *_samples(context), context.device, profiling)
         if context.progress is not None:
             context.progress.candidate_done()
     measurement = context.eager_measurement
@@ -521,6 +534,16 @@ def noise_note(measurement: Measurement | None) -> str:
     if measurement is None or measurement.noise <= NOISY:
         return ""
     return f"noisy measurement (±{measurement.noise:.0%}): other load on the machine? re-run to confirm"
+
+
+def speedup_noise_note(measurement: Measurement | None) -> str:
+    """A warning for a paired speed-up whose per-round ratios spread too widely to trust its median
+    (:attr:`~aitune.torch.profiling.PairedSpeedup.noisy`)."""
+    paired = None if measurement is None else measurement.paired
+    if paired is None or not paired.noisy:
+        return ""
+    return (f"noisy speed-up: per-round ratios {paired.min:.2f}-{paired.max:.2f}x (quartiles {paired.q25:.2f}-"
+            f"{paired.q75:.2f}x): other load on the machine? re-run to confirm")
 
 
 def build_notes(details: dict) -> str:
@@ -565,7 +588,7 @@ def measure_candidate(candidate: Candidate, context: GraphContext, config: Profi
     """Measure a passing candidate (again): its measurement, the row's figures, its speed-up against eager
     (measured first if it was not yet) and its noise note, which replaces an earlier measurement's. A call that
     fails while being measured fails the candidate, as in :func:`evaluate` (a new, failed Candidate)."""
-    old_note = noise_note(candidate.measurement)
+    old_notes = {noise_note(candidate.measurement), speedup_noise_note(candidate.measurement)}
     context.show(candidate.row.description, "measure")
     try:
         measurement = measure_backend(candidate.backend, context, config)
@@ -576,23 +599,49 @@ def measure_candidate(candidate: Candidate, context: GraphContext, config: Profi
         candidate.backend.deactivate()
     candidate.measurement = measurement
     row = candidate.row
-    row.measurement = measurement.to_dict()
-    eager = eager_candidate(context, config).measurement
-    if eager.throughput > 0:
-        row.speedup = measurement.throughput / eager.throughput
-    notes = [note for note in row.reason.split("; ") if note and note != old_note]
-    row.reason = "; ".join(notes + [noise_note(measurement)]).strip("; ")
+    _set_figures(row, measurement, context, config)
+    notes = [note for note in row.reason.split("; ") if note and note not in old_notes]
+    row.reason = "; ".join(notes + [noise_note(measurement), speedup_noise_note(measurement)]).strip("; ")
     return candidate
 
 
+def _set_figures(row: CandidateResult, measurement: Measurement, context: GraphContext,
+                 config: ProfilingConfig) -> None:
+    """The row's measurement and speed-up: the paired figure (median of per-round ratios against eager, with
+    its spread) when the candidate was timed beside eager, else the ratio of throughputs (eager measured
+    first if it was not yet)."""
+    row.measurement = measurement.to_dict()
+    if measurement.paired is not None:
+        row.speedup, row.speedup_spread = measurement.paired.median, measurement.paired.to_dict()
+        return
+    eager = eager_candidate(context, config).measurement
+    row.speedup_spread = None
+    if eager.throughput > 0:
+        row.speedup = measurement.throughput / eager.throughput
+
+
 def measure_backend(backend: Backend, context: GraphContext, config: ProfilingConfig) -> Measurement:
-    """Latency and throughput of ``backend`` over the graph's samples (see :func:`aitune.torch.profiling.measure`).
+    """Latency and throughput of ``backend`` over the graph's samples, timed in alternation with eager
+    (:func:`aitune.torch.profiling.measure_pair`; the time budget covers both): the measurement's ``paired``
+    is its speed-up over eager (NOTE [paired speed-up] in :mod:`aitune.torch.profiling`).
 
     Calls take the recorded samples themselves: a candidate that writes into inputs eager leaves alone was
     rejected by :func:`check_against_eager` before it is measured, so no copy of every sample is held.
     """
+    samples, batch_sizes = _samples(context)
+    eager, measurement = measure_pair(_caller(context.eager_runner(), context), samples, _caller(backend, context),
+                                      samples, batch_sizes, context.device, config)
+    return dataclasses.replace(measurement, paired=paired_speedup(eager.round_ms, measurement.round_ms))
+
+
+def _samples(context: GraphContext) -> tuple[list, list[int]]:
+    """The graph's samples and their batch sizes (1 when unknown)."""
     samples = list(context.graph.samples)
-    batch_sizes = [sample.batch_size or 1 for sample in samples]
+    return samples, [sample.batch_size or 1 for sample in samples]
+
+
+def _caller(backend: Backend, context: GraphContext):
+    """``run(sample)`` calling ``backend`` on one recorded sample."""
     if context.graph.mutated_inputs:
         # The module changes its inputs in place: each call gets a fresh copy (for every candidate alike),
         # or thousands of warm-up calls would drift the inputs towards inf/denormals.
@@ -602,4 +651,4 @@ def measure_backend(backend: Backend, context: GraphContext, config: ProfilingCo
     else:
         def run(sample):
             return backend.infer(*sample.args, **sample.kwargs)
-    return measure(run, samples, batch_sizes, context.device, config)
+    return run

@@ -11,7 +11,11 @@ Two mechanisms protect a tuned module once it serves calls:
 
     NOTE [guard cost]: a checked call costs one extra eager call plus a comparison. With a candidate
     ``s`` times faster than eager, checking one call in ``N`` adds about ``s / N`` to the serving time, so
-    the default ``N`` is ``ceil(s / 0.02)`` (2 % at most; ``N`` = 1000 when the speed-up is unknown).
+    the default ``N`` is ``ceil(s / 0.02)`` (2 % at most), capped at ``max_check_every`` (1000; also the ``N``
+    when the speed-up is unknown) so that no speed-up figure, however large, turns the periodic check all
+    but off; past 20x the cap costs more than 2 % (50x: ~5 %). ``s`` is the tune row's paired speed-up (the
+    median of per-round ratios, NOTE [paired speed-up] in :mod:`aitune.torch.profiling`), or its lower
+    quartile when that figure is marked noisy.
     Signatures are remembered up to ``max_signatures``; the per-call cost of an unchecked call is building
     a tuple of shapes and a set lookup (a few µs; benchmarks/RESULTS.md).
 
@@ -54,13 +58,18 @@ class GuardConfig(KnownFields):
         check_unseen_shapes: check the first call of every input signature (tensor shapes) that tuning
             never checked (default True).
         check_every: check one call in N; None (default) = ``ceil(speed-up / max_overhead)`` from the speed-up
-            measured at tuning (1000 when unknown); 0 = never.
+            measured at tuning, at most ``max_check_every`` (which is also N when the speed-up is unknown);
+            0 = never.
         max_overhead: the share of serving time the periodic eager re-runs may cost with ``check_every=None``
             (default 0.02 = 2 %).
-        max_signatures: input signatures remembered per graph (beyond that only the periodic check runs).
+        max_signatures: input signatures remembered per graph, the ones checked at tuning included; once
+            that many are remembered, a call of a new signature is no longer checked for being new (only the
+            periodic check runs), so serving many shapes never re-runs eager on every call.
+        max_check_every: the largest N that ``check_every=None`` derives (default 1000): a wildly large
+            speed-up figure cannot switch the periodic check off (NOTE [guard cost]).
 
     Raises:
-        ConfigError: on a negative count or an overhead outside (0, 1].
+        ConfigError: on a negative count, a ``max_check_every`` below 1 or an overhead outside (0, 1].
     """
 
     enabled: bool = True
@@ -68,6 +77,7 @@ class GuardConfig(KnownFields):
     check_every: int | None = None
     max_overhead: float = 0.02
     max_signatures: int = 1024
+    max_check_every: int = 1000
 
     def __post_init__(self):
         for name in ("enabled", "check_unseen_shapes"):
@@ -80,14 +90,30 @@ class GuardConfig(KnownFields):
             raise ConfigError(f"GuardConfig.max_overhead must lie in (0, 1], got {self.max_overhead!r}")
         if not isinstance(self.max_signatures, int) or self.max_signatures < 0:
             raise ConfigError(f"GuardConfig.max_signatures must be an int >= 0, got {self.max_signatures!r}")
+        if not isinstance(self.max_check_every, int) or isinstance(self.max_check_every, bool) or \
+                self.max_check_every < 1:
+            raise ConfigError(f"GuardConfig.max_check_every must be an int >= 1, got {self.max_check_every!r}")
 
     def interval(self, speedup: float | None) -> int:
-        """The N of "one call in N" for a candidate measured ``speedup`` x eager (0 = never)."""
+        """The N of "one call in N" for a candidate measured ``speedup`` x eager (0 = never): ``check_every`` when
+        set, else ``ceil(speedup / max_overhead)`` within ``[1, max_check_every]`` (``max_check_every`` for an
+        unknown speed-up)."""
         if self.check_every is not None:
             return self.check_every
         if speedup is None or not math.isfinite(speedup) or speedup <= 0:
-            return 1000
-        return max(1, math.ceil(speedup / self.max_overhead))
+            return self.max_check_every
+        return min(self.max_check_every, max(1, math.ceil(speedup / self.max_overhead)))
+
+
+def guard_speedup(row: dict | None) -> float | None:
+    """The speed-up the guard's interval is derived from: the row's ``speedup`` (the paired median), or the
+    lower quartile of its per-round ratios when ``speedup_spread`` marks it noisy (a smaller N: more checks).
+    None when the row has no speed-up."""
+    row = row or {}
+    speedup, spread = row.get("speedup"), row.get("speedup_spread") or {}
+    if speedup is not None and spread.get("noisy") and spread.get("q25") is not None:
+        return min(float(speedup), float(spread["q25"]))
+    return speedup
 
 
 def signature(leaves: list) -> tuple:
@@ -138,11 +164,12 @@ class RuntimeGuard:
         self.calls += 1
         if self.interval and self.calls % self.interval == 0:
             return True
-        if self.config.check_unseen_shapes:
+        if self.config.check_unseen_shapes and len(self.seen) < self.config.max_signatures:
+            # Once the table is full only the periodic check runs (GuardConfig.max_signatures): checking
+            # every call of a shape it can no longer remember would re-run eager on all of them.
             key = signature(leaves)
             if key not in self.seen:
-                if len(self.seen) < self.config.max_signatures:
-                    self.seen.add(key)
+                self.seen.add(key)
                 return True
         return False
 
@@ -212,7 +239,7 @@ def guard_for(config: GuardConfig, graph, backend, tolerance, row: dict | None, 
     def compare(expected, actual, chosen) -> None:
         comparator_for(chosen, tolerance).compare(expected, actual)
 
-    return RuntimeGuard(graph.name, config, compare, checked, row.get("speedup"), fallbacks)
+    return RuntimeGuard(graph.name, config, compare, checked, guard_speedup(row), fallbacks)
 
 
 # ------------------------------------------------------------------------------------------ stale weights

@@ -17,24 +17,51 @@ freed (RESULTS.md, 2026-12-01): the first candidate timed, usually eager, looked
 and every candidate's "x eager" was inflated. :func:`settle_host_allocator` frees one 30 MiB block before the
 first CPU measurement, which leaves glibc where any longer-running process ends up anyway; under other
 allocators it costs one allocation and changes nothing.
+
+NOTE [paired speed-up]: a candidate's speed-up over eager is measured *paired*: :func:`measure_pair` times
+one round of eager and one round of the candidate in alternation, and the figure is the median of the
+per-round ratios ``eager round ms / candidate round ms`` (:func:`paired_speedup`), with their quartiles and
+extremes as its spread. A ratio of two throughputs measured seconds apart divides by whatever load the
+machine had in each window; a round pair meets the same load, and the median ignores a minority of rounds
+hit by a burst on one side. A figure whose half inter-quartile range exceeds ``NOISY_SPREAD`` (10 %) of its
+median is marked noisy (the same bound as a single measurement's noise note in
+:mod:`aitune.torch.evaluation`; pyperf's ``check`` command flags a benchmark as unstable at a standard
+deviation above 10 % of the mean: https://pyperf.readthedocs.io/en/latest/cli.html, "pyperf check").
+
+Time is read from :data:`CLOCK` (``time.perf_counter_ns`` unless :func:`use_clock` sets another, e.g. a fake
+clock in tests): the CPU timer, the warm-up and the time budget all use it; on CUDA the calls themselves are
+timed with CUDA events.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from aitune.errors import ConfigError
 from aitune.torch.arguments import KnownFields
 
-# The clock CPU timings, warm-up and the time budget are read from (seconds, monotonic). One name, so that tests
-# can put a fake clock in its place and pin orderings without depending on the machine's speed.
-_clock = time.perf_counter
+CLOCK: contextvars.ContextVar[Callable[[], int]] = contextvars.ContextVar("aitune_clock", default=time.perf_counter_ns)
+NOISY_SPREAD = 0.10  # half relative IQR of the per-round ratios above which a speed-up is noisy (NOTE [paired speed-up])
+
+
+@contextlib.contextmanager
+def use_clock(clock: Callable[[], int]) -> Iterator[None]:
+    """Measure with ``clock`` (a monotonic time in ns, like ``time.perf_counter_ns``) inside the block: the CPU
+    timer, warm-up and time budget read it (NOTE [paired speed-up]). For tests: a fake clock that each fake call
+    advances makes every figure known in advance."""
+    token = CLOCK.set(clock)
+    try:
+        yield
+    finally:
+        CLOCK.reset(token)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -46,7 +73,8 @@ class ProfilingConfig(KnownFields):
         warmup_s: keep warming up until this many seconds have passed too (default 0.3 s: GPU clocks and
             CPU caches settle; a fixed count alone left eager's first figures 2x off on the H200).
         min_rounds / max_rounds: bounds on timed rounds (defaults 5 / 200).
-        time_budget_s: stop after this many seconds of timed calls (default 1.5 s per candidate).
+        time_budget_s: stop after this many seconds of timed calls (default 1.5 s per candidate; a candidate
+            timed in alternation with eager shares it with eager's rounds, :func:`measure_pair`).
         stable_rel_error: stop once the relative standard error of the median round time is below this
             (default 0.01 = 1 %).
         min_noise: the smallest relative noise assumed when comparing candidates (default 0.02 = 2 %).
@@ -106,12 +134,15 @@ class Measurement:
         throughput: items per second over a round (sum of batch sizes / median round time), samples/s.
         noise: relative noise of the median round time (half the relative inter-quartile range,
             at least ``min_noise``); used to decide whether one candidate truly beats another.
+        paired: for a candidate timed in alternation with a baseline (:func:`measure_pair`), its
+            :class:`PairedSpeedup` over that baseline; None when measured alone.
     """
 
     samples: list[SampleTiming]
     rounds: int
     round_ms: list[float]
     noise: float
+    paired: "PairedSpeedup | None" = None
 
     @property
     def median_round_ms(self) -> float:
@@ -169,6 +200,60 @@ def beats(challenger: Measurement, incumbent: Measurement, *, by_latency: bool =
     return challenger.throughput > incumbent.throughput * (1 + noise)
 
 
+@dataclasses.dataclass
+class PairedSpeedup:
+    """A speed-up measured in alternating rounds (NOTE [paired speed-up]).
+
+    Attributes:
+        median: median over rounds of ``baseline round ms / candidate round ms`` (x; > 1 = candidate faster; the
+            same as candidate throughput / baseline throughput within a round).
+        q25 / q75: its lower and upper quartiles. min / max: the extreme round ratios. rounds: round pairs.
+    """
+
+    median: float
+    q25: float
+    q75: float
+    min: float
+    max: float
+    rounds: int
+
+    @property
+    def spread(self) -> float:
+        """Half the inter-quartile range relative to the median (as :attr:`Measurement.noise` is defined)."""
+        return (self.q75 - self.q25) / 2 / self.median if self.median > 0 else math.inf
+
+    @property
+    def noisy(self) -> bool:
+        """True when :attr:`spread` exceeds ``NOISY_SPREAD``: the figure is not to be trusted as it stands."""
+        return not self.spread <= NOISY_SPREAD
+
+    def to_dict(self) -> dict:
+        """``{"q25", "q75", "min", "max", "rounds", "noisy"}`` (the median is the row's ``speedup``)."""
+        return {"q25": self.q25, "q75": self.q75, "min": self.min, "max": self.max, "rounds": self.rounds,
+                "noisy": self.noisy}
+
+    def reaches(self, ratio: float, min_noise: float) -> bool:
+        """True when the median reaches ``ratio`` beyond the noise: ``median > ratio * (1 + noise)``, ``noise`` the
+        larger of :attr:`spread` and ``min_noise`` (the rule of :func:`reaches_speedup`, on paired rounds)."""
+        return self.median > ratio * (1 + max(self.spread, min_noise))
+
+
+def paired_speedup(baseline_round_ms: Sequence[float], candidate_round_ms: Sequence[float]) -> PairedSpeedup | None:
+    """The paired speed-up of a candidate over a baseline timed in the same rounds (:func:`measure_pair`).
+
+    Args:
+        baseline_round_ms / candidate_round_ms: ms per round, aligned round by round (same items per round).
+
+    Returns:
+        A :class:`PairedSpeedup`, or None when no round has positive times on both sides.
+    """
+    ratios = [base / cand for base, cand in zip(baseline_round_ms, candidate_round_ms) if base > 0 and cand > 0]
+    if not ratios:
+        return None
+    return PairedSpeedup(median=statistics.median(ratios), q25=percentile(ratios, 25), q75=percentile(ratios, 75),
+                         min=min(ratios), max=max(ratios), rounds=len(ratios))
+
+
 def reaches_speedup(candidate: Measurement, baseline: Measurement, ratio: float) -> bool:
     """True when ``candidate``'s throughput is at least ``ratio`` times ``baseline``'s beyond the noise.
 
@@ -181,10 +266,11 @@ def reaches_speedup(candidate: Measurement, baseline: Measurement, ratio: float)
 
 
 class Timer:
-    """Times one call: CUDA events on a CUDA device, :data:`_clock` (``time.perf_counter``) otherwise. Returns ms."""
+    """Times one call: CUDA events on a CUDA device, :data:`CLOCK` (``perf_counter_ns``) otherwise. Returns ms."""
 
     def __init__(self, device: torch.device):
         self.cuda = torch.device(device).type == "cuda"
+        self.clock = CLOCK.get()
 
     def __call__(self, function: Callable[[], Any]) -> float:
         if self.cuda:
@@ -194,9 +280,9 @@ class Timer:
             end.record()
             end.synchronize()
             return float(start.elapsed_time(end))
-        begin = _clock()
+        begin = self.clock()
         function()
-        return (_clock() - begin) * 1e3
+        return (self.clock() - begin) / 1e6
 
 
 def measure(run: Callable[[Any], Any], samples: Sequence[Any], batch_sizes: Sequence[int], device: torch.device,
@@ -270,12 +356,13 @@ def _timed_rounds(runs: list[tuple[Callable[[Any], Any], Sequence[Any]]], device
     """Warm up every run, then time rounds of each in turn (the order rotating every round) until the
     stopping rules hold for all; per run: ``(ms per call of each sample, ms per round)``."""
     timer = Timer(device)
+    clock = CLOCK.get()
     if not timer.cuda:
         settle_host_allocator()
     with torch.no_grad():
-        warmup_started = _clock()
+        warmup_started = clock()
         rounds = 0
-        while rounds < config.warmup_rounds or (_clock() - warmup_started < config.warmup_s
+        while rounds < config.warmup_rounds or ((clock() - warmup_started) / 1e9 < config.warmup_s
                                                  and rounds < 1000):
             for run, samples in runs:
                 for sample in samples:
@@ -284,7 +371,7 @@ def _timed_rounds(runs: list[tuple[Callable[[Any], Any], Sequence[Any]]], device
         if timer.cuda:
             torch.cuda.synchronize()
         results = [([[] for _ in samples], []) for _, samples in runs]
-        started = _clock()
+        started = clock()
         timed = 0
         while timed < config.max_rounds:
             for offset in range(len(runs)):
@@ -298,7 +385,7 @@ def _timed_rounds(runs: list[tuple[Callable[[Any], Any], Sequence[Any]]], device
                 round_ms.append(total)
             timed += 1
             if timed >= config.min_rounds:
-                if _clock() - started > config.time_budget_s:
+                if (clock() - started) / 1e9 > config.time_budget_s:
                     break
                 if timed >= 10 and all(_relative_standard_error_of_median(round_ms) < config.stable_rel_error
                                        for _, round_ms in results):

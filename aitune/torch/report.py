@@ -13,7 +13,7 @@ from typing import Any
 from aitune import __version__
 from aitune.errors import ConfigError
 from aitune.torch.jsonsafe import json_safe
-from aitune.torch.report_html import probes_text, render_tune_report
+from aitune.torch.report_html import probes_text, render_tune_report, speedup_text
 
 # Candidate statuses.
 SELECTED = "selected"
@@ -37,7 +37,11 @@ class CandidateResult:
         status: one of the statuses above. reason: one line naming the real cause (for non-passing rows).
         build_s: build time, s. cached: the build was reused from the tuning cache.
         measurement: latency/throughput figures (see :class:`aitune.torch.profiling.Measurement`).
-        speedup: throughput / eager throughput measured in the same run.
+        speedup: how many times eager's throughput: the median of per-round ratios (eager round ms / candidate
+            round ms) over rounds timed in alternation with eager (NOTE [paired speed-up] in
+            :mod:`aitune.torch.profiling`); 1.0 for eager itself.
+        speedup_spread: that figure's spread ``{"q25", "q75", "min", "max", "rounds", "noisy"}`` (x); ``noisy``
+            when half the inter-quartile range exceeds 10 % of the median. None when not measured in pairs.
         comparison: errors vs eager (samples and probes) and the thresholds used.
         probes: probe counts (``checked``, ``passed``, ``not_accepted`` by the artifact, ``not_run`` for lack of
             time, ``dropped_memory`` for ``ProbeConfig.max_reference_bytes``, ``kinds``), see
@@ -55,6 +59,7 @@ class CandidateResult:
     cached: bool = False
     measurement: dict | None = None
     speedup: float | None = None
+    speedup_spread: dict | None = None
     comparison: dict | None = None
     probes: dict | None = None
     log_path: str | None = None
@@ -234,7 +239,9 @@ class TuneReport:
 
     def table(self) -> str:
         """Markdown table: module, graph, backend, status, reason, build s, p50/p90 ms, samples/s, speed-up (the
-        candidate's throughput over eager's, both in samples/s), max abs error, probes."""
+        median over rounds timed in alternation with eager of eager's round time over the candidate's, with the
+        quartiles of those ratios; ``~`` and ``noisy`` with their extremes when they spread too widely:
+        :func:`~aitune.torch.report_html.page.speedup_text`), max abs error, probes."""
         return render_table(self.rows)
 
     def describe(self) -> str:
@@ -283,7 +290,7 @@ def render_table(rows: list[CandidateResult]) -> str:
             row.status + (" (cached)" if row.cached else ""), reason,
             _fmt(row.build_s, ".1f"), _fmt(measurement.get("p50_ms"), ".3f"), _fmt(measurement.get("p90_ms"), ".3f"),
             _fmt(measurement.get("throughput"), ".1f"),
-            "" if row.speedup is None else f"{row.speedup:.2f}x", error_text, _probes_cell(row.probes)])
+            speedup_text(row.speedup, row.speedup_spread), error_text, _probes_cell(row.probes)])
     table = tabulate(body, headers=headers, tablefmt="github")
     return table + ("\n\n" + "\n".join(notes) if notes else "")
 

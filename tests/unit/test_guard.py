@@ -11,7 +11,7 @@ from fake_clock import pause
 import aitune.torch as ait
 from aitune.errors import ConfigError
 from aitune.torch.backend import TorchEagerBackend, TorchInductorAotBackend
-from aitune.torch.guard import FULL_SCAN_EVERY, GuardConfig, StateWatch
+from aitune.torch.guard import FULL_SCAN_EVERY, GuardConfig, RuntimeGuard, StateWatch
 
 PAUSE_S = 0.002
 
@@ -96,6 +96,120 @@ def test_default_interval_keeps_eager_reruns_within_two_percent():
     assert GuardConfig(max_overhead=0.1).interval(2.0) == 20 and GuardConfig(check_every=0).interval(5.0) == 0
     with pytest.raises(ConfigError, match="max_overhead"):
         GuardConfig(max_overhead=0)
+
+
+def test_a_full_signature_table_stops_checking_new_shapes():
+    """Once ``max_signatures`` signatures are remembered only the periodic check runs (GuardConfig's docstring):
+    a stream of new shapes (dynamic sequence lengths) must not re-run eager on every call."""
+    eager_runs = []
+    guard = RuntimeGuard("graph0", GuardConfig(check_every=0, max_signatures=4), lambda *_: None,
+                         {(torch.Size([2, 16]),)}, speedup=3.0)
+    backend = TorchEagerBackend()
+    for length in range(1, 41):  # 40 calls, each of a new shape
+        leaves = [torch.zeros(length, 16)]
+        if guard.due(leaves):
+            guard.check(backend, lambda chosen: leaves[0] + 1, lambda: eager_runs.append(length) or leaves[0] + 1,
+                        leaves)
+    assert eager_runs == [1, 3, 4]  # 2 x 16 was checked at tuning; the table is full after three new ones
+    assert guard.checks == 3 and guard.stats()["calls"] == 40
+
+
+def test_guard_with_a_full_table_on_a_tuned_module(fast_profiling, fake_clock):
+    model = PausedNet().eval()
+    strategy = ait.MaxThroughputStrategy([SlowerButRight()], profiling_config=fast_profiling)
+    tuned = ait.Module(model, "paused", strategy=strategy.enable_performance_validation(False),
+                       guard=GuardConfig(check_every=0, max_signatures=20))
+    ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
+    assert tuned.backends["graph0"].name == "test_slower_but_right"
+    eager_runs = [0]
+    model.register_forward_pre_hook(lambda *_: eager_runs.__setitem__(0, eager_runs[0] + 1))
+    expected = []
+    with torch.no_grad():
+        for batch in range(5, 65):  # 60 batch sizes, all but a few never recorded nor probed
+            x = torch.randn(batch, 16)
+            expected.append((x, model(x)))
+    eager_runs[0] = 0
+    for x, reference in expected:
+        torch.testing.assert_close(tuned(x), reference)
+    stats = tuned.stats["guard"]["graph0"]
+    assert stats["calls"] == 60 and stats["checks"] == eager_runs[0]
+    assert eager_runs[0] <= 20  # before the fix: one eager re-run per new shape (over 50)
+
+
+class FakeClock:
+    """A clock (ns) that only the fake calls below advance."""
+
+    def __init__(self):
+        self.now_ns = 0
+        self.candidate_started = False
+        self.eager_calls = 0
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+    def advance(self, ms: float) -> None:
+        self.now_ns += int(ms * 1e6)
+
+
+class LoadedNet(nn.Module):
+    """Eager at 4 ms a call on the fake clock; 10x slower while the machine is busy: throughout until the
+    candidate's first call (when eager alone is timed), then on one call in 11."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        self.clock.eager_calls += 1
+        busy = not self.clock.candidate_started or self.clock.eager_calls % 11 == 0
+        self.clock.advance(40.0 if busy else 4.0)
+        return self.body(x)
+
+
+class OneMsBackend(TorchEagerBackend):
+    """Right everywhere, 1 ms a call on the fake clock: truly 4x eager."""
+
+    name = "test_one_ms"
+    passthrough = False
+
+    def _infer(self, args, kwargs):
+        clock = self.module.clock
+        clock.candidate_started = True
+        clock.advance(1.0)
+        return self.module.body(kwargs["x"])
+
+
+def test_headline_speedup_and_guard_interval_under_one_sided_load():
+    """Load on eager's side while eager is timed alone, and now and then afterwards: the row's speed-up (the
+    figure the checkpoint keeps and the guard's N comes from) is the true paired 4x, not 40x."""
+    from aitune.torch.profiling import use_clock
+
+    clock = FakeClock()
+    model = LoadedNet(clock).eval()
+    config = ait.ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=5, max_rounds=30, time_budget_s=100.0)
+    strategy = ait.MaxThroughputStrategy([OneMsBackend()], profiling_config=config)
+    tuned = ait.Module(model, "loaded", strategy=strategy)
+    with use_clock(clock):
+        report = ait.tune(tuned, [torch.randn(4, 16)], ready_batches=True)
+    row = next(row for row in report.rows if row.backend == "test_one_ms")
+    assert row.status == "selected"
+    assert row.speedup == pytest.approx(4.0)  # before: 40x (eager's figure was timed alone, while busy)
+    assert row.speedup_spread["q25"] == pytest.approx(4.0) and not row.speedup_spread["noisy"]
+    assert "4.00x (4.00-4.00)" in report.table()
+    assert tuned.stats["guard"]["graph0"]["check_every"] == 200  # ceil(4 / 0.02); before: 2000
+
+
+def test_no_speedup_figure_switches_the_periodic_check_off():
+    from aitune.torch.guard import guard_speedup
+
+    assert GuardConfig().interval(800.0) == 1000 and GuardConfig().interval(float("inf")) == 1000
+    assert GuardConfig(max_check_every=50).interval(4.0) == 50 and GuardConfig(check_every=5000).interval(4.0) == 5000
+    noisy = {"speedup": 30.0, "speedup_spread": {"q25": 3.0, "q75": 60.0, "min": 1.0, "max": 800.0, "noisy": True}}
+    assert guard_speedup(noisy) == 3.0 and GuardConfig().interval(guard_speedup(noisy)) == 150
+    assert guard_speedup({"speedup": 4.0, "speedup_spread": {"q25": 3.9, "noisy": False}}) == 4.0
+    with pytest.raises(ConfigError, match="max_check_every"):
+        GuardConfig(max_check_every=0)
 
 
 def test_guard_off_means_no_checks(fast_profiling, fake_clock):

@@ -16,7 +16,9 @@ from aitune.torch.profiling import (
     measure,
     interleaved_round_ms,
     measure_pair,
+    paired_speedup,
     percentile,
+    use_clock,
 )
 
 
@@ -157,3 +159,63 @@ def test_noisy_figures_are_flagged():
 
     assert noise_note(_measurement(1.0, noise=0.02)) == ""
     assert "noisy measurement (±20%)" in noise_note(_measurement(1.0, noise=0.2))
+
+
+class FakeClock:
+    """A clock (ns) that only the fake calls advance: every timing is known in advance."""
+
+    def __init__(self):
+        self.now_ns = 0
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+    def advance(self, ms: float) -> None:
+        self.now_ns += int(ms * 1e6)
+
+
+def _one_sided(clock, burst_every, factor=10.0):
+    """Eager at 4 ms a call, but each ``burst_every``-th call ``factor`` times slower (load hitting one side);
+    the candidate at 1 ms a call throughout: the true paired speed-up is 4.0x."""
+    eager_calls = [0]
+
+    def eager(_sample):
+        eager_calls[0] += 1
+        clock.advance(4.0 * (factor if eager_calls[0] % burst_every == 0 else 1.0))
+
+    def candidate(_sample):
+        clock.advance(1.0)
+
+    return eager, candidate
+
+
+def test_paired_speedup_is_the_true_ratio_under_one_sided_bursts():
+    clock = FakeClock()
+    eager, candidate = _one_sided(clock, burst_every=7)  # about one round in seven hit on eager's side
+    config = ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=5, max_rounds=40, time_budget_s=100.0)
+    with use_clock(clock):
+        eager_measurement, measurement = measure_pair(eager, [0], candidate, [0], [1], torch.device("cpu"), config)
+    paired = paired_speedup(eager_measurement.round_ms, measurement.round_ms)
+    assert paired.rounds == 40 and paired.median == pytest.approx(4.0)
+    assert paired.q25 == pytest.approx(4.0) and paired.q75 == pytest.approx(4.0) and paired.max == pytest.approx(40.0)
+    assert not paired.noisy and paired.reaches(3.5, 0.02) and not paired.reaches(4.0, 0.02)
+
+
+def test_a_widely_spread_paired_speedup_is_marked_noisy():
+    clock = FakeClock()
+    eager, candidate = _one_sided(clock, burst_every=2)  # every other round: ratios 4x and 40x
+    config = ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=5, max_rounds=20, time_budget_s=100.0)
+    with use_clock(clock):
+        eager_measurement, measurement = measure_pair(eager, [0], candidate, [0], [1], torch.device("cpu"), config)
+    paired = paired_speedup(eager_measurement.round_ms, measurement.round_ms)
+    assert paired.noisy and paired.min == pytest.approx(4.0) and paired.max == pytest.approx(40.0)
+    assert paired.to_dict()["noisy"] is True
+
+
+def test_the_fake_clock_also_drives_the_time_budget():
+    clock = FakeClock()
+    config = ProfilingConfig(warmup_rounds=0, warmup_s=0.0, min_rounds=1, max_rounds=1000, time_budget_s=0.05,
+                             stable_rel_error=0.0)
+    with use_clock(clock):
+        measurement = measure(lambda _: clock.advance(10.0), [0], [1], torch.device("cpu"), config)
+    assert measurement.rounds == 6 and measurement.median_round_ms == pytest.approx(10.0)  # 60 ms > 50 ms of budget

@@ -9,6 +9,7 @@ from typing import Any
 
 from aitune.torch.checkpoint.archive import member_sizes, sums_path
 from aitune.torch.checkpoint.manifest import read_manifest
+from aitune.torch.report_html.page import speedup_text
 
 
 def describe_checkpoint(path: str | os.PathLike, verify: bool = True) -> str:
@@ -62,7 +63,7 @@ def describe_checkpoint(path: str | os.PathLike, verify: bool = True) -> str:
                 graph["name"], graph.get("description") or graph["backend"], graph.get("build_mode", "?"),
                 graph.get("device", "?"), _inputs_text(graph), _num(measurement.get("p50_ms"), ".3f"),
                 _num(measurement.get("throughput"), ".1f"),
-                "" if row.get("speedup") is None else f"{row['speedup']:.2f}x",
+                speedup_text(row.get("speedup"), row.get("speedup_spread")),
                 _num(comparison.get("max_abs_error"), ".2g"),
                 f"{len(graph.get('artifacts', []))} ({_size_text(artifact_bytes)})" if graph.get("artifacts") else "-"])
         lines.append(tabulate(rows, headers=["graph", "backend", "mode", "device", "inputs (min..max)", "p50 ms",

@@ -25,8 +25,8 @@ below are those JSON strings.
 
 from aitune.torch.report_html.figures import figures_available
 from aitune.torch.report_html.inspection_page import render_inspection, render_jit_inspection
-from aitune.torch.report_html.page import REPORT_EXTRA, probes_text
+from aitune.torch.report_html.page import REPORT_EXTRA, probes_text, speedup_text
 from aitune.torch.report_html.tune_page import render_tune_report
 
 __all__ = ["REPORT_EXTRA", "figures_available", "probes_text", "render_inspection", "render_jit_inspection",
-           "render_tune_report"]
+           "render_tune_report", "speedup_text"]

@@ -146,7 +146,8 @@ class _FigureMaker:
         speed_axes.axvline(1.0, color="#444444", linewidth=1, linestyle="--")
         top = max(speedups + [1.0])
         for position, row, value in zip(positions, shown, speedups):
-            text = _speedup_text(row.get("speedup")) if _is_number(row.get("speedup")) else "not measured"
+            text = _speedup_text(row.get("speedup"), row.get("speedup_spread")) if _is_number(row.get("speedup")) \
+                else "not measured"
             speed_axes.text(value + top * 0.02, position, text, va="center", fontsize=8.5, color="#333333")
         speed_axes.set_xlim(0, top * 1.28)
         speed_axes.set_xlabel("speed-up vs eager (throughput ratio; dashed: eager)")

@@ -239,8 +239,21 @@ def probes_text(probes: dict | None) -> str:
     return text + (f" ({', '.join(extra)})" if extra else "")
 
 
-def _speedup_text(value: Any) -> str:
-    return f"{value:.2f}x" if _is_number(value) else ""
+def _speedup_text(value: Any, spread: Any = None) -> str:
+    return speedup_text(value, spread)
+
+
+def speedup_text(value: Any, spread: Any = None) -> str:
+    """A speed-up as shown in reports: ``4.02x (3.95-4.10)`` with the quartiles of its per-round ratios when the
+    row has a ``speedup_spread``; a noisy one as ``~4.02x (noisy: 1.20-9.80)`` with the smallest and largest
+    round ratios, so it never reads as a plain figure; "" when there is none."""
+    if not _is_number(value):
+        return ""
+    if not isinstance(spread, dict) or not all(_is_number(spread.get(key)) for key in ("q25", "q75", "min", "max")):
+        return f"{value:.2f}x"
+    if spread.get("noisy"):
+        return f"~{value:.2f}x (noisy: {spread['min']:.2f}-{spread['max']:.2f})"
+    return f"{value:.2f}x ({spread['q25']:.2f}-{spread['q75']:.2f})"
 
 
 def _is_number(value: Any) -> bool:

@@ -160,7 +160,8 @@ class TuneStrategy:
         Args:
             enabled: with False, measured candidates are chosen even when slower than eager.
             min_speedup_ratio: e.g. 3.0 = at least 3x eager's throughput (samples/s), beyond the measured
-                noise: ``throughput > ratio * eager_throughput * (1 + noise)``. 1.0 = simply beat eager.
+                noise: the paired speed-up's median above ``ratio * (1 + noise)`` (:meth:`fast_enough`). 1.0 =
+                simply beat eager.
 
         Raises:
             ConfigError: for a ratio that is not a number > 0.
@@ -488,11 +489,16 @@ class TuneStrategy:
 
     def fast_enough(self, candidate: Candidate, eager: Candidate | None) -> bool:
         """Performance validation: does ``candidate`` reach ``min_speedup_ratio`` x eager's throughput
-        beyond the measured noise? (Always True with validation off or without measurements.)"""
+        beyond the measured noise? For a candidate timed in alternation with eager, by its paired speed-up:
+        ``median > ratio * (1 + max(spread, min_noise))`` (:meth:`PairedSpeedup.reaches`). (Always True with
+        validation off or without measurements.)"""
         if not self.performance_validation or eager is None:
             return True
         if candidate.measurement is None or eager.measurement is None:
             return True
+        paired = candidate.measurement.paired
+        if paired is not None:  # timed beside eager: judged by the speed-up the row shows (NOTE [paired speed-up])
+            return paired.reaches(self.min_speedup_ratio, self.profiling_config.min_noise)
         return reaches_speedup(candidate.measurement, eager.measurement, self.min_speedup_ratio)
 
     def speedup_reason(self, candidate: Candidate) -> str:
