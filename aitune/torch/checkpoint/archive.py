@@ -104,6 +104,29 @@ def parse_sums(text: str, path: Path, origin: str) -> dict[str, str]:
     return sums
 
 
+def is_aitune_sums(path: Path, digest_length: int = 64) -> bool:
+    """Is ``path`` a sums file aitune writes beside an archive (``<hex>  <member>`` lines, the manifest listed)?
+
+    Args:
+        path: the file. digest_length: hex digits per digest (64 for SHA-256, 128 for SHA-512).
+    """
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_SMALL_MEMBER:
+            return False
+        names = set()
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            digest, sep, name = line.partition("  ")
+            if not sep or len(digest) != digest_length or any(ch not in "0123456789abcdef" for ch in digest):
+                return False
+            check_member_name(name)
+            names.add(name)
+    except (OSError, UnicodeDecodeError, CheckpointIntegrityError):
+        return False
+    return "manifest.json" in names
+
+
 def check_member_name(name: str) -> None:
     """Refuse names that could land outside an extraction folder or alias another file.
 

@@ -209,6 +209,15 @@ def read_manifest(path: Path, extract_to: Path | None = None, verify: bool = Tru
     return manifest, sums
 
 
+def is_aitune_manifest(data: bytes) -> bool:
+    """Is ``data`` an aitune ``manifest.json`` (JSON with ``"format": "aitune-checkpoint"``)? Any version."""
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME
+
+
 def _parse_manifest(data: bytes, path: Path) -> dict:
     try:
         manifest = json.loads(data.decode("utf-8"))
