@@ -276,3 +276,56 @@ def test_archive_members_that_are_links_or_leave_the_folder_are_refused(tmp_path
         with pytest.raises(CheckpointIntegrityError, match="symbolic link|unsafe member name"):
             ait.load(MLP().eval(), target)
     assert not (tmp_path / "escape.txt").exists() and not Path("/tmp/aitune-absolute.txt").exists()
+
+
+# ---------------------------------------------------------------------------------------------- stored configs
+
+
+@pytest.fixture(scope="module")
+def eager_saved(tmp_path_factory):
+    module = tuned()
+    with torch.no_grad():
+        expected = module(X)
+    return ait.checkpoint.save(module, tmp_path_factory.mktemp("eager") / "eager.ait"), expected
+
+
+def test_configs_are_written_with_their_class_version(eager_saved):
+    path, _ = eager_saved
+    with zipfile.ZipFile(path) as zf:
+        config = graph0(json.loads(zf.read("manifest.json")))["config"]
+    assert config == {"type": "TorchEagerBackendConfig", "version": TorchEagerBackend.config_class.VERSION,
+                      "data": TorchEagerBackend.config_class().data()}
+    assert TorchEagerBackend.config_class.VERSION == 1
+
+
+def test_a_config_without_version_still_loads(eager_saved, tmp_path):
+    path, expected = eager_saved
+    forged = forge(path, tmp_path / "old.ait", lambda m: graph0(m)["config"].pop("version"))
+    torch.testing.assert_close(ait.load(MLP().eval(), forged)(X), expected)
+
+
+def test_a_config_from_a_newer_aitune_is_refused(eager_saved, tmp_path):
+    path, _ = eager_saved
+    forged = forge(path, tmp_path / "newer.ait", lambda m: graph0(m)["config"].update(version=2))
+    with pytest.raises(CheckpointVersionError, match=r"mlp/graph0: .*TorchEagerBackendConfig was stored in version 2 "
+                                                     r"by a newer aitune.*up to 1\. Upgrade aitune .*or re-tune"):
+        ait.load(MLP().eval(), forged)
+
+
+def test_an_unknown_config_field_is_refused(eager_saved, tmp_path):
+    path, _ = eager_saved
+    forged = forge(path, tmp_path / "typo.ait", lambda m: graph0(m)["config"]["data"].update(use_cuda_grpahs=True))
+    with pytest.raises(CheckpointError, match=r"TorchEagerBackendConfig has no field 'use_cuda_grpahs'.*Upgrade aitune "
+                                              r".*or re-tune"):
+        ait.load(MLP().eval(), forged)
+
+
+def test_an_unknown_tolerance_field_is_refused_in_a_checkpoint_only(eager_saved, tmp_path):
+    from aitune.torch.correctness import Tolerance
+
+    path, _ = eager_saved
+    forged = forge(path, tmp_path / "tol.ait", lambda m: graph0(m).update(tolerance=dict(
+        Tolerance().to_dict(), max_ulp=4)))
+    with pytest.raises(CheckpointError, match=r"mlp/graph0: malformed tolerance.*no field 'max_ulp'.*re-tune"):
+        ait.load(MLP().eval(), forged)
+    assert Tolerance.from_dict({"atol": 0.5, "max_ulp": 4}) == Tolerance(atol=0.5)  # other callers: unchanged

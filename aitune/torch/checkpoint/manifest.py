@@ -245,9 +245,10 @@ def graph_tolerance(entry: dict, where: str) -> Tolerance:
     """The tolerance a graph was tuned under; the default ``Tolerance()`` for manifests without one.
 
     Raises:
-        CheckpointError: a malformed ``"tolerance"`` entry.
+        CheckpointError: a malformed ``"tolerance"`` entry, or one with a field this aitune does not know.
     """
     try:
-        return Tolerance.from_dict(entry.get("tolerance"))
+        return Tolerance.from_dict(entry.get("tolerance"), strict=True)
     except AITuneError as exc:
-        raise CheckpointError(f"{where}: malformed tolerance in the checkpoint ({exc})") from exc
+        raise CheckpointError(f"{where}: malformed tolerance in the checkpoint ({exc}); it was written by a newer "
+                              "aitune or edited: upgrade aitune (pip install -U aitune) or re-tune and save again") from exc
