@@ -155,18 +155,26 @@ class Tolerance(KnownFields):
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict | None) -> "Tolerance":
-        """The inverse of :meth:`to_dict`; missing fields take their defaults, unknown ones are ignored.
+    def from_dict(cls, data: dict | None, strict: bool = False) -> "Tolerance":
+        """The inverse of :meth:`to_dict`; missing fields take their defaults, unknown ones are ignored
+        (refused with ``strict``).
 
         Args:
             data: a :meth:`to_dict` result (e.g. from a checkpoint manifest), or None for the defaults.
+            strict: refuse unknown fields (checkpoints read them so: a threshold this aitune does not know
+                would silently not be applied).
 
         Raises:
-            ConfigError: when ``data`` is not a dict or a value is invalid (see the class).
+            ConfigError: when ``data`` is not a dict, a value is invalid (see the class), or with ``strict`` a
+                field is unknown.
         """
         if data is not None and not isinstance(data, dict):
             raise ConfigError(f"a Tolerance is read from a dict, got {type(data).__name__}")
         names = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(key for key in (data or {}) if key not in names)
+        if strict and unknown:
+            raise ConfigError(f"Tolerance has no field {', '.join(repr(key) for key in unknown)} (fields: "
+                              f"{sorted(names)})")
         return cls(**{key: value for key, value in (data or {}).items() if key in names})
 
 

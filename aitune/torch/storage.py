@@ -6,12 +6,20 @@
     checkpoints/model_sha256_sums.txt   its members' SHA-256 digests
     checkpoints/model/                  the archive's members, unpacked (kept unless remove_checkpoint_after_tune)
 
-A name is resolved as ``<base_folder>/<name>`` (an absolute name stays as it is); the archive is the name with
-``.ait`` (added when missing) and the folder the name without it. ``ait.load(model, "model.ait")`` resolves the
-same way (a relative name that exists only as given, e.g. a checkpoint saved by an earlier aitune, is read
-from there). Loading always reads and verifies the archive (every member's digest before anything is
-deserialised); with ``compress_checkpoint=False`` only the folder is written, and loading packs it into a
-temporary archive first.
+A name is resolved as ``<base_folder>/<name>``; an absolute name, and a relative one that already starts with
+the base folder (``"checkpoints/model"``), stay as they are. The archive is the name with ``.ait`` (added when
+missing) and the folder the name without it. ``ait.load(model, "model.ait")`` resolves the same way (when
+nothing exists there, a relative name that exists as given, with or without ``.ait`` — e.g. a checkpoint saved
+by an earlier aitune — is read from there). Loading always reads and verifies the archive (every member's
+digest before anything is deserialised); with ``compress_checkpoint=False`` only the folder is written, and
+loading packs it into a temporary archive first.
+
+Saving replaces only what aitune wrote: an existing archive, sums file or folder at those paths must be an
+earlier aitune checkpoint (an archive with aitune's ``manifest.json``; a folder holding that manifest, its
+``SHA256SUMS`` and only files listed there), else :func:`save` refuses with a
+:class:`~aitune.errors.CheckpointError` and changes nothing — e.g. ``ait.save(model, "models/bert.ait",
+storage=LocalTorchStorage(base_folder="."))`` never deletes a ``models/bert/`` folder of ``from_pretrained``
+files.
 """
 
 from __future__ import annotations
@@ -27,11 +35,13 @@ from typing import Any
 
 import torch
 
-from aitune.errors import CheckpointIntegrityError, ConfigError
+from aitune.errors import CheckpointError, CheckpointIntegrityError, ConfigError
 from aitune.torch.arguments import known_keywords
 from aitune.torch import checkpoint
-from aitune.torch.checkpoint.archive import CHUNK, sums_path
+from aitune.torch.checkpoint.archive import CHUNK, SUMS, is_aitune_sums, parse_sums, sums_path
 from aitune.torch.checkpoint.load import check_weights_choice
+from aitune.torch.checkpoint.manifest import MANIFEST, is_aitune_manifest
+from aitune.torch.checkpoint.save import check_replaceable
 from aitune.utils.logging import libraries_logging
 
 logger = logging.getLogger(__name__)
@@ -83,14 +93,35 @@ class LocalTorchStorage:
 
     # ---- names
     def archive_path(self, name: str | os.PathLike) -> Path:
-        """``<base_folder>/<name>`` with ``.ait`` (added when missing); absolute names stay as they are."""
+        """``<base_folder>/<name>`` with ``.ait`` (added when missing); see :meth:`resolve`."""
         folder = self.folder_path(name)
         return folder.with_name(folder.name + SUFFIX)
 
     def folder_path(self, name: str | os.PathLike) -> Path:
-        """``<base_folder>/<name>`` without ``.ait``: the unpacked checkpoint."""
-        path = self.base_folder / Path(name).expanduser()
+        """``<base_folder>/<name>`` without ``.ait``: the unpacked checkpoint; see :meth:`resolve`."""
+        path = self.resolve(name)
         return path.with_name(path.name[: -len(SUFFIX)]) if path.name.endswith(SUFFIX) else path
+
+    def resolve(self, name: str | os.PathLike) -> Path:
+        """Where a checkpoint name lives: ``<base_folder>/<name>``, except an absolute name and a relative one
+        that already starts with the base folder (``"checkpoints/model"`` with the default base folder), which
+        stay as given — so saving and loading ``"checkpoints/model"`` both use ``checkpoints/model.ait``.
+
+        Raises:
+            ConfigError: an empty name, or one that is the base folder itself.
+        """
+        path = Path(name).expanduser()
+        if not path.name or path.name in (".", "..") or path.name == SUFFIX:
+            raise ConfigError(f"checkpoint name {str(name)!r} names no file; give a name such as 'model.ait'")
+        base = self.base_folder.expanduser()
+        if path.is_absolute():
+            return path
+        if not base.is_absolute() and base.parts and path.parts[:len(base.parts)] == base.parts:
+            if len(path.parts) == len(base.parts):
+                raise ConfigError(f"checkpoint name {str(name)!r} is the base folder {str(base)!r} itself; give a "
+                                  f"name inside it, e.g. '{base.as_posix()}/model.ait' or 'model.ait'")
+            return path
+        return base / path
 
     # ---- save / load
     def save(self, model_or_pipeline: Any, name: str | os.PathLike) -> Path:
@@ -104,10 +135,14 @@ class LocalTorchStorage:
         if not self.overwrite_checkpoint_on_tune and (archive.exists() or folder.exists()):
             raise FileExistsError(f"checkpoint {archive if archive.exists() else folder} exists and "
                                   "overwrite_checkpoint_on_tune is False")
+        # Everything this save replaces or deletes must be aitune's own, checked before anything is written.
+        check_replaceable(archive)
+        _check_replaceable_side(_sha512_path(archive), 128)
+        _check_replaceable_folder(folder, archive)
         archive.parent.mkdir(parents=True, exist_ok=True)
         checkpoint.save(model_or_pipeline, archive)
-        if folder.exists():
-            shutil.rmtree(folder) if folder.is_dir() else folder.unlink()
+        if folder.is_dir() and any(folder.iterdir()):
+            shutil.rmtree(folder)
         if not self.remove_checkpoint_after_tune:
             with zipfile.ZipFile(archive) as zf:
                 zf.extractall(folder)
@@ -135,9 +170,10 @@ class LocalTorchStorage:
         archive, folder = self.archive_path(name), self.folder_path(name)
         if not archive.exists() and not folder.is_dir():
             literal = Path(name).expanduser()
-            if not Path(name).is_absolute() and literal.is_file():
-                logger.info("aitune.load: %s not found; reading %s as given", archive, literal)
-                return checkpoint.load(model_or_pipeline, literal, device=device, weights=weights)
+            found = [] if literal.is_absolute() else _as_given(literal)
+            if found:
+                logger.info("aitune.load: %s not found; reading %s as given", archive, found[0])
+                return checkpoint.load(model_or_pipeline, found[0], device=device, weights=weights)
             raise FileNotFoundError(f"no checkpoint {archive} (nor an unpacked {folder}/)")
         if archive.exists():
             side = _sha512_path(archive)
@@ -151,13 +187,24 @@ class LocalTorchStorage:
 
 
 def existing_checkpoint(name: str | os.PathLike) -> Path:
-    """``name`` when that file exists (or is absolute), else ``checkpoints/<name>`` (with ``.ait``) when that
-    exists — a name given to :func:`save` — else ``name`` as given (the caller's error names it)."""
+    """``name`` when that file exists (or ``name.ait``), else where :func:`save` puts ``name``
+    (``checkpoints/<name>.ait``, or ``<name>.ait`` as given when it starts with ``checkpoints/``) when that
+    exists, else ``name`` as given (the caller's error names it)."""
     path = Path(name).expanduser()
-    if path.exists() or path.is_absolute():
+    found = _as_given(path)
+    if found:
+        return found[0]
+    try:
+        saved = LocalTorchStorage().archive_path(path)
+    except ConfigError:
         return path
-    saved = LocalTorchStorage().archive_path(path)
-    return saved if saved.exists() else path
+    return saved if saved.is_file() else path
+
+
+def _as_given(path: Path) -> list[Path]:
+    """``path`` and, without the suffix, ``path.ait``: those that are files."""
+    candidates = [path] if path.name.endswith(SUFFIX) else [path, path.with_name(path.name + SUFFIX)]
+    return [candidate for candidate in candidates if candidate.is_file()]
 
 
 @known_keywords
@@ -216,6 +263,56 @@ def _storage(storage: LocalTorchStorage | None) -> LocalTorchStorage:
     if not isinstance(storage, LocalTorchStorage):
         raise ConfigError(f"storage must be an aitune.torch.LocalTorchStorage, got {type(storage).__name__}")
     return storage
+
+
+def _check_replaceable_side(side: Path, digest_length: int) -> None:
+    """A ``<stem>_sha512_sums.txt`` that :meth:`LocalTorchStorage.save` would overwrite must be aitune's."""
+    if side.exists() and not is_aitune_sums(side, digest_length):
+        raise CheckpointError(_not_ours(side, "file"))
+
+
+def _check_replaceable_folder(folder: Path, archive: Path) -> None:
+    """The unpacked folder :meth:`LocalTorchStorage.save` replaces must hold an aitune checkpoint and nothing else.
+
+    An aitune folder holds ``manifest.json`` (aitune's format), ``SHA256SUMS`` and only files listed there
+    (plus the ``<stem>_sha256_sums.txt`` copy of ``compress_checkpoint=False``); an empty folder is reused.
+
+    Raises:
+        CheckpointError: anything else (a file, a link, a folder of someone else's files), naming it.
+    """
+    if not (folder.exists() or folder.is_symlink()):
+        return
+    if folder.is_symlink() or not folder.is_dir():
+        raise CheckpointError(_not_ours(folder, "path"))
+    entries = list(folder.rglob("*"))
+    if not entries:
+        return
+    problem = None
+    try:
+        listed = set(parse_sums((folder / SUMS).read_text(encoding="utf-8"), folder, SUMS)) \
+            if (folder / SUMS).is_file() and not (folder / SUMS).is_symlink() else None
+        manifest = folder / MANIFEST
+        if listed is None or manifest.is_symlink() or not manifest.is_file() or \
+                not is_aitune_manifest(manifest.read_bytes()):
+            problem = f"it has no aitune {MANIFEST} and {SUMS}"
+        else:
+            allowed = listed | {SUMS, sums_path(archive).name}
+            for entry in entries:
+                relative = entry.relative_to(folder).as_posix()
+                if entry.is_symlink() or (not entry.is_dir() and relative not in allowed):
+                    problem = f"{relative} is not a file aitune wrote"
+                    break
+    except (OSError, UnicodeDecodeError, CheckpointError) as exc:
+        problem = f"its {SUMS} cannot be read ({exc})"
+    if problem:
+        raise CheckpointError(_not_ours(folder, "folder", problem))
+
+
+def _not_ours(path: Path, what: str, why: str = "") -> str:
+    return (f"ait.save would replace the {what} {path}, which is not an aitune checkpoint"
+            f"{f' ({why})' if why else ''}; nothing was written. Choose another checkpoint name "
+            "(ait.save(model, 'other.ait')) or another folder (storage=LocalTorchStorage(base_folder=...)), or move "
+            f"{path} away if you mean to replace it")
 
 
 def _sha512_path(archive: Path) -> Path:

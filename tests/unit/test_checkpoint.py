@@ -412,6 +412,23 @@ def test_a_missing_artifact_is_refused(aot_checkpoint, tmp_path):
         ait.load(pipe, path)
 
 
+@needs_aot
+def test_an_aot_package_outside_the_checkpoint_is_refused(aot_checkpoint, tmp_path):
+    """A native library is only ever loaded from the checkpoint's verified members (manifest edited, re-summed)."""
+    manifest = read_manifest(aot_checkpoint.path)
+    graph = module_entry(manifest, "mlp")["graphs"][0]
+    outside = tmp_path / "outside.pt2"
+    with zipfile.ZipFile(aot_checkpoint.path) as zf:
+        outside.write_bytes(zf.read(f"{graph['artifacts_dir']}/{graph['metadata']['package']}"))
+    graph["metadata"]["package"] = str(outside)
+    path = rewrite(aot_checkpoint.path, tmp_path / "outside.ait", replace={"manifest.json": json.dumps(manifest).encode()})
+    with torch.device("meta"):
+        pipe = models.Pipeline(seed=3)
+    with pytest.raises(CheckpointIntegrityError, match=r"inductor_aot metadata 'package' is '/.*outside\.pt2', which "
+                                                       "is absolute"):
+        ait.load(pipe, path)
+
+
 def test_missing_weights_are_refused(jit_checkpoint, tmp_path):
     member = module_entry(read_manifest(jit_checkpoint.path), "encoder")["weights"]
     path = rewrite(jit_checkpoint.path, tmp_path / "noweights.ait", drop=(member,))

@@ -24,6 +24,8 @@ from aitune.errors import (
     BackendBuildError,
     BackendStateError,
     BackendUnavailableError,
+    CheckpointError,
+    CheckpointVersionError,
     ConfigError,
     UnknownBackendError,
     one_line,
@@ -102,9 +104,16 @@ _CONFIG_CLASSES: dict[str, type["BackendConfig"]] = {}
 class BackendConfig(KnownFields):
     """Base of every ``<Backend>Config``: keyword-only plain data, validated in ``__post_init__``.
 
-    Serialised as ``{"type": <class name>, "version": 1, "data": {...}}``; :meth:`from_dict` resolves the
-    type among aitune's own config classes only and fills fields missing from older files with defaults.
+    Serialised as ``{"type": <class name>, "version": <the class's VERSION>, "data": {...}}``; :meth:`from_dict`
+    resolves the type among aitune's own config classes only, fills fields missing from older files with
+    defaults and refuses what this aitune cannot honour: a newer version or an unknown field (a config stored
+    by a newer aitune, or a typo, would otherwise run another configuration than the one that was checked).
+
+    A subclass that changes the meaning of its stored fields raises its ``VERSION`` and overrides
+    :meth:`_upgrade` to read the older versions.
     """
+
+    VERSION: ClassVar[int] = CONFIG_FORMAT_VERSION
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -120,21 +129,56 @@ class BackendConfig(KnownFields):
         return {field.name: _to_jsonable(getattr(self, field.name)) for field in dataclasses.fields(self)}
 
     def to_dict(self) -> dict:
-        return {"type": type(self).__name__, "version": CONFIG_FORMAT_VERSION, "data": self.data()}
+        return {"type": type(self).__name__, "version": type(self).VERSION, "data": self.data()}
 
     @classmethod
     def from_dict(cls, payload: dict) -> "BackendConfig":
-        """Rebuild a config written by :meth:`to_dict`. Raises ConfigError for an unknown type.
+        """Rebuild a config written by :meth:`to_dict` (e.g. read from a checkpoint).
 
-        A plain ``{field: value}`` dict (the reference system's config format) builds ``cls`` itself.
+        A plain ``{field: value}`` dict (the reference system's config format) builds ``cls`` itself. A payload
+        without ``"version"`` (written before configs were versioned) is read as version 1.
+
+        Raises:
+            ConfigError: an unknown type, or an invalid value.
+            CheckpointVersionError: a version newer than the class's ``VERSION`` (upgrade aitune or re-tune).
+            CheckpointError: a field the class does not have (upgrade aitune or re-tune).
         """
+        if not isinstance(payload, dict):
+            raise CheckpointError(f"a backend config is stored as a dict, got {type(payload).__name__}")
         if "type" not in payload and cls is not BackendConfig:
-            return cls._from_data(dict(payload))
+            return cls._from_data(cls._checked_fields(dict(payload)))
         type_name = payload.get("type")
         config_class = _CONFIG_CLASSES.get(type_name)
         if config_class is None or not issubclass(config_class, cls):
             raise ConfigError(f"unknown backend config type {type_name!r}; known: {sorted(_CONFIG_CLASSES)}")
-        return config_class._from_data(dict(payload.get("data", {})))
+        version = payload.get("version", 1)
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise CheckpointError(f"{type_name}: malformed stored config version {version!r}")
+        if version > config_class.VERSION:
+            raise CheckpointVersionError(
+                f"{type_name} was stored in version {version} by a newer aitune; this aitune reads versions up to "
+                f"{config_class.VERSION}. Upgrade aitune (pip install -U aitune) or re-tune and save again")
+        data = payload.get("data", {})
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{type_name}: the stored config's 'data' is a {type(data).__name__}, not a dict")
+        return config_class._from_data(config_class._checked_fields(config_class._upgrade(dict(data), version)))
+
+    @classmethod
+    def _upgrade(cls, data: dict, version: int) -> dict:
+        """The fields of a config stored in an older ``version``, as this ``VERSION`` reads them (identity for
+        version 1: no class has changed its stored form yet)."""
+        return data
+
+    @classmethod
+    def _checked_fields(cls, data: dict) -> dict:
+        names = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(key for key in data if key not in names)
+        if unknown:
+            raise CheckpointError(
+                f"{cls.__name__} has no field {', '.join(repr(key) for key in unknown)}: the stored config was written "
+                "by a newer aitune or edited, and running without it would not be the configuration that was "
+                f"checked. Upgrade aitune (pip install -U aitune) or re-tune and save again (fields: {sorted(names)})")
+        return data
 
     @classmethod
     def _from_data(cls, data: dict) -> "BackendConfig":

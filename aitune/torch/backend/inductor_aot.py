@@ -568,9 +568,12 @@ class TorchInductorAotBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        package_path = directory / metadata.get("package", PACKAGE_FILE)
-        if not package_path.is_file():
-            raise CheckpointError(f"{self.name}: {package_path} is missing from the checkpoint")
+        from aitune.torch.checkpoint.archive import checkpoint_path
+
+        package = metadata.get("package", PACKAGE_FILE)
+        if isinstance(package, str) and not (Path(directory) / package).exists():
+            raise CheckpointError(f"{self.name}: {Path(directory) / package} is missing from the checkpoint")
+        package_path = checkpoint_path(directory, package, f"{self.name} metadata 'package'")
         self._accepted = AcceptedInputs.from_json({"inputs": metadata["inputs"],
                                                    "batch_axes": metadata.get("batch_axes", []),
                                                    "device_type": metadata.get("device_type", device.type)})

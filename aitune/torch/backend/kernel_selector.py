@@ -258,7 +258,10 @@ class KernelSelectorBackend(Backend):
             raise ConfigError("kernel_selector checkpoint has no delegate_backend entry")
         delegate_class = get_backend_class(delegate_info["name"])
         delegate_config = BackendConfig.from_dict(delegate_info["config"])
-        plan_path = Path(directory) / metadata.get("kernel_plan", PLAN_FILE)
+        from aitune.torch.checkpoint.archive import checkpoint_path
+
+        plan_path = checkpoint_path(directory, metadata.get("kernel_plan", PLAN_FILE), "kernel_selector metadata "
+                                    "'kernel_plan'")
         self.plan = KernelOptimizationPlan.load(plan_path).check_runtime()
         self.build_mode = delegate_class.build_mode
         target = module
@@ -266,7 +269,9 @@ class KernelSelectorBackend(Backend):
             if module is None:
                 raise ConfigError("kernel_selector with a JIT delegate needs the original module to load")
             target = PlannedModule(module, self.plan)
-        self.delegate = delegate_class.from_checkpoint(Path(directory) / delegate_info.get("directory", DELEGATE_DIR),
+        delegate_directory = checkpoint_path(directory, delegate_info.get("directory", DELEGATE_DIR),
+                                             "kernel_selector metadata 'delegate_backend.directory'", kind="dir")
+        self.delegate = delegate_class.from_checkpoint(delegate_directory,
                                                        delegate_config, delegate_info.get("metadata", {}), target,
                                                        graph, device)
         self.build_mode = self.delegate.build_mode

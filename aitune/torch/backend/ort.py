@@ -491,10 +491,15 @@ class ONNXRuntimeBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
+        from aitune.torch.checkpoint.archive import checkpoint_path
+
         self._io = OnnxCallIO.from_json(metadata["io"], graph)
-        self._onnx_path = Path(directory) / metadata.get("onnx_file", ONNX_FILE)
-        if not self._onnx_path.is_file():
-            raise BackendRuntimeError(f"onnxruntime: checkpoint file {self._onnx_path} is missing")
+        onnx_file = metadata.get("onnx_file", ONNX_FILE)
+        if isinstance(onnx_file, str) and not (Path(directory) / onnx_file).exists():
+            raise BackendRuntimeError(f"onnxruntime: checkpoint file {Path(directory) / onnx_file} is missing")
+        self._onnx_path = checkpoint_path(directory, onnx_file, "onnxruntime metadata 'onnx_file'")
+        for name in external_data_files(self._onnx_path):  # ONNX Runtime reads them relative to the model
+            checkpoint_path(self._onnx_path.parent, name, f"the external data location of {self._onnx_path.name}")
         self._provider = self.config.resolved_provider(device)
         self.build_info.update(exporter=metadata.get("exporter"), export_notes=metadata.get("export_notes", []),
                                shape_specialized=self._io.accepted_shapes is not None)

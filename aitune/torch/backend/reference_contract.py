@@ -338,10 +338,15 @@ def _decode(value: Any, directory: Path, tensors: dict) -> Any:
     if tag is None:
         return {key: _decode(item, directory, tensors) for key, item in value.items()}
     if tag == "artifact":
-        artifact = ArtifactPath(directory / value["root"], value["relative_path"])
-        if not artifact.path.exists():
-            raise CheckpointError(f"artifact {value['relative_path']} is missing from the checkpoint")
-        return artifact
+        from aitune.torch.checkpoint.archive import checkpoint_path
+
+        root = checkpoint_path(directory, value.get("root"), "a stored ArtifactPath's 'root'", kind="dir")
+        relative = value.get("relative_path")
+        if isinstance(relative, str) and not (root / relative).exists():
+            raise CheckpointError(f"artifact {relative} is missing from the checkpoint")
+        if relative != ".":  # an artifact that is its root folder itself
+            checkpoint_path(root, relative, "a stored ArtifactPath's 'relative_path'", kind="any")
+        return ArtifactPath(root, relative)
     if tag == "tensor":
         return tensors[value["key"]]
     if tag == "path":

@@ -556,9 +556,12 @@ class TorchTensorRTAotBackend(Backend):
         from aitune.torch.serialization import output_template_from_json
         from aitune.torch.backend.tensorrt.backend import StoredGraph, StoredTensorSpec
 
-        artifact = directory / metadata.get("artifact", ARTIFACT_FILE)
-        if not artifact.is_file():
-            raise CheckpointError(f"{self.name}: {artifact} is missing from the checkpoint")
+        from aitune.torch.checkpoint.archive import checkpoint_path
+
+        name = metadata.get("artifact", ARTIFACT_FILE)
+        if isinstance(name, str) and not (Path(directory) / name).exists():
+            raise CheckpointError(f"{self.name}: {Path(directory) / name} is missing from the checkpoint")
+        artifact = checkpoint_path(directory, name, f"{self.name} metadata 'artifact'")
         self._inputs = [{key: value for key, value in entry.items() if key != "leaf_index"}
                         for entry in metadata["inputs"]]
         self._leaf_indices = [int(entry["leaf_index"]) for entry in metadata["inputs"]]

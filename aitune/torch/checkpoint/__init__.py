@@ -26,7 +26,10 @@ wrappers), :mod:`.save`, :mod:`.plan` and :mod:`.load` (plan -> restore -> insta
 
 NOTE [checkpoint safety]: :func:`load` hashes every member while copying it out of the archive and compares
 all digests before anything is deserialised; member names that are absolute, contain ``..`` or a
-backslash, and members not listed in ``SHA256SUMS`` are refused. Nothing is unpickled: tensors come from
+backslash, and members not listed in ``SHA256SUMS`` are refused; every file name the manifest or a backend's
+metadata gives is resolved inside the extracted checkpoint and must be a verified member
+(:func:`.archive.checkpoint_path`). Stored backend configs and tolerances with fields or a version this aitune
+does not know are refused (``BackendConfig.from_dict``). Nothing is unpickled: tensors come from
 safetensors, everything else from JSON. Python types named by a checkpoint (user dataclasses, namedtuples,
 ``transformers`` ``ModelOutput`` classes in input/output structures) are looked up only among modules
 already imported in this process (``sys.modules``); a checkpoint never makes aitune import anything.

@@ -6,7 +6,8 @@ and to ``<stem>_sha256_sums.txt`` beside it; both files are replaced atomically.
 
 Reading: :func:`read_verified` refuses unsafe or duplicated member names, symbolic links and members not
 listed in ``SHA256SUMS``, and hashes every member (copying it out while hashing) before the caller
-deserialises anything. The tuning cache checks its entries with the same digest helpers
+deserialises anything. Every file name a manifest or a backend's metadata gives is then resolved with
+:func:`checkpoint_path`: inside the extraction folder and listed in its ``SHA256SUMS``, or refused. The tuning cache checks its entries with the same digest helpers
 (:func:`digest_files`, :func:`check_files`).
 
 NOTE [what the digests prove]: the digests detect corruption and accidental changes — a truncated copy, a
@@ -29,6 +30,8 @@ from aitune.errors import CheckpointError, CheckpointIntegrityError
 
 SUMS = "SHA256SUMS"
 CHUNK = 1 << 20
+# Real path of each folder read_verified extracted a checkpoint to -> the members it verified there.
+_EXTRACTED: dict[str, frozenset[str]] = {}
 MAX_SMALL_MEMBER = 64 << 20  # members read into memory (manifest.json, SHA256SUMS); refuse absurd sizes
 _FIXED_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # identical content -> identical members (reproducible archives)
 
@@ -104,6 +107,29 @@ def parse_sums(text: str, path: Path, origin: str) -> dict[str, str]:
     return sums
 
 
+def is_aitune_sums(path: Path, digest_length: int = 64) -> bool:
+    """Is ``path`` a sums file aitune writes beside an archive (``<hex>  <member>`` lines, the manifest listed)?
+
+    Args:
+        path: the file. digest_length: hex digits per digest (64 for SHA-256, 128 for SHA-512).
+    """
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_SMALL_MEMBER:
+            return False
+        names = set()
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            digest, sep, name = line.partition("  ")
+            if not sep or len(digest) != digest_length or any(ch not in "0123456789abcdef" for ch in digest):
+                return False
+            check_member_name(name)
+            names.add(name)
+    except (OSError, UnicodeDecodeError, CheckpointIntegrityError):
+        return False
+    return "manifest.json" in names
+
+
 def check_member_name(name: str) -> None:
     """Refuse names that could land outside an extraction folder or alias another file.
 
@@ -117,6 +143,67 @@ def check_member_name(name: str) -> None:
         raise CheckpointIntegrityError(
             f"unsafe member name {name!r} in the checkpoint (absolute path, '..', '.', a backslash or a drive): "
             "refusing to read it; the file was not written by aitune or was tampered with")
+
+
+def checkpoint_path(directory: str | os.PathLike, name: object, field: str, kind: str = "file") -> Path:
+    """The file (or folder) a checkpoint's manifest or a backend's metadata names, below ``directory``.
+
+    Every file a checkpoint loads goes through here, so it lies inside the checkpoint and is covered by its
+    ``SHA256SUMS``: ``name`` must be a relative posix path without ``..``/``.`` parts (:func:`check_member_name`),
+    no part of it may be a symbolic link, and when ``directory`` lies in a folder :func:`read_verified` extracted
+    to, the file (for a folder: every file in it) must be a verified member. Folders that are not an extracted
+    checkpoint (the tuning cache, a backend's own save directory) get the path checks only.
+
+    Args:
+        directory: the folder the name is relative to (e.g. a graph's extracted ``artifacts/``).
+        name: the stored value. field: what names it, for the message (``"onnxruntime metadata 'onnx_file'"``).
+        kind: ``"file"`` (must be one), ``"dir"`` (a folder, possibly absent) or ``"any"`` (either, existing).
+
+    Returns:
+        ``directory / name``.
+
+    Raises:
+        CheckpointIntegrityError: naming ``field`` and ``name``: not a string, absolute, ``..``, a link, outside
+            the checkpoint, not listed in ``SHA256SUMS``, or not the kind asked for.
+    """
+    def refuse(why: str) -> CheckpointIntegrityError:
+        return CheckpointIntegrityError(f"{field} is {name!r}, {why}; refusing to load it (the checkpoint was not "
+                                        "written by aitune or was altered: save it again)")
+
+    if not isinstance(name, str):
+        raise refuse("not a file name")
+    try:
+        check_member_name(name)
+    except CheckpointIntegrityError:
+        raise refuse("which is absolute or leaves the checkpoint ('..', '.', a backslash or a drive)") from None
+    directory = Path(directory)
+    path = directory.joinpath(*name.split("/"))
+    current = directory
+    for part in name.split("/"):
+        current = current / part
+        if current.is_symlink():
+            raise refuse(f"a symbolic link (to {os.readlink(current)!r})")
+    real_directory, real = os.path.realpath(directory), os.path.realpath(path)
+    if os.path.commonpath([real_directory, real]) != real_directory:
+        raise refuse(f"which resolves outside the checkpoint ({real})")
+    exists = path.is_file() if kind == "file" else path.is_dir() if kind == "dir" else path.exists()
+    if kind == "file" and not exists:
+        raise refuse("which is not a file in the checkpoint")
+    if kind == "any" and not exists:
+        raise refuse("which is not in the checkpoint")
+    root = next((parent for parent in (Path(real), *Path(real).parents) if str(parent) in _EXTRACTED), None)
+    if root is not None and path.exists():
+        files = [Path(real)] if path.is_file() else [p for p in Path(real).rglob("*") if not p.is_dir()]
+        for file in files:
+            member = file.relative_to(root).as_posix()
+            if file.is_symlink() or member not in _EXTRACTED[str(root)]:
+                raise refuse(f"whose {member} is not listed in the checkpoint's {SUMS}")
+    return path
+
+
+def forget_extraction(directory: str | os.PathLike) -> None:
+    """Drop what :func:`read_verified` recorded for ``directory`` (its folder is being deleted)."""
+    _EXTRACTED.pop(os.path.realpath(directory), None)
 
 
 # ============================================================================================ writing
@@ -267,6 +354,8 @@ def read_verified(path: Path, extract_to: Path | None, in_memory: tuple[str, ...
         except (zipfile.BadZipFile, EOFError, zlib.error, OSError) as exc:
             raise CheckpointIntegrityError(f"{path} is corrupted or truncated ({type(exc).__name__}: {exc}); save it "
                                            "again or copy it completely") from exc
+    if extract_to is not None:
+        _EXTRACTED[os.path.realpath(extract_to)] = frozenset(name for name in sums if name not in in_memory)
     return sums, data
 
 

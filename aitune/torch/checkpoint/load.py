@@ -15,7 +15,7 @@ import torch
 
 from aitune.errors import CheckpointError, CheckpointIntegrityError, ConfigError
 from aitune.torch.backend.eager import TorchEagerBackend
-from aitune.torch.checkpoint.archive import check_member_name
+from aitune.torch.checkpoint.archive import checkpoint_path, forget_extraction
 from aitune.torch.checkpoint.manifest import read_manifest, weights_digest
 from aitune.torch.checkpoint.plan import ModulePlan, plan_module, warn_differences
 from aitune.torch.checkpoint.wrappers import replace_at, resolve_path
@@ -118,6 +118,7 @@ def load(model_or_pipeline: Any, path: str | os.PathLike, device: str | torch.de
         return result
     finally:
         if not keep_scratch:
+            forget_extraction(scratch)
             shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -134,7 +135,7 @@ class ExtractedFiles:
 
     def __init__(self, root: Path):
         self.root = root
-        self._finalizer = weakref.finalize(self, shutil.rmtree, str(root), True)
+        self._finalizer = weakref.finalize(self, _delete, str(root))
 
     def keep_alive_while(self, user: object) -> None:
         """Keep the folder at least as long as ``user`` (e.g. a restored backend) is alive.
@@ -143,6 +144,11 @@ class ExtractedFiles:
         holding ``self`` there is the reference that keeps the folder, without an attribute on ``user``.
         """
         weakref.finalize(user, _release, self)
+
+
+def _delete(root: str) -> None:
+    forget_extraction(root)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _release(files: ExtractedFiles) -> None:
@@ -167,7 +173,8 @@ def _restore_module(plan: ModulePlan, files: ExtractedFiles, weights: str | None
     entry = plan.entry
     module = plan.module
     if entry.get("weights"):
-        stored, aliases = files.root / entry["weights"], entry.get("weight_aliases") or {}
+        where = f"the manifest's 'weights' of module {plan.name!r}"
+        stored, aliases = checkpoint_path(files.root, entry["weights"], where), entry.get("weight_aliases") or {}
         if weights != "module":
             _load_weights(module, stored, aliases, plan)
         elif any(graph_plan.entry.get("build_mode") == "aot" for graph_plan in plan.graphs):
@@ -181,13 +188,15 @@ def _restore_module(plan: ModulePlan, files: ExtractedFiles, weights: str | None
     for graph_plan in plan.graphs:
         graph_entry = graph_plan.entry
         graph = _restore_graph(graph_entry, files.root, graph_plan.device, plan.name, module)
-        artifacts = files.root / graph_entry["artifacts_dir"]
+        where = f"{plan.name}/{graph.name}"
+        artifacts = checkpoint_path(files.root, graph_entry["artifacts_dir"], f"{where}: the manifest's "
+                                    "'artifacts_dir'", kind="dir")
         artifacts.mkdir(parents=True, exist_ok=True)
         for artifact in graph_entry.get("artifacts", []):
-            check_member_name(artifact)
-            if not (artifacts / artifact).is_file():
-                raise CheckpointIntegrityError(f"{plan.name}/{graph.name}: artifact {artifact!r} of backend "
+            if isinstance(artifact, str) and not (artifacts / artifact).exists():
+                raise CheckpointIntegrityError(f"{where}: artifact {artifact!r} of backend "
                                                f"'{graph_entry['backend']}' is missing from the checkpoint")
+            checkpoint_path(artifacts, artifact, f"{where}: an entry of the manifest's 'artifacts'")
         backend_class, config = graph_plan.backend_class, graph_plan.config
         if graph_plan.rebuild_as_eager:
             backend_class, config = TorchEagerBackend, TorchEagerBackend.config_class()
@@ -195,6 +204,8 @@ def _restore_module(plan: ModulePlan, files: ExtractedFiles, weights: str | None
             with torch.no_grad():
                 backend = backend_class.from_checkpoint(artifacts, config, graph_entry.get("metadata") or {}, module,
                                                         graph, graph_plan.device)
+        except CheckpointIntegrityError:
+            raise  # a stored file name that leaves the checkpoint: the message names the field already
         except Exception as exc:  # noqa: BLE001 - translated with the cause chained
             raise CheckpointError(
                 f"{plan.name}/{graph.name}: restoring backend '{backend_class.name}' failed: {type(exc).__name__}: "
@@ -340,7 +351,8 @@ def _restore_samples(entry: dict, root: Path, device: torch.device, where: str) 
     if any(not 0 <= index < count for index, _ in tensor_leaves) or any(not 0 <= i < count for i in constants):
         raise CheckpointError(f"{where}: leaf indices in the checkpoint do not fit its input structure")
     samples_entry = entry["samples"]
-    tensors = load_file(str(root / samples_entry["file"]), device="cpu")
+    tensors = load_file(str(checkpoint_path(root, samples_entry["file"], f"{where}: the manifest's 'samples.file'")),
+                        device="cpu")
     samples = []
     for sample_index in range(int(samples_entry["count"])):
         leaves: list[Any] = [None] * count

@@ -232,6 +232,15 @@ def read_manifest(path: Path, extract_to: Path | None = None, verify: bool = Tru
     return manifest, sums
 
 
+def is_aitune_manifest(data: bytes) -> bool:
+    """Is ``data`` an aitune ``manifest.json`` (JSON with ``"format": "aitune-checkpoint"``)? Any version."""
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME
+
+
 def _parse_manifest(data: bytes, path: Path) -> dict:
     try:
         manifest = json.loads(data.decode("utf-8"))
@@ -259,9 +268,10 @@ def graph_tolerance(entry: dict, where: str) -> Tolerance:
     """The tolerance a graph was tuned under; the default ``Tolerance()`` for manifests without one.
 
     Raises:
-        CheckpointError: a malformed ``"tolerance"`` entry.
+        CheckpointError: a malformed ``"tolerance"`` entry, or one with a field this aitune does not know.
     """
     try:
-        return Tolerance.from_dict(entry.get("tolerance"))
+        return Tolerance.from_dict(entry.get("tolerance"), strict=True)
     except AITuneError as exc:
-        raise CheckpointError(f"{where}: malformed tolerance in the checkpoint ({exc})") from exc
+        raise CheckpointError(f"{where}: malformed tolerance in the checkpoint ({exc}); it was written by a newer "
+                              "aitune or edited: upgrade aitune (pip install -U aitune) or re-tune and save again") from exc

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from aitune import __version__
-from aitune.errors import AITuneError, CheckpointError, CheckpointIntegrityError
+from aitune.errors import AITuneError, CheckpointError, CheckpointIntegrityError, CheckpointVersionError
 from aitune.torch.backend.base import BuildMode, get_backend_class
 from aitune.torch.checkpoint.archive import check_member_name
 from aitune.torch.checkpoint.manifest import check_state, graph_tolerance
@@ -110,6 +110,8 @@ def _plan_graph(module_name: str, graph_entry: dict, target_device: torch.device
             raise CheckpointError(f"{where} uses backend '{backend_name}', unavailable here: {available.reason}")
     try:
         config = backend_class.config_class.from_dict(graph_entry.get("config") or {})
+    except CheckpointVersionError as exc:
+        raise CheckpointVersionError(f"{where}: the stored config of backend '{backend_name}': {exc}") from exc
     except AITuneError as exc:
         raise CheckpointError(f"{where}: the stored config of backend '{backend_name}' is invalid here: {exc}") from exc
     plan = GraphPlan(graph_entry, backend_class, config, target_device, graph_tolerance(graph_entry, where))

@@ -13,12 +13,13 @@ import torch
 
 from aitune.errors import AITuneError, CheckpointError, ConfigError
 from aitune.torch.backend.base import BuildMode
-from aitune.torch.checkpoint.archive import publish
+from aitune.torch.checkpoint.archive import is_aitune_sums, publish, read_unverified, sums_path
 from aitune.torch.checkpoint.manifest import (
     MANIFEST,
     base_manifest,
     finish_manifest,
     graph_entry,
+    is_aitune_manifest,
     manifest_bytes,
     state_signature,
     weights_digest,
@@ -49,11 +50,13 @@ def save(model_or_pipeline: Any, path: str | os.PathLike) -> Path:
         The path of the archive.
 
     Raises:
-        CheckpointError: no tuned wrapper found; an input constant that is not a JSON type (None, bool,
+        CheckpointError: ``path`` or its sums file exists and is not an aitune checkpoint (nothing is written:
+            only an earlier aitune checkpoint is replaced); no tuned wrapper found; an input constant that is not a JSON type (None, bool,
             int, float, str); a structure type defined inside a function (it cannot be found at load); a
             backend whose ``save`` fails or returns non-JSON metadata; weights that cannot be stored.
     """
     path = Path(path)
+    check_replaceable(path)
     found = find_wrappers(model_or_pipeline)
     try:
         check_unique_names([entry.wrapper for entry in found], "ait.save")
@@ -84,6 +87,33 @@ def save(model_or_pipeline: Any, path: str | os.PathLike) -> Path:
     logger.info("aitune.save: wrote %s (%d module(s), %d graph(s), %.1f MiB)", path, len(manifest["modules"]),
                 sum(len(m["graphs"]) for m in manifest["modules"]), path.stat().st_size / 2**20)
     return path
+
+
+def check_replaceable(path: Path) -> None:
+    """Refuse to overwrite an archive or ``<stem>_sha256_sums.txt`` that aitune did not write.
+
+    An archive is aitune's when it is a zip whose ``manifest.json`` has aitune's format (any version); a sums
+    file when every line is ``<sha256 hex>  <member>`` and the manifest is listed.
+
+    Raises:
+        CheckpointError: naming the file and how to choose another path.
+    """
+    for target, ours in ((path, _is_aitune_archive), (sums_path(path), is_aitune_sums)):
+        if (target.exists() or target.is_symlink()) and not ours(target):
+            raise CheckpointError(
+                f"ait.save would overwrite {target}, which is not an aitune checkpoint file; nothing was written. "
+                "Choose another checkpoint name (ait.save(model, 'other.ait')) or another folder "
+                f"(storage=LocalTorchStorage(base_folder=...)), or move {target} away if you mean to replace it")
+
+
+def _is_aitune_archive(path: Path) -> bool:
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        data = read_unverified(path, MANIFEST)
+    except CheckpointError:
+        return False
+    return data is not None and is_aitune_manifest(data)
 
 
 def _save_module(index: int, entry: WrapperEntry, staging: Path) -> dict:

@@ -342,9 +342,12 @@ class TensorRTBackend(Backend):
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
         from aitune.torch.serialization import output_template_from_json
 
-        engine_path = directory / metadata.get("engine", ENGINE_FILE)
-        if not engine_path.is_file():
-            raise CheckpointError(f"{self.name}: {engine_path} is missing from the checkpoint")
+        from aitune.torch.checkpoint.archive import checkpoint_path
+
+        engine = metadata.get("engine", ENGINE_FILE)
+        if isinstance(engine, str) and not (Path(directory) / engine).exists():
+            raise CheckpointError(f"{self.name}: {Path(directory) / engine} is missing from the checkpoint")
+        engine_path = checkpoint_path(directory, engine, f"{self.name} metadata 'engine'")
         inputs = metadata["inputs"]
         self._names = [entry["name"] for entry in inputs]
         self._leaf_indices = [int(entry["leaf_index"]) for entry in inputs]
