@@ -51,7 +51,7 @@ def _why_passed_beyond(row: dict, max_abs_error, atol_line) -> str:
     if not (_is_number(atol) and _is_number(rtol)):  # a report from before the leaves kept their tolerances
         return "passed: rtol or fp16/bf16 tolerance"
     if _is_number(own_atol) and atol > own_atol:
-        return f"passed: fp16/bf16 atol {atol:g}" + ("" if max_abs_error <= atol else f" + rtol·|eager|")
+        return f"passed: fp16/bf16 atol {atol:g}" + ("" if max_abs_error <= atol else " + rtol·|eager|")
     if max_abs_error <= atol:
         return f"passed: atol {atol:g}"
     return f"passed: rtol {rtol:g}·|eager|"
