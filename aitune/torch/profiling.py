@@ -1,7 +1,7 @@
-"""Measure latency and throughput of a backend on recorded samples (DESIGN.md §6).
+"""Measure latency and throughput of a backend on recorded samples.
 
-Timing: CUDA events around each call on GPU (synchronised after each call), ``time.perf_counter`` on
-CPU (read through :data:`_clock`). Every candidate, eager included, runs under ``torch.no_grad`` with the same
+Timing: CUDA events around each call on GPU (synchronised after each call), ``time.perf_counter_ns`` on
+CPU (read through :data:`CLOCK`). Every candidate, eager included, runs under ``torch.no_grad`` with the same
 warm-up, which is excluded from the figures (case C19). Calls go round-robin over the samples; a *round* is one call of
 each sample. Measuring stops when the median round time is stable (its relative standard error is
 below ``stable_rel_error``), when ``time_budget_s`` is spent, or after ``max_rounds``.

@@ -209,6 +209,9 @@ def test_a_call_that_cannot_be_captured_is_timed_eagerly_and_capture_works_after
 @pytest.mark.parametrize("preset", ["int8wo", "int8dq", "fp8wo", "fp8dq", "fp8dq_row", "int4wo"])
 def test_torchao_presets_on_cuda(preset, tmp_path):
     torch.manual_seed(0)
+    available = TorchAOBackend.availability()
+    if not available.ok:
+        pytest.skip(available.reason)
     model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).cuda().bfloat16().eval()
     graph = record_graphs(model, [((torch.randn(32, 1024, device="cuda", dtype=torch.bfloat16),), {})])[0]
     backend = TorchAOBackend(TorchAOBackendConfig(quantization=preset))
