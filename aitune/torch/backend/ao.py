@@ -50,7 +50,7 @@ FP8_MIN_CAPABILITY = (8, 9)
 INT4_MIN_CAPABILITY = (8, 0)
 INT4_GROUP_SIZE = 128
 
-# Why each preset cannot run on CPU (found by running every preset on this CPU with torch 2.13 /
+# Why each preset cannot run on CPU (found by running every preset on CPU with torch 2.13 /
 # torchao 0.18): int4wo's default packing raises "ImportError: Requires mslk >= 1.0.0" and its
 # tile-packed format needs a CUDA GPU; fp8dq/fp8dq_row raise "Float8 dynamic quantization requires CUDA
 # compute capability >= 8.9". fp8wo does run on CPU, but only as an fp8 storage format (dequantise +

@@ -62,8 +62,8 @@ class TorchInductorAotBackendConfig(BackendConfig):
             (e.g. ``{"max_autotune": True}``); keys must exist in ``torch._inductor.config`` and values must
             be JSON-able (they travel to the compile process as JSON; tuples arrive as lists).
         build_timeout_s: wall-clock limit of the compile-and-check child process, seconds (> 0).
-        isolate: run compile and first load in a child process (recommended: a crash there, such as the
-            SIGSEGV of ``aoti_load_package`` on the GPU machine, becomes a failed build instead of killing
+        isolate: run compile and first load in a child process (recommended: a crash there, such as a
+            SIGSEGV of ``aoti_load_package`` (NOTE [AOTInductor canary]), becomes a failed build instead of killing
             the tuning run). False runs them in this process.
 
     Raises:
