@@ -1,4 +1,4 @@
-"""Serve tuned checkpoints on Ray Serve (``pip install 'aitune[serve]'``; DESIGN.md §11).
+"""Serve tuned checkpoints on Ray Serve (``pip install 'aitune[serve]'``).
 
 ``build_app(ServeConfig(builder="pkg.mod:build_model", checkpoint="model.ait"))`` is a Ray Serve application:
 every replica builds the model with the builder, *loads* the checkpoint (``ait.load``: digests, device and

@@ -1,4 +1,4 @@
-"""Misspelled keyword arguments get an error that lists the valid ones (issue "What users expect", point 5)."""
+"""Misspelled keyword arguments get an error that lists the valid ones."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Keep what other packages print while a candidate builds out of the user's console (issue "What users
-expect", point 1): their Python warnings (deprecations, missing optional packages) and their log records go
-to that candidate's ``build.log`` instead.
+"""Keep what other packages print while a candidate builds out of the user's console: their Python warnings
+(deprecations, missing optional packages) and their log records go to that candidate's ``build.log`` instead.
 
 Only Python-level output is redirected (``warnings`` and ``logging``); text a native library writes straight to
 file descriptor 2 (a C++ ``std::cerr``) still reaches the terminal.

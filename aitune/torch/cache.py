@@ -1,4 +1,4 @@
-"""The tuning cache: AOT builds reused across ``tune()`` runs when nothing that matters changed (DESIGN.md §8).
+"""The tuning cache: AOT builds reused across ``tune()`` runs when nothing that matters changed.
 
 An entry is keyed by sha256 over the canonical JSON of:
 

@@ -28,7 +28,7 @@ def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tole
     """Run ``backend`` on a fresh clone of every sample, in order, and compare with eager: outputs, in-place
     effects on inputs, and — where eager leaves its inputs alone — that the candidate does too.
 
-    Outputs on CUDA are cloned right after each call, before anything else runs (case C20, U4; NOTE [output
+    Outputs on CUDA are cloned right after each call, before anything else runs (NOTE [output
     clones in checks]); one sample's inputs and outputs are dropped before the next sample runs. For a stateful
     graph the module's state is first put back to where eager's reference run started, so both see the same
     sequence.
@@ -61,7 +61,7 @@ def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tole
 
 
 # NOTE [output clones in checks]: backends that replay CUDA graphs return tensors that the next replay
-# overwrites (case C20), so a check clones a candidate's CUDA outputs at once. Only CUDA ones: no backend
+# overwrites (pytorch/pytorch#144386), so a check clones a candidate's CUDA outputs at once. Only CUDA ones: no backend
 # reuses output buffers on the CPU (Inductor's CUDA-graph trees, eager's CUDA-graph runner and TensorRT's
 # runtime are CUDA-only), and cloning a CPU output would double the memory a check needs for large outputs.
 # The device decides rather than the backend because user-written backends can capture CUDA graphs too.
@@ -167,7 +167,8 @@ def check_probes(backend: Backend, context: GraphContext, settings: EvaluationSe
 
 
 def verify_round_trip(backend: Backend, context: GraphContext, tolerance: Tolerance) -> None:
-    """Save an AOT backend's artifact, load it back without the module and compare one output (case C23).
+    """Save an AOT backend's artifact, load it back without the module and compare one output
+    (some artifacts cannot be loaded back: pytorch/ao#2690).
 
     The loaded copy must match eager on the first sample by the same rule and ``tolerance`` the built
     candidate was judged by (a reloaded artifact may pick other kernels; what matters is that it is still

@@ -1,11 +1,11 @@
-"""Remember candidates that crash this environment (issue "Search", point 3).
+"""Remember candidates that crash this environment.
 
-A build step run in a child process (:mod:`aitune.torch.isolation`) that dies from a signal — SIGSEGV,
-SIGABRT, SIGBUS, SIGILL, SIGFPE — will die again in the same environment: on the H200 machine (torch
-2.11+cu130) loading any AOTInductor package segfaults, and each attempt cost a tune 60-75 s. Such a crash is
-recorded per environment (torch and CUDA versions, driver, device name and capability or CPU model) and per
-candidate (backend class and config key); later tunes skip that candidate with a row that says so and points
-to the log of the crash. Timeouts are not recorded (they depend on the model and the machine's load).
+A build step run in a child process (:mod:`aitune.torch.isolation`) that dies from a signal — SIGSEGV, SIGABRT,
+SIGBUS, SIGILL, SIGFPE — will die again in the same environment (in one where loading any AOTInductor package
+segfaults, each attempt costs a tune the minute its compile takes). Such a crash is recorded per environment (torch
+and CUDA versions, driver, device name and capability or CPU model) and per candidate (backend class and config
+key); later tunes skip that candidate with a row that says so and points to the log of the crash. Timeouts are not
+recorded (they depend on the model and the machine's load).
 
 The record lives in ``<cache dir>/crashes.json``; ``aitune env`` lists it; deleting the cache (or
 :meth:`CrashRegistry.clear`, ``aitune env --clear-crashes``) retries the candidates.

@@ -11,14 +11,14 @@ the CPU launch overhead that dominates small-batch inference. The runner:
 * on a capture failure (a host sync, a CPU tensor, an op that is not capturable) logs one warning and
   runs every later call normally: the runner is then a pass-through;
 * hands the caller *clones* of the graph's static outputs, so the next replay never overwrites an output
-  the caller still holds (case C20).
+  the caller still holds (pytorch/pytorch#144386).
 
 NOTE [cuda graphs and dynamic shapes]: a graph is only valid for the exact shapes it was captured with,
 so every distinct input shape gets its own graph; the LRU bound keeps memory in check when shapes vary
 a lot (each graph keeps its own static inputs, outputs and private memory pool alive).
 
 NOTE [cuda graphs and in-place inputs]: a replay writes into the static input buffers, not the caller's
-tensors. A function that mutates its inputs in place (case C12) therefore does not mutate the caller's
+tensors. A function that mutates its inputs in place therefore does not mutate the caller's
 tensors under graphs; backends that must preserve such mutations should not enable graphs.
 
 Reference for the capture protocol (warm-up on a side stream, static inputs, ``copy_`` then ``replay``):

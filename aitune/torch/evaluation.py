@@ -210,8 +210,8 @@ def one_off_calls() -> Iterator[None]:
     NOTE [no cuDNN autotuning for references]: with ``torch.backends.cudnn.benchmark = True`` (the user's
     setting, common for convnets) the first convolution of each new shape, dtype or format times every cuDNN
     algorithm, allocating each one's workspace. The float32 copy that correctness rule 5 runs on a probe is
-    such a first call: on the H200, ResNet-50 b1's fp32 reference allocated a 2.3 GiB workspace, and the
-    tune's device peak was 2.49 GiB against eager inference's 0.10 GiB (RESULTS.md, 2026-12-01). A reference
+    such a first call: for a ResNet-50 at batch 1 its workspaces can take gigabytes, many times what eager
+    inference needs (``benchmarks/gpu_memory_trace.py`` shows where a tune's peak goes). A reference
     is computed once, so cuDNN's heuristic choice costs nothing in speed there; the user's setting is restored
     after.
     """
@@ -380,7 +380,7 @@ def _complete(evaluation: Evaluation, context: GraphContext, show) -> Candidate:
             show("round_trip")
             try:
                 verify_round_trip(backend, context, settings.tolerance)
-            except Exception as exc:  # noqa: BLE001 - case C23: not saveable means not selectable
+            except Exception as exc:  # noqa: BLE001 - not saveable means not selectable
                 raise _Stop(FAILED, exc, prefix="not saveable: ") from exc
         measurement = None
         if settings.measure:

@@ -1,4 +1,4 @@
-"""After tuning: run-time checks against eager, and stale weights (DESIGN.md §5, issue "Trust").
+"""After tuning: run-time checks against eager, and stale weights.
 
 Two mechanisms protect a tuned module once it serves calls:
 
@@ -17,7 +17,7 @@ Two mechanisms protect a tuned module once it serves calls:
     median of per-round ratios, NOTE [paired speed-up] in :mod:`aitune.torch.profiling`), or its lower
     quartile when that figure is marked noisy.
     Signatures are remembered up to ``max_signatures``; the per-call cost of an unchecked call is building
-    a tuple of shapes and a set lookup (a few µs; benchmarks/RESULTS.md).
+    a tuple of shapes and a set lookup (a few µs; ``benchmarks/trust_overhead.py`` measures it).
 
 :class:`StateWatch` (one per tuned module whose backends bake weights in)
     notices parameters or buffers replaced or changed after tuning — ``load_state_dict`` (in place and
@@ -29,7 +29,7 @@ Two mechanisms protect a tuned module once it serves calls:
     parameter/buffer registration hooks (``assign=True``); every ``FULL_SCAN_EVERY`` (16) calls it also sums
     all data pointers, which catches a ``.data`` replaced on one tensor or a ``.to()`` of one submodule within
     16 calls. No hashing. Cost: about 45 ns per parameter/buffer per call (ResNet-50's 320: ~14 µs),
-    measured in benchmarks/RESULTS.md.
+    as ``benchmarks/trust_overhead.py`` measures it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run a file-to-file build step in a child process, so a crash or a hang becomes an error (DESIGN.md §7).
+"""Run a file-to-file build step in a child process, so a crash or a hang becomes an error.
 
 Some build steps can take the whole interpreter down: AOTInductor compiles and package loads (on the GPU
 machine, ``aoti_load_package`` of any CUDA package dies with SIGSEGV), ONNX -> TensorRT engine builds,
@@ -75,7 +75,7 @@ BUILD_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("a
 
 
 # NOTE [background builds]: while a strategy evaluates other candidates, the child step of an isolated build
-# can run at the same time (issue "Search", point 4). A backend that supports it submits its step with
+# can run at the same time. A backend that supports it submits its step with
 # :func:`submit_isolated` when ``BACKGROUND_BUILDS`` holds an executor, and waits in ``finish_build``.
 BACKGROUND_BUILDS: contextvars.ContextVar = contextvars.ContextVar("aitune_background_builds", default=None)
 
@@ -116,7 +116,7 @@ def run_isolated(target: str, kwargs: dict, *, timeout_s: float, log_path: Path 
             or math.isnan(timeout_s):
         raise ConfigError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
     deadline = BUILD_DEADLINE.get()
-    if deadline is not None:  # the tune's time budget caps every child step (issue "Search")
+    if deadline is not None:  # the tune's time budget caps every child step
         timeout_s = max(1.0, min(timeout_s, deadline - time.perf_counter()))
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,7 @@ def run_isolated(target: str, kwargs: dict, *, timeout_s: float, log_path: Path 
             _kill_leftovers(process)
     elapsed = time.perf_counter() - started
     payload = _read_result(result_path)
-    # DEBUG: the candidate's row already says how long its build took and how it ended (fresh-clone trial:
+    # DEBUG: the candidate's row already says how long its build took and how it ended (at INFO
     # this line stood among the user's progress lines with an internal function name).
     logger.debug("%s finished in %.1f s with exit status %d", target, elapsed, returncode)
 

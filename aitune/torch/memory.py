@@ -1,4 +1,4 @@
-"""Peak memory of a stretch of work (``ait.tune``), on the host and on CUDA devices (issue "Search", point 6).
+"""Peak memory of a stretch of work (``ait.tune``), on the host and on CUDA devices.
 
 NOTE [measuring peak memory]: the host figure is the process's resident-set high-water mark, ``VmHWM`` in
 ``/proc/self/status``, which the kernel keeps exactly (no sampling that could miss a short peak). Writing

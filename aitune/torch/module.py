@@ -464,8 +464,8 @@ class Module(wrapt.ObjectProxy):
         # NOTE [dispatch fast path]: a call whose arguments are all tensors or plain constants (no nesting) is keyed
         # as given, before normalisation, by dtype/rank/device and constant values; the key finds a _Route that
         # holds what the checks below need to know about its graph and backend, computed once. The host work
-        # before the backend's launch is then ~3 µs on this project's 2-core CPU (counted in the GPU latency of
-        # every call: issue "Search", wrapped module within 3 % of the backend called directly; RESULTS.md).
+        # before the backend's launch is then a few µs, which counts in the GPU latency of every call (the
+        # wrapped module should stay within 3 % of the backend called directly: benchmarks/gpu_wrapper_cost.py).
         raw_key = _flat_call_key(args, kwargs)
         route = self._self_routes.get(raw_key) if raw_key is not None else None
         if route is not None and route.normalize is not None:
@@ -494,7 +494,8 @@ class Module(wrapt.ObjectProxy):
             if isinstance(leaf, torch.Tensor):
                 if leaf.numel() == 0:
                     # NOTE [zero-size inputs]: compiled kernels and exported graphs mishandle empty batches and
-                    # empty spatial dims (case C15); eager gives the right empty result or the right error.
+                    # empty spatial dims (microsoft/onnxruntime#13626, pytorch/pytorch#197095); eager gives the
+                    # right empty result or the right error.
                     return self._eager(args, kwargs, "empty", "zero-size inputs run eager")
                 if contiguous and not leaf.is_contiguous():
                     contiguous = False
@@ -504,7 +505,7 @@ class Module(wrapt.ObjectProxy):
                 return self._eager(args, kwargs, ("range", graph.name), f"{graph.name}: {rejection} ({backend.name}'s "
                                                                         "accepted inputs); such calls run eager")
         if not contiguous:
-            # NOTE [non-contiguous inputs]: some artifacts assume contiguous strides (case C16).
+            # NOTE [non-contiguous inputs]: some artifacts assume contiguous strides (pytorch/pytorch#122784).
             if graph.mutated_inputs:
                 return self._eager(args, kwargs, "strides", "non-contiguous inputs to a module that mutates "
                                                             "its inputs run eager")
@@ -522,9 +523,9 @@ class Module(wrapt.ObjectProxy):
             return self._eager(args, kwargs, ("error", graph.name),
                                f"backend {backend.name} raised {type(exc).__name__}: {exc}; running eager instead")
         # NOTE [stale check after launch]: a backend that bakes the weights in never reads the user's tensors, so
-        # whether they changed since tuning (StateWatch: ~60 ns per parameter/buffer, 20 µs for ResNet-50's 320 on
-        # the H200 host) is checked after the backend was called: on a GPU that host work then overlaps the
-        # kernels just launched instead of delaying them (RESULTS.md, wrapper cost). A stale call's output is
+        # whether they changed since tuning (StateWatch: tens of ns per parameter/buffer, tens of µs for a
+        # ResNet-50) is checked after the backend was called: on a GPU that host work then overlaps the
+        # kernels just launched instead of delaying them (benchmarks/gpu_wrapper_cost.py). A stale call's output is
         # discarded and eager's returned: the same result as checking first, at the cost of one wasted call.
         if watch is not None and watch.changed() is not None:
             return self._stale(args, kwargs, backend)
@@ -637,7 +638,7 @@ def _flat_call_key(args: tuple, kwargs: dict):
     """Graph key of a call with only tensor / plain-constant arguments; None when anything is nested.
 
     A tensor's device enters as ``(get_device(), is_cuda)`` (index, -1 on the CPU): ~90 ns against ~290 ns for
-    ``tensor.device.type``, which builds a ``torch.device`` per access (this project's CPU, torch 2.13)."""
+    ``tensor.device.type``, which builds a ``torch.device`` per access (torch 2.13)."""
     parts = []
     for value in args:
         if isinstance(value, torch.Tensor):

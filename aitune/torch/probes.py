@@ -1,10 +1,10 @@
-"""Probe inputs: checking candidates beyond the recorded samples (DESIGN.md §5, issue "Trust").
+"""Probe inputs: checking candidates beyond the recorded samples.
 
 A build can be right on every recorded sample and wrong elsewhere: at sizes inside its dynamic range that
-were never recorded (an anti-aliased resize exported to ONNX, case C32), or for value ranges the samples
-did not cover (an Inductor reduction over small integer dtypes, case C31; floor division on grid-aligned
-values, case C35). The tuner therefore derives *probes* from the recorded samples and checks every
-candidate on them too, against eager on the same probe:
+were never recorded (an anti-aliased resize exported to ONNX, pytorch/pytorch#183546), or for value ranges the
+samples did not cover (an Inductor reduction over small integer dtypes, pytorch/pytorch#191499; floor division
+on grid-aligned values, microsoft/onnxscript#989). The tuner therefore derives *probes* from the recorded
+samples and checks every candidate on them too, against eager on the same probe:
 
 size probes (``size``)
     per group of dynamic axes that move together (same sizes in every sample, or batch axes), sizes inside

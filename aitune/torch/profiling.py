@@ -2,19 +2,20 @@
 
 Timing: CUDA events around each call on GPU (synchronised after each call), ``time.perf_counter_ns`` on
 CPU (read through :data:`CLOCK`). Every candidate, eager included, runs under ``torch.no_grad`` with the same
-warm-up, which is excluded from the figures (case C19). Calls go round-robin over the samples; a *round* is one call of
-each sample. Measuring stops when the median round time is stable (its relative standard error is
-below ``stable_rel_error``), when ``time_budget_s`` is spent, or after ``max_rounds``.
+warm-up, which is excluded from the figures (compile time would otherwise count as run time). Calls go
+round-robin over the samples; a *round* is one call of each sample. Measuring stops when the median round
+time is stable (its relative standard error is below ``stable_rel_error``), when ``time_budget_s`` is spent,
+or after ``max_rounds``.
 
 NOTE [host allocator steady state]: on CPU, how fast a model runs depends on the process's history through
 glibc's ``malloc``. A block above the mmap threshold (128 KiB at process start) is mapped fresh for every
 allocation and unmapped when freed, so each of eager PyTorch's large activations costs page faults on every
 call; glibc raises that threshold (up to 32 MiB on 64-bit) the first time such a block of a given size is
 freed (``mallopt(3)``, M_MMAP_THRESHOLD: "dynamic mmap threshold"). So a model measured early in a process
-runs slower than the same model measured later. On this project's CPU, MiniLM 8 x 128 eager took 114-119 ms
-with ~17 500 page faults per call in a fresh process, and 95-100 ms with 3 after one 30 MiB block had been
-freed (RESULTS.md, 2026-12-01): the first candidate timed, usually eager, looked 20 % slower than it is,
-and every candidate's "x eager" was inflated. :func:`settle_host_allocator` frees one 30 MiB block before the
+runs slower than the same model measured later: a transformer encoder's eager call can take thousands of page
+faults in a fresh process and almost none after one 30 MiB block has been freed, so the first candidate timed,
+usually eager, looks slower than it is and every candidate's "x eager" is inflated
+(``benchmarks/cpu_allocator.py`` measures it). :func:`settle_host_allocator` frees one 30 MiB block before the
 first CPU measurement, which leaves glibc where any longer-running process ends up anyway; under other
 allocators it costs one allocation and changes nothing.
 
@@ -71,7 +72,7 @@ class ProfilingConfig(KnownFields):
     Args:
         warmup_rounds: untimed rounds before measuring (default 3).
         warmup_s: keep warming up until this many seconds have passed too (default 0.3 s: GPU clocks and
-            CPU caches settle; a fixed count alone left eager's first figures 2x off on the H200).
+            CPU caches settle; a fixed count alone can leave eager's first figures far off).
         min_rounds / max_rounds: bounds on timed rounds (defaults 5 / 200).
         time_budget_s: stop after this many seconds of timed calls (default 1.5 s per candidate; a candidate
             timed in alternation with eager shares it with eager's rounds, :func:`measure_pair`).
@@ -311,7 +312,7 @@ def measure_pair(run_a: Callable[[Any], Any], samples_a: Sequence[Any], run_b: C
     first swapping every round, so both meet the same machine conditions (clocks, heat, other load).
 
     Measured one after the other, two runs differ also by how the machine drifted between them (the same
-    callable moved 20-40 % between 2-second windows on the lent H200, RESULTS.md 2026-12-01); compared in
+    callable can move by tens of percent between two-second windows on a shared machine); compared in
     alternation they do not. Same warm-up and stopping rules as :func:`measure` (the time budget covers
     both runs; stable means both medians are).
 

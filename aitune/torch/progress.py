@@ -1,4 +1,4 @@
-"""Progress of ``ait.tune`` on the terminal (issue "What users expect", point 1).
+"""Progress of ``ait.tune`` on the terminal.
 
 One line per graph: ``module/graph``, a bar over its candidates, the candidate being evaluated and its phase
 (build, check, probes, round trip, measure), the elapsed time and an estimate of what is left. Drawn with

@@ -99,7 +99,7 @@ class _Context:
 
 def _registered_node(value: Any, value_type: type):
     """Types registered with PyTorch's pytree (``torch.utils._pytree.register_pytree_node``), such as the
-    key/value caches of transformers (case C34): flattened with their own registered functions, so their
+    key/value caches of transformers (pytorch/pytorch#148748): flattened with their own registered functions, so their
     tensors are compared leaf by leaf. transformers' cache classes are registered through transformers' own
     helper the first time one is seen (the registration torch.export uses)."""
     import torch.utils._pytree as torch_pytree

@@ -1,13 +1,12 @@
 """Earlier rankings: a re-tune of the same graph in the same environment builds the earlier winners only.
 
-Issue "Search" asks for a second tune in the same environment within 10 s. The build cache (:mod:`.cache`)
-restores AOT artifacts, but JIT candidates (Inductor, TorchAO) recompile on every tune, and every candidate is
-checked and measured again: 12-14 s for ResNet-50 and BERT-base on the H200 (benchmarks/RESULTS.md,
-2026-12-01). Speed rankings depend on the model's structure and weights, the recorded shapes, the candidates,
-the strategy's settings and the environment — not on the day — so a search remembers its ranking under a key
-over exactly those, and a later search with the same key builds, checks (by value, as always) and measures only
-the earlier top candidate and those tied with it within its measured noise (the strategy's tie rule). Every
-other candidate gets a ``skipped`` row naming the earlier winner and the record.
+A second tune in the same environment should take seconds. The build cache (:mod:`.cache`) restores AOT artifacts,
+but JIT candidates (Inductor, TorchAO) recompile on every tune, and every candidate is checked and measured again
+(``benchmarks/gpu_search.py`` times a second tune). Speed rankings depend on the model's structure and weights, the
+recorded shapes, the candidates, the strategy's settings and the environment — not on the day — so a search
+remembers its ranking under a key over exactly those, and a later search with the same key builds, checks (by value,
+as always) and measures only the earlier top candidate and those tied with it within its measured noise (the
+strategy's tie rule). Every other candidate gets a ``skipped`` row naming the earlier winner and the record.
 
 When none of the reused candidates passes this time, the full search runs after all (and its ranking replaces
 the record). A time budget (``ait.tune(..., time_budget_s=...)``) asks for a search: rankings are neither

@@ -1,4 +1,4 @@
-"""Eager's reference outputs, kept compactly (issue "Search", point 6).
+"""Eager's reference outputs, kept compactly.
 
 Every candidate is compared with eager's outputs on every recorded sample and every probe, so those
 references live for the whole of a graph's tuning. A :class:`ReferenceStore` keeps them:

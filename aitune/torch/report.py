@@ -1,5 +1,5 @@
 """Tuning reports: one row per candidate per graph, as JSON, as a readable table and as an HTML page
-(DESIGN.md §9; the page: :mod:`aitune.torch.report_html`)."""
+(the page: :mod:`aitune.torch.report_html`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Recorded samples, graphs, tensor specs and dynamic/batch axis detection (DESIGN.md §4).
+"""Recorded samples, graphs, tensor specs and dynamic/batch axis detection.
 
 A *sample* is one normalised call of a module: its arguments bound to the ``forward`` signature
 (positional and keyword forms of the same parameter are equivalent, defaults are applied).

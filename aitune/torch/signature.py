@@ -1,7 +1,7 @@
 """How calls bind to a module's ``forward``: one canonical ``(args, kwargs)`` form per call.
 
 Recording, graph keys and dispatch all see a call in this form, so ``m(x, mask)`` and ``m(x, mask=mask)``
-are the same call (DESIGN.md §4).
+are the same call.
 """
 
 from __future__ import annotations

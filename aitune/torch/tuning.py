@@ -128,7 +128,7 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
                 for batch_size, args, kwargs in calls:
                     set_recording_batch_size(batch_size)
                     try:
-                        # the caller's sample tensors are never touched (U3)
+                        # the caller's sample tensors are never touched
                         _call(func, clone_tree(args), clone_tree(kwargs), ready)
                     except AITuneError:
                         raise
@@ -377,11 +377,12 @@ def _resolve_device(module: Module, device) -> torch.device:
 
 
 class _Snapshot:
-    """Parameters, buffers and ``training`` flags of a module tree, restored bit for bit (case U3).
+    """Parameters, buffers and ``training`` flags of a module tree, restored bit for bit
+    (tuning must not change the caller's module).
 
     NOTE [snapshot on the host]: the copy of a CUDA module's state is kept in host memory, not beside the
-    weights: on the H200 a device copy of BERT-base's 0.21 GiB of fp16 weights was the largest item of the
-    tune's device peak after the candidates' own builds (issue "Search", point 6; RESULTS.md, 2026-12-01).
+    weights: a device copy of the weights can be the largest item of the tune's device peak after the
+    candidates' own builds (``benchmarks/gpu_memory_trace.py`` shows where that peak goes).
     :meth:`restore` then brings each saved tensor back to its device one at a time to compare it (extra device
     memory: the largest single tensor). Where the host has less than twice the state's size available
     (``MemAvailable``), the copy stays on the device as before.

@@ -50,7 +50,7 @@ FP8_MIN_CAPABILITY = (8, 9)
 INT4_MIN_CAPABILITY = (8, 0)
 INT4_GROUP_SIZE = 128
 
-# Why each preset cannot run on CPU (found by running every preset on this CPU with torch 2.13 /
+# Why each preset cannot run on CPU (found by running every preset on CPU with torch 2.13 /
 # torchao 0.18): int4wo's default packing raises "ImportError: Requires mslk >= 1.0.0" and its
 # tile-packed format needs a CUDA GPU; fp8dq/fp8dq_row raise "Float8 dynamic quantization requires CUDA
 # compute capability >= 8.9". fp8wo does run on CPU, but only as an fp8 storage format (dequantise +
@@ -72,11 +72,11 @@ CPU_REFUSALS = {
 def default_preset(device: torch.device | str, module: torch.nn.Module | None = None) -> str:
     """The preset ``TorchAOBackend()`` uses on ``device``.
 
-    CPU: ``int8dq`` (int8 dynamic activations + int8 weights: the one preset with int8 GEMMs on CPU; a
-    hand-made int8dq + compile MiniLM reached 2.25x eager on this machine's CPU). CUDA with compute
+    CPU: ``int8dq`` (int8 dynamic activations + int8 weights: the one preset with int8 GEMMs on CPU;
+    ``benchmarks/cpu_search.py`` times it against eager). CUDA with compute
     capability >= 8.9: ``fp8dq_row`` (float8 tensor cores, per-row scales, torchao's recommended float8
     inference recipe) for bfloat16 weights, ``fp8dq`` (per-tensor scales) otherwise — torchao's per-row
-    float8 asserts bfloat16 (seen on the H200 with an fp16 BERT-base). Older CUDA GPUs: ``int8wo``.
+    float8 asserts bfloat16 (an fp16 model fails there). Older CUDA GPUs: ``int8wo``.
     """
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
@@ -186,8 +186,8 @@ class TorchAOBackendConfig(BackendConfig):
         fullgraph: fail on a graph break. dynamic: as in ``torch.compile``; None = True when the graph
             has dynamic axes.
         compile: compile the quantized module (True) or run it eagerly (False).
-        freezing: compile with Inductor's weight folding (constant-folds the quantized weights; measured on
-            the MiniLM encoder on CPU: int8dq + compile 77 ms, + freezing 64 ms; issue "Search").
+        freezing: compile with Inductor's weight folding (constant-folds the quantized weights,
+            which saves time per call on CPU).
 
     Raises:
         ConfigError: both ``quantization`` and ``quantization_config``, an unknown preset or mode, a
@@ -268,8 +268,8 @@ class TorchAOBackend(Backend):
     (int8wo, int8dq) and CUDA (all presets; fp8 needs compute capability >= 8.9, int4wo >= 8.0 and
     bfloat16 weights). The default preset depends on the device (:func:`default_preset`).
 
-    The caller's module is never quantized in place (torchao's ``quantize_`` mutates what it is given;
-    case C21 / U3): the build quantizes a ``copy.deepcopy``. Outputs are judged against eager by SQNR and
+    The caller's module is never quantized in place (torchao's ``quantize_`` mutates what it is given):
+    the build quantizes a ``copy.deepcopy``. Outputs are judged against eager by SQNR and
     cosine similarity (``is_quantizing``), since quantized outputs are not equal within atol/rtol; NaN from
     overflow (pytorch/ao#1662) is caught there.
 
@@ -279,7 +279,7 @@ class TorchAOBackend(Backend):
 
     Checkpoints: JIT-style (``BuildMode.JIT``): no quantized weights are written; loading re-quantizes the
     original module's weights and recompiles (torchao's tensor-subclass state dicts do not round-trip
-    reliably: pytorch/ao#2478, #1118; case C23).
+    reliably: pytorch/ao#2478, #1118).
     """
 
     name = "torchao"
@@ -420,7 +420,7 @@ class TorchAOBackend(Backend):
             _inductor_restore(saved_inductor)
 
     def _infer(self, args, kwargs):
-        if self._clone_outputs:  # CUDA-graph outputs are overwritten by the next replay (case C20)
+        if self._clone_outputs:  # CUDA-graph outputs are overwritten by the next replay (pytorch/pytorch#144386)
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad(), self._freezing:
             output = self._callable(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""The backend contract (DESIGN.md §3): configs, availability, the state machine and the registry.
+"""The backend contract: configs, availability, the state machine and the registry.
 
 A backend is a blueprint: strategies copy it (:meth:`Backend.copy`) before each build, so one instance
 can serve many modules. Subclasses implement the private hooks ``_build``, ``_infer``, ``_save``,

@@ -81,7 +81,7 @@ class TorchEagerBackend(AutocastMixin, Backend):
 
     Wraps: plain PyTorch. Extra: none. Devices: CPU and CUDA. The module keeps its ``training`` flag.
     With ``use_cuda_graphs`` (CUDA only) calls are captured and replayed as CUDA graphs; outputs are
-    clones, so later calls never overwrite them (case C20).
+    clones, so later calls never overwrite them (pytorch/pytorch#144386).
     Checkpoints keep the original weights (JIT build mode).
     """
 

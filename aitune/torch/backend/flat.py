@@ -1,9 +1,10 @@
 """Flat tensor I/O for exporting backends (torch.export, ONNX, TensorRT).
 
-Exporters handle nested inputs/outputs, dataclasses and keyword-only parameters unevenly (cases C04, C05).
+Exporters handle nested inputs/outputs, dataclasses and keyword-only parameters unevenly
+(pytorch/pytorch#96981, #110439, #147400).
 So export-based backends never export the user's module directly: they export a :class:`FlatModule`
 that takes the graph's tensor leaves as positional tensors (constants of the graph are baked in: the
-graph identity already fixes them, case C06) and returns the output tensors as a flat tuple.
+graph identity already fixes them) and returns the output tensors as a flat tuple.
 :class:`FlatIO` turns a call into that flat list and the flat outputs back into eager's structure.
 """
 

@@ -1,6 +1,7 @@
 """TorchInductorAotBackend: ``torch.export`` + AOTInductor, a self-contained ``model.pt2`` package.
 
-Build steps (DESIGN.md §3, §7; reference: ``torch._inductor.aoti_compile_and_package`` /
+Build steps (the backend contract: :mod:`aitune.torch.backend.base`; child processes:
+:mod:`aitune.torch.isolation`; reference: ``torch._inductor.aoti_compile_and_package`` /
 ``aoti_load_package``, PyTorch "AOTInductor" tutorial):
 
 1. Parent: ``torch.export.export`` of the graph's :class:`~aitune.torch.backend.flat.FlatModule` with one
@@ -12,7 +13,7 @@ Build steps (DESIGN.md §3, §7; reference: ``torch._inductor.aoti_compile_and_p
    shapes and dtypes with eager. A segfault, abort or hang there fails the build with its reason.
 3. Parent: only then loads the package itself.
 
-NOTE [batch 1 and export]: ``torch.export`` specialises sizes 0 and 1 (case C02, pytorch/pytorch#133653):
+NOTE [batch 1 and export]: ``torch.export`` specialises sizes 0 and 1 (pytorch/pytorch#133653):
 an example with batch 1 pins the batch axis to 1. The export example therefore has batch >= 2: a recorded
 sample with batch >= 2 when there is one, else the sample repeated along its batch axes. After export the
 input placeholders are inspected: an axis that export specialised anyway, or whose range it narrowed, is
@@ -61,8 +62,8 @@ class TorchInductorAotBackendConfig(BackendConfig):
             (e.g. ``{"max_autotune": True}``); keys must exist in ``torch._inductor.config`` and values must
             be JSON-able (they travel to the compile process as JSON; tuples arrive as lists).
         build_timeout_s: wall-clock limit of the compile-and-check child process, seconds (> 0).
-        isolate: run compile and first load in a child process (recommended: a crash there, such as the
-            SIGSEGV of ``aoti_load_package`` on the GPU machine, becomes a failed build instead of killing
+        isolate: run compile and first load in a child process (recommended: a crash there, such as a
+            SIGSEGV of ``aoti_load_package`` (NOTE [AOTInductor canary]), becomes a failed build instead of killing
             the tuning run). False runs them in this process.
 
     Raises:
@@ -162,13 +163,13 @@ class _Canary(torch.nn.Module):
 
 def loads_here(device: str, folder: Path) -> None:
     """NOTE [AOTInductor canary]: in some environments loading *any* AOTInductor package kills the process
-    (the H200 machine: SIGSEGV in ``aoti_load_package``, for CPU and CUDA packages alike, even for a one-op
+    (a SIGSEGV in ``aoti_load_package``, for CPU and CUDA packages alike, even for a one-op
     model), after a compile that takes a minute for a real model. The child step therefore first compiles and
     loads a one-op package on ``device``: if this environment crashes, it crashes here, early, and the crash is
     remembered (:mod:`aitune.torch.crashes`). Once a canary loaded on a device in this environment (a marker file
-    in the user's cache), later builds skip it. A CPU canary ahead of a CUDA one was tried and dropped: on the
-    H200 machine the first C++ compile of a fresh machine takes 65 s even for one op (the next 4.7 s;
-    ``benchmarks/aoti_canary_time.py``, RESULTS.md 2026-12-01), so it made the crash come later, not sooner.
+    in the user's cache), later builds skip it. A CPU canary ahead of a CUDA one was tried and dropped: the
+    first C++ compile on a fresh machine can take a minute even for one op (later ones seconds;
+    ``benchmarks/aoti_canary_time.py`` measures it), so it made the crash come later, not sooner.
 
     Raises:
         RuntimeError: if the canary package loads but returns a wrong result.
@@ -258,8 +259,8 @@ def _export_plan(graph, flat_io: FlatIO, use_auto: bool) -> _ExportPlan:
     if batch_range is not None and not use_auto:
         # NOTE [export max 2]: with torch 2.13, a program exported with Dim(min=1, max=2), saved and loaded
         # (the child compiles the saved program) compiled into a package that indexes out of bounds or returns
-        # batch 2 at batch 1 (an Embedding model at the reference's default batch_sizes [1, 2]; found by a
-        # fresh-clone trial). max=3 does not; the artifact still accepts only the recorded range
+        # batch 2 at batch 1 (an Embedding model at the reference's default batch_sizes [1, 2]). max=3 does
+        # not; the artifact still accepts only the recorded range
         # (_accepted_ranges), so the wider export bound changes no routing.
         export_max = 3 if batch_range[1] == 2 and batch_range[0] < 2 else batch_range[1]
         batch_dim = Dim("batch", min=batch_range[0], max=export_max)
@@ -276,7 +277,7 @@ def _export_plan(graph, flat_io: FlatIO, use_auto: bool) -> _ExportPlan:
     if not candidates and graph_batch_axes and batch_range[1] >= 2:
         index, axis, multiplier = graph_batch_axes[0]
         batch = example[index].shape[axis] // multiplier
-        if batch == 1:  # case C02: repeat the sample along its batch axes to batch 2
+        if batch == 1:  # NOTE [batch 1 and export]: repeat the sample along its batch axes to batch 2
             repeated_batch = 2
             for index, axis, multiplier in graph_batch_axes:
                 example[index] = torch.cat([example[index]] * 2, dim=axis)
@@ -379,11 +380,11 @@ class TorchInductorAotBackend(Backend):
     torch >= 2.6 (``aoti_compile_and_package``/``aoti_load_package``). Devices: CPU and CUDA.
 
     Dynamic shapes: one shared batch ``Dim`` plus ``Dim.AUTO``/named dims for other dynamic axes, exported
-    at batch >= 2 (case C02; NOTE [batch 1 and export] in this module). :meth:`accepts` takes only shapes
+    at batch >= 2 (NOTE [batch 1 and export] in this module). :meth:`accepts` takes only shapes
     inside the recorded/declared ranges that export kept; the caller runs eager for the others.
-    Compile and the first load+run happen in a child process with ``build_timeout_s`` (DESIGN.md §7);
+    Compile and the first load+run happen in a child process with ``build_timeout_s`` (:mod:`aitune.torch.isolation`);
     the child's output is in ``<workdir>/aoti_compile.log``.
-    Inputs are made contiguous before each call (case C16, pytorch/pytorch#122784).
+    Inputs are made contiguous before each call (pytorch/pytorch#122784).
     Checkpoints hold ``model.pt2`` and the output structure only: loading needs neither the module nor
     its weights.
 
@@ -447,7 +448,7 @@ class TorchInductorAotBackend(Backend):
         if plan.repeated_batch:
             self.build_info["export_batch_repeated"] = (
                 f"every sample has batch 1; exported with the sample repeated to batch {plan.repeated_batch} "
-                "so the batch axis stays dynamic (case C02)")
+                "so the batch axis stays dynamic (pytorch/pytorch#133653)")
         for note in notes:
             logger.warning("%s: %s; other sizes run eager", self.name, note)
 

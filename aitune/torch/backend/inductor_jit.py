@@ -31,7 +31,8 @@ def graph_break_count() -> int:
 
 
 def clone_output(output: Any) -> Any:
-    """Clone every tensor of an output so later calls cannot overwrite it (CUDA-graph buffers, case C20)."""
+    """Clone every tensor of an output so later calls cannot overwrite it (the next CUDA-graph replay reuses
+    the output buffers; pytorch/pytorch#144386)."""
     if isinstance(output, torch.Tensor):  # the common case, without flattening
         return output.clone()
     leaves, spec = tree_flatten(output)
@@ -149,8 +150,8 @@ def compile_arguments(mode: str | None, options: dict | None, freezing: bool) ->
 
 class _FreezingWhileTracing:
     """Sets the global ``torch._inductor.config.freezing`` for the duration of a call (re-entrant; the
-    previous value is restored). A plain attribute set/restore: ~3.5 µs on this project's 2-core CPU, where
-    ``inductor_config.patch(...)`` costs ~40 µs."""
+    previous value is restored). A plain attribute set/restore, roughly ten times cheaper per call than
+    ``inductor_config.patch(...)``."""
 
     def __init__(self) -> None:
         self._saved: list[bool] = []
@@ -174,9 +175,9 @@ def parameter_freezing(enabled: bool):
     Inductor's config only while Inductor compiles, but whether parameters become graph constants (what
     freezing folds) or stay graph inputs is decided earlier, while Dynamo traces, from the *global*
     ``torch._inductor.config.freezing`` (``torch._dynamo.utils.is_parameter_freezing``). With the options
-    alone, ResNet-50 b1 fp16 reduce-overhead on the H200 ran at 0.887 ms vs 0.501 ms with freezing on while
-    tracing (0.615 ms without freezing; ``benchmarks/gpu_freezing.py``, RESULTS.md 2026-12-01), and on CPU
-    the weights were not folded at all (``tests/unit/test_search.py``). Every call of a frozen compiled
+    alone, a frozen reduce-overhead ResNet-50 on CUDA ran slower than with freezing on while tracing, even
+    slower than without freezing (``benchmarks/gpu_freezing.py`` measures it), and on CPU the weights were
+    not folded at all (``tests/unit/test_search.py``). Every call of a frozen compiled
     callable runs inside this context, not only the build's warm-up: a call that recompiles (a probe of
     another size during tuning, a new shape later) adds a cache entry that Dynamo tries first, so an
     unfrozen recompile would shadow the frozen one. The process-wide flag is set and restored around the
@@ -199,8 +200,8 @@ def fresh_state_copy(module: torch.nn.Module) -> torch.nn.Module:
     NOTE [a frozen compile per build]: Dynamo keeps compiled code per code object (``forward.__code__``), and
     two ``torch.compile`` calls with the same mode and options share those entries. A frozen entry guards on
     the *identity* of the parameters whose values it folded in, so after ``load_state_dict`` (same objects,
-    new values) a re-tune's build would reuse the old entry with the old weights folded in — found by a
-    fresh-clone trial, ``tests/unit/test_search.py::test_a_frozen_variant_retuned_after_new_weights_uses_them``.
+    new values) a re-tune's build would reuse the old entry with the old weights folded in
+    (``tests/unit/test_search.py::test_a_frozen_variant_retuned_after_new_weights_uses_them``).
     Compiling a copy whose tensors are new objects makes every build trace afresh.
     """
     import copy
@@ -219,7 +220,8 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     """``torch.compile(module, backend="inductor")``, warmed up on every recorded sample at build.
 
     Wraps: TorchInductor (CPU: C++/OpenMP; CUDA: Triton). Extra: none (torch only).
-    ``mode="reduce-overhead"`` captures CUDA graphs; outputs are then cloned so they stay valid (case C20).
+    ``mode="reduce-overhead"`` captures CUDA graphs; outputs are then cloned so they stay valid (the next
+    replay reuses the output buffers; pytorch/pytorch#144386).
     Known limitations: graph breaks fall back to Python (counted in ``build_info["graph_breaks"]``);
     shapes outside the recorded range may recompile. Checkpoints keep weights + samples and recompile on load.
     """
@@ -239,30 +241,27 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         return bool(self.config.freezing or (self.config.options or {}).get("freezing") or self.config.memory_format)
 
     def search_space(self, module, graph, device) -> list["Backend"]:
-        """The configurations worth trying (issue "Search"). On CPU: plain and with ``freezing``, and for models
+        """The configurations worth trying. On CPU: plain and with ``freezing``, and for models
         with 2-D convolutions and 4-D inputs also freezing + channels-last, all in the first tier (no
-        max-autotune: on this project's CPU it kept MKL's linear kernels and gained nothing, RESULTS.md,
-        2026-12-02). On CUDA: reduce-overhead (CUDA graphs) with freezing, reduce-overhead without it as the
-        fallback (:attr:`Backend.search_fallback`: built by default only when no freezing variant passes its
-        checks), then — with a time budget — channels-last (with freezing) for convnets, default mode, and the
-        max-autotune modes (expensive).
+        max-autotune: on CPU it keeps MKL's linear kernels and gains nothing). On CUDA: reduce-overhead (CUDA
+        graphs) with freezing, reduce-overhead without it as the fallback (:attr:`Backend.search_fallback`: built
+        by default only when no freezing variant passes its checks), then — with a time budget — channels-last
+        (with freezing) for convnets, default mode, and the max-autotune modes (expensive).
 
-        Without freezing, reduce-overhead never won a measured tune on the H200 (ResNet-50 b1/b32 fp16: freezing
-        1.14-1.22x faster; BERT-base b32: freezing ahead by up to 5 %, benchmarks/RESULTS.md, 2026-12-01/02), and
-        building it cost 13-17 s of every default tune there.
+        Reduce-overhead without freezing did not win a measured tune against it on ResNet-50 or BERT-base fp16
+        (``benchmarks/gpu_search.py``), and building it costs seconds of every default tune.
 
         An fp32 model on hardware with native bf16 (:func:`native_bf16`) also gets a bf16-autocast variant
         (with freezing; reduce-overhead on CUDA). It reduces precision (:attr:`reduces_precision`), so it is
-        selected only when the strategy allows that; otherwise its row shows what it would give. On this
-        project's CPU (AMX), MiniLM 8 x 128 tuned with it ran 3.2-3.5x eager at cosine 0.99998, against 1.12-1.15x for
-        exact fp32 (hand-picked compile + freezing; the default tune's choice), timed round-robin with eager
-        (benchmarks/RESULTS.md, 2026-12-02).
+        selected only when the strategy allows that; otherwise its row shows what it would give. On a CPU
+        with AMX it can be several times faster than exact fp32 on a transformer encoder, at a cosine close to 1
+        (``benchmarks/cpu_search.py``).
 
         On CUDA, a model with 1x1 convolutions (:func:`has_1x1_convolution`) also gets reduce-overhead + freezing
         with Inductor's ``conv_1x1_as_mm`` (those convolutions become matrix multiplies: cuBLAS instead of cuDNN)
-        in the first tier. Which of the two wins depends on the batch: on the H200 with torch 2.11, ResNet-50
-        fp16 ran 3.1 % faster with it at batch 1 (twice, timed call by call) and 7.6 % slower at batch 32, with
-        the same max abs error vs eager (benchmarks/RESULTS.md, 2026-12-02, eighth session)."""
+        in the first tier. Which of the two wins depends on the batch: on ResNet-50 fp16 it can be a few percent
+        faster at batch 1 and slower at batch 32, with the same error vs eager
+        (``benchmarks/gpu_conv_options.py``)."""
         config = self.config
         if config != TorchInductorJitBackendConfig():  # a configuration the user chose is tried as given
             return [self]
@@ -295,9 +294,9 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     def search_tier(self) -> int:
         """max-autotune modes benchmark many kernels while compiling (minutes on a large model): tier 2. On
         CUDA, reduce-overhead with freezing is tried by default (without freezing as the fallback) and the other
-        variants (channels-last, default mode) are extras (tier 1): on the H200 with torch 2.11, ResNet-50 b1 fp16 ran
-        reduce-overhead 0.615 ms, + freezing 0.501 ms, + freezing + channels-last 0.505 ms
-        (benchmarks/RESULTS.md, 2026-12-01), and each variant costs a compile. See :meth:`Backend.search_tier`."""
+        variants (channels-last, default mode) are extras (tier 1): on ResNet-50 fp16 they rarely beat
+        reduce-overhead + freezing (``benchmarks/gpu_channels_last.py``), and each variant costs a compile. See
+        :meth:`Backend.search_tier`."""
         if (self.config.mode or "").startswith("max-autotune"):
             return 2
         return self._tier

@@ -44,8 +44,8 @@ class KernelSelectorBackendConfig(BackendConfig):
             them, or None for :func:`default_kernel_providers`. Providers are plain data (serialised by
             class name and fields).
         atol / rtol: elementwise tolerance of a provider's output against the original SDPA output
-            (default 2e-2 / 2e-2: case C24's fp16 attention tolerance).
-        min_cosine: cosine-similarity floor per call (default 0.999, case C24).
+            (default 2e-2 / 2e-2: an fp16 attention tolerance).
+        min_cosine: cosine-similarity floor per call (default 0.999).
         time_budget_s: timing budget per provider and call family, seconds (default 0.5), shared by the provider
             and the original SDPA, which are timed in alternation.
         warmup_rounds: untimed rounds before timing each provider (default 3).

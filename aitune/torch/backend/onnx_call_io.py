@@ -47,7 +47,7 @@ class OnnxCallIO:
         input_spec: structure of the canonical ``(args, kwargs)`` of the graph.
         num_leaves: number of input leaves; tensor_indices: leaf index of each flat tensor input.
         input_dtypes / input_low / input_high: dtype and accepted size range per flat tensor input.
-        constant_keys: ``{leaf index: key}`` of the non-tensor inputs baked into the graph (case C06).
+        constant_keys: ``{leaf index: key}`` of the non-tensor inputs baked into the graph.
         input_names / input_positions: ONNX input names and the flat tensor position each takes.
         output_names / output_dtypes: ONNX output names and eager's dtype of each.
         output_spec / output_constants: eager's output structure and its non-tensor leaves (None in tensor

@@ -2,11 +2,11 @@
 
 :func:`export_onnx` exports a :class:`~aitune.torch.backend.flat.FlatModule` (flat tensor inputs, flat
 tensor outputs, names from :class:`~aitune.torch.backend.flat.FlatIO`) so nested inputs, keyword-only
-parameters and structured outputs never reach the exporter (cases C04, C05). The graph's dynamic and batch
-axes are exported as dynamic; afterwards the ONNX graph inputs are checked for symbolic dims on every such
-axis (case C03, :mod:`aitune.torch.backend.onnx_graph`) and the result says whether the export came out
-shape-specialized. When the dynamo exporter fails, the TorchScript exporter runs instead (a note says so)
-and a trace that baked a data-dependent branch is refused. Calling the exported graph:
+parameters and structured outputs never reach the exporter (:mod:`aitune.torch.backend.flat`). The graph's
+dynamic and batch axes are exported as dynamic; afterwards the ONNX graph inputs are checked for symbolic dims
+on every such axis (pytorch/pytorch#99613, :mod:`aitune.torch.backend.onnx_graph`) and the result says whether
+the export came out shape-specialized. When the dynamo exporter fails, the TorchScript exporter runs instead
+(a note says so) and a trace that baked a data-dependent branch is refused. Calling the exported graph:
 :mod:`aitune.torch.backend.onnx_call_io`.
 
 Optional packages (``onnx``, ``onnxscript`` through ``torch.onnx``) are imported inside functions only.
@@ -54,7 +54,7 @@ class OnnxExport:
         notes: what happened on the way (fallbacks, repeated export samples, specialized axes).
         flat_io: maps calls to the flat inputs and flat outputs back to eager's structure.
         shape_specialized: True when an axis declared dynamic came out as a fixed size in the ONNX graph
-            inputs; the graph then only runs the exact shapes it was exported with (case C03).
+            inputs; the graph then only runs the exact shapes it was exported with.
         specialized_axes: ``"<input name>[<axis>]=<size>"`` for every such axis.
         example_shapes: shapes of the flat tensor inputs the graph was exported with.
         external_data_files: file names (relative to ``path``'s folder) of external tensor data.
@@ -97,10 +97,10 @@ def export_onnx(module: torch.nn.Module, graph, path: Path | str, *, use_dynamo:
     The dynamo exporter (``torch.onnx.export(dynamo=True)``, which runs ``torch.export``) gets
     ``Dim.DYNAMIC`` for every dynamic/batch axis of ``graph.tensor_specs``; it exports at a sample whose
     dynamic axes are all >= 2, repeating a recorded sample along such axes when every sample has size 1
-    there (``torch.export`` specialises sizes 0 and 1, case C02). If it fails, the TorchScript exporter
+    there (``torch.export`` specialises sizes 0 and 1, pytorch/pytorch#133653). If it fails, the TorchScript exporter
     runs with ``dynamic_axes`` and a note records the fallback. The file is checked with
     ``onnx.checker`` (by path, so models over 2 GiB work) and its graph inputs are checked for symbolic
-    dims on every dynamic axis (case C03).
+    dims on every dynamic axis (a fixed size there runs only the export shapes).
 
     NOTE [Dim.DYNAMIC, not Dim.AUTO or named Dims]: measured with torch 2.13 on a module that calls
     ``int(x.shape[0])``: ``Dim.AUTO`` kept symbolic graph inputs but baked the sizes into ``Reshape``
@@ -221,7 +221,7 @@ def export_example(graph, flat_io: FlatIO, device: torch.device) -> tuple[list[t
 
     Picks the recorded sample with the fewest dynamic axes of size < 2; if some remain, repeats the
     tensor along those axes (all batch axes together when the sample's batch is 1) so that
-    ``torch.export`` does not specialise them (sizes 0 and 1 are special to it, case C02). A size the
+    ``torch.export`` does not specialise them (sizes 0 and 1 are special to it, pytorch/pytorch#133653). A size the
     user-declared maximum does not allow is left as is.
     """
     def small_axes(sample) -> int:
@@ -332,7 +332,7 @@ def _check_trace_warnings(log: list[str], notes: list[str]) -> None:
     sizes, e.g. ``if x.shape[0] == 4``). The graph then runs at every shape and silently gives the traced
     branch's result for inputs that would take the other one, which no shape check catches (measured with
     torch 2.13). Conversions to Python numbers are only noted: when they turn sizes into constants, the
-    backend's run at the other recorded shapes fails and restricts the graph (case C03).
+    backend's run at the other recorded shapes fails and restricts the graph.
     """
     tracer = [line for line in log if "TracerWarning" in line]
     if any("Python boolean" in line for line in tracer):

@@ -1,8 +1,9 @@
 """What an exported ONNX file holds: its inputs and outputs matched to the module's, the axes that came out
 fixed, the files of its external data.
 
-:func:`specialized_axes` is the check of case C03: an axis declared dynamic must be a symbolic dim in the
-graph inputs, or the graph silently runs only its export shapes. ``onnx`` is imported by the caller or
+:func:`specialized_axes` checks that the export kept every dynamic axis (pytorch/pytorch#99613): an axis
+declared dynamic must be a symbolic dim in the graph inputs, or the graph silently runs only its export
+shapes. ``onnx`` is imported by the caller or
 inside functions only.
 """
 

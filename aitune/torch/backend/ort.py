@@ -168,12 +168,12 @@ class ONNXRuntimeBackend(Backend):
 
     Build: export to ``workdir/model.onnx`` (+ ``model.onnx.data``), create the session, check that the
     requested EP is really active (ONNX Runtime silently falls back to CPU when a GPU EP cannot be
-    created, case C28) and run every recorded sample once, so EP compile errors surface at build.
+    created, microsoft/onnxruntime#23372) and run every recorded sample once, so EP compile errors surface at build.
     Inference on CUDA binds inputs and outputs with IOBinding on the device (they never leave the GPU);
     on CPU it feeds numpy views. Outputs come back in eager's structure, dtypes and device.
 
     Known limitations: the module must be in eval mode; dtypes bfloat16 and complex are not bound; an
-    export whose dynamic axes came out fixed (case C03) runs only the recorded shapes that ran at build
+    export whose dynamic axes came out fixed runs only the recorded shapes that ran at build
     (:meth:`accepts` says False for others, so :class:`aitune.torch.Module` runs eager for them).
     """
 
@@ -302,7 +302,7 @@ class ONNXRuntimeBackend(Backend):
         if export.shape_specialized or failures:
             # NOTE [shape-specialized ONNX graphs]: an export whose dynamic axes came out fixed — visible in the
             # graph inputs, or only as a runtime error at another recorded shape (sizes baked into Reshape
-            # constants, case C03) — is kept for the recorded shapes that ran; accepts() routes the rest to eager.
+            # constants) — is kept for the recorded shapes that ran; accepts() routes the rest to eager.
             self._io.accepted_shapes = set(passed)
             if failures:
                 message = (f"ONNX graph failed at recorded input shapes {[list(map(list, s)) for s, _ in failures]} "
@@ -333,7 +333,8 @@ class ONNXRuntimeBackend(Backend):
         return ["CPUExecutionProvider"]
 
     def _create_session(self, error_type: type[Exception]) -> None:
-        """Create the InferenceSession and check the requested EP is active (case C28)."""
+        """Create the InferenceSession and check the requested EP is active (ONNX Runtime may fall back to CPU
+        silently: microsoft/onnxruntime#23372)."""
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
@@ -391,9 +392,9 @@ class ONNXRuntimeBackend(Backend):
         """Run the session on the ONNX inputs (``input_names`` order); returns torch outputs (flat order).
 
         NOTE [IOBinding on CUDA, numpy on CPU]: on CUDA, inputs are bound by device pointer and outputs are
-        allocated on the device by ONNX Runtime, so no tensor crosses to the host (case C28 B). On CPU,
+        allocated on the device by ONNX Runtime, so no tensor crosses to the host (microsoft/onnxruntime#8166). On CPU,
         ``InferenceSession.run`` with numpy views of the tensors is about 3x faster than IOBinding for small
-        models (measured here: 5 vs 18 us per call), so it is used there. Tests also run the IOBinding path
+        models, so it is used there. Tests also run the IOBinding path
         on CPU (``_use_io_binding``) so its binding and conversion logic is executed, not just written.
         """
         if self._session is None:

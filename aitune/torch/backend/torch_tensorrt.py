@@ -457,7 +457,7 @@ class TorchTensorRTAotBackend(Backend):
 
     Wraps: Torch-TensorRT's AOT path. Extra: ``pip install 'aitune[torch-tensorrt]'``. Devices: CUDA only.
     The export runs in this process (it is plain ``torch.export``); compile, save and one load+run of the
-    artifact run in a child process with ``build_timeout_s`` (DESIGN.md §7), logging to
+    artifact run in a child process with ``build_timeout_s`` (:mod:`aitune.torch.isolation`), logging to
     ``<workdir>/torch_tensorrt_compile.log``. Checkpoints hold ``exported_model.pt`` and the output
     structure; loading needs neither the module nor its weights. Calls outside the recorded/declared shape
     range are refused by :meth:`accepts` (the Module runs eager).

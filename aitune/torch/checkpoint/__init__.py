@@ -1,4 +1,4 @@
-"""Checkpoints (``.ait``): save a tuned model or pipeline, load it later without re-tuning (DESIGN.md §8).
+"""Checkpoints (``.ait``): save a tuned model or pipeline, load it later without re-tuning.
 
 A checkpoint is one zip archive (stored, not compressed) holding:
 
@@ -46,7 +46,7 @@ when that device exists here, else the CPU. A JIT graph whose saved device type 
 is rebuilt there with a warning (its backend choice was measured elsewhere); an AOT artifact built for
 another device type (e.g. a CUDA artifact loaded on a CPU-only machine) or another GPU architecture is
 refused with a :class:`~aitune.errors.CheckpointError` — it would either not run or, with AOTInductor,
-crash the process (case C23) — and the message says to load it where it was built or to re-tune. Other
+crash the process — and the message says to load it where it was built or to re-tune. Other
 differences (torch/aitune/CUDA versions, another GPU or CPU model) load with one warning that lists them.
 """
 

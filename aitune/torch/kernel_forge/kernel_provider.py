@@ -4,7 +4,7 @@ A :class:`KernelProvider` says whether it can run here (:meth:`~KernelProvider.a
 :meth:`~KernelProvider.check_device`, hardware) and whether it can take one actual call
 (:meth:`~KernelProvider.supports`, from the call's shapes, dtypes, device, ``attn_mask``, ``is_causal``,
 ``dropout_p``, ``scale`` and ``enable_gqa``). Calls it cannot take are refused there, never discovered
-as a crash in the middle of inference (case C24).
+as a crash in the middle of inference (thu-ml/SageAttention#134: an unsupported head dim or mask).
 
 Providers are plain data: ``to_dict()`` gives ``{"type": <class name>, "data": {...}}`` and
 :func:`kernel_provider_from_dict` rebuilds it among the registered provider classes only (no pickle).
@@ -492,7 +492,7 @@ class SageAttentionKernelProvider(KernelProvider):
     Extra: ``pip install 'aitune[sage]'`` (sageattention >= 1.0.6, needs triton). Hardware: CUDA GPUs
     of compute capability >= 8.0 (the SageAttention README targets Ampere, Ada and Hopper).
 
-    Calls refused by :meth:`supports` (they run on the original SDPA; case C24): not CUDA; dtype other
+    Calls refused by :meth:`supports` (they run on the original SDPA): not CUDA; dtype other
     than float16/bfloat16; not 4-D ``[B, H, L, E]``; head dim not in 64/96/128 (sageattention 1.0.6
     ``assert headdim in [64, 96, 128]``; thu-ml/SageAttention#119, #134 report 160 and 512 failing);
     value head dim different from the query's; any ``attn_mask`` (the kernel has none); ``dropout_p > 0``;

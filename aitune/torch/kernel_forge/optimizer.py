@@ -9,7 +9,7 @@ How a plan is made (:meth:`KernelOptimizer.make_plan`):
   2. For each provider and each example: refused by ``supports()`` (with the reason), or run on cloned
      inputs and compared with the original output: ``|out - ref| <= atol + rtol * |ref|`` everywhere,
      finite where the reference is, and cosine similarity >= ``min_cosine``. Defaults (fp16
-     ``atol = rtol = 2e-2``, cosine >= 0.999) are case C24's attention tolerance.
+     ``atol = rtol = 2e-2``, cosine >= 0.999) are an fp16 attention tolerance.
   3. Calls are dispatched at run time by *family*: every argument property except batch size and
      sequence lengths (:data:`~aitune.torch.kernel_forge.kernel_provider.FAMILY_FIELDS`). Per family every
      provider correct on all the family's examples is timed over those examples in alternation with the
@@ -21,7 +21,7 @@ How a plan is made (:meth:`KernelOptimizer.make_plan`):
 How calls are timed on a CUDA device (``timing="auto"``, the default): each example's call is captured
 :data:`CALLS_PER_GRAPH` times in one CUDA graph, and the graph's replays are timed with CUDA events, so a
 provider is judged by its kernels alone, as it runs inside a compiled delegate with CUDA graphs, not by
-the Python that launches them (issue "Search": a provider with slow Python launch code but fast kernels
+the Python that launches them (a provider with slow Python launch code but fast kernels
 must not lose for that, and one with fast launches must not win for it). Several calls per graph spread
 the graph launch's own latency over them (the method of Triton's ``triton.testing.do_bench_cudagraph``).
 A provider whose call cannot be captured (a host synchronisation, an allocation the capture forbids) is
@@ -164,9 +164,9 @@ class KernelOptimizer:
 
     Args:
         kernel_providers: a provider or a list of them (each tried on every call it supports).
-        atol / rtol: elementwise tolerance against the original SDPA output (default 2e-2 / 2e-2, the
-            fp16 attention tolerance of case C24).
-        min_cosine: cosine-similarity floor per call (default 0.999, case C24).
+        atol / rtol: elementwise tolerance against the original SDPA output (default 2e-2 / 2e-2, an
+            fp16 attention tolerance).
+        min_cosine: cosine-similarity floor per call (default 0.999).
         profiling: timing rules (:class:`aitune.torch.profiling.ProfilingConfig`); default 3 warm-up
             rounds and a 0.5 s budget per provider and family (shared with the original SDPA, timed in alternation).
         max_examples: distinct (call site, shape) examples kept (default 64); further ones run but are

@@ -1,12 +1,12 @@
 """A kernel plan: which provider runs which family of SDPA calls, and how the plan is applied.
 
 A :class:`KernelOptimizationPlan` (made by :class:`~aitune.torch.kernel_forge.optimizer.KernelOptimizer`,
-saved as strict JSON in ``kernel_plan.json``) holds one :class:`KernelChoice` per call family. It is
-applied per call through a ``TorchFunctionMode`` scoped to one module's forward
-(:meth:`KernelOptimizationPlan.apply`) or to a wrapper (:class:`PlannedModule`): nothing global is
-patched, so another module and a direct ``F.scaled_dot_product_attention`` call behave exactly as before
-(case C24). Inside the scope each call is looked up by family and handed to the chosen provider only if
-``provider.accepts(call)``; every other call goes to the original SDPA. The mode is plain Python over
+saved as strict JSON in ``kernel_plan.json``) holds one :class:`KernelChoice` per call family. It is applied per
+call through a ``TorchFunctionMode`` scoped to one module's forward (:meth:`KernelOptimizationPlan.apply`) or to a
+wrapper (:class:`PlannedModule`): nothing global is patched, so another module and a direct
+``F.scaled_dot_product_attention`` call behave exactly as before (a global SDPA patch breaks them:
+thu-ml/SageAttention#134). Inside the scope each call is looked up by family and handed to the chosen provider
+only if ``provider.accepts(call)``; every other call goes to the original SDPA. The mode is plain Python over
 tensor metadata, so ``torch.compile`` traces through it.
 
 Limitations: a plan made on one GPU architecture is re-checked (availability and device) when applied

@@ -55,8 +55,8 @@ def default_backends(device: torch.device | str, module: torch.nn.Module | None 
     (:meth:`Backend.search_space`: e.g. Inductor with and without freezing, CUDA graphs on a GPU, channels-last
     for convnets), cheapest and most promising first.
 
-    Unavailable ones still get a report row saying why (case U6). On CUDA, eager replayed from CUDA graphs
-    is added: eager at batch 1 is launch-bound there (H200 figures in benchmarks/RESULTS.md).
+    Unavailable ones still get a report row saying why. On CUDA, eager replayed from CUDA graphs
+    is added: eager at batch 1 is launch-bound there (``benchmarks/cuda_graphs_eager.py``).
     """
     from aitune.torch import backend as backends
 
@@ -357,9 +357,9 @@ class TuneStrategy:
         results: list = [done.get(index) for index in range(len(blueprints))]
         executor = ThreadPoolExecutor(max_workers=min(4, sum(background))) if any(background) else None
         # NOTE [no CPU timing beside a background build]: on a CPU device a background compile takes the cores
-        # the measurement runs on. On this project's 2-core machine, candidates timed while the AOTInductor
-        # child compiled showed 0.02-0.03x eager against 0.76x when timed alone (fresh-clone trial, 2026-12-02),
-        # which misranked them for the finalists and misreported the others. There, candidates are built and
+        # the measurement runs on. On a machine with few cores, candidates timed while the AOTInductor
+        # child compiles can look many times slower than when timed alone, which misranks them for the finalists
+        # and misreports the others. There, candidates are built and
         # checked while the child runs, and measured once it has finished. On CUDA the kernels are timed on the
         # device, the finalists are measured again at the end, and the overlap is kept.
         measure_later = executor is not None and context.device.type == "cpu" and settings.measure
@@ -384,7 +384,7 @@ class TuneStrategy:
                         results[index] = complete(results[index], context)
                     if results[index].backend is not None:
                         results[index].backend.deactivate()
-                if section.peak_bytes is not None:  # which candidate needed / keeps the memory (issue "Search" 6)
+                if section.peak_bytes is not None:  # which candidate needed / keeps the memory
                     results[index].row.details["device_peak_bytes"] = section.peak_bytes
                     results[index].row.details["device_retained_bytes"] = section.retained_bytes
         finally:

@@ -69,7 +69,7 @@ class TensorRTBackend(Backend):
 
     Run: the engine runs on the caller's CUDA stream with outputs sized at run time; nested inputs and
     outputs are mapped through :class:`FlatIO`. A call outside every optimization profile is refused by
-    :meth:`accepts` (the Module then runs eager, case C27); called directly it raises
+    :meth:`accepts` (the Module then runs eager; NVIDIA/TensorRT#4011); called directly it raises
     :class:`BackendRuntimeError` naming the input and the profile ranges. int64 inputs are bound as int64
     (TensorRT >= 10) or converted to int32 when the engine asks for it (values outside int32 are an error);
     float64/complex inputs are refused before building (TensorRT has no such tensors).
@@ -119,7 +119,7 @@ class TensorRTBackend(Backend):
     def _supports(self, module, graph, device) -> Check:
         quantization = self.config.quantization_config
         if isinstance(quantization, TorchQuantizationConfig):
-            # Measured 2026-11-30 (ModelOpt 0.47, torch 2.13): mtq.quantize runs, but both ONNX exporters fail on
+            # With ModelOpt 0.47 and torch 2.13, mtq.quantize runs, but both ONNX exporters fail on
             # ModelOpt's quantizers (dynamo: data-dependent guard; TorchScript: a traced data-dependent branch).
             return Check(False, "TorchQuantizationConfig is not supported yet: aitune's ONNX export cannot export "
                                 "ModelOpt-quantized modules; use ONNXQuantizationConfig (PTQ on the ONNX graph)")

@@ -1,6 +1,6 @@
 """ONNX -> TensorRT engine build, run in a child process by :func:`aitune.torch.isolation.run_isolated`.
 
-An engine build can crash or hang the interpreter (DESIGN.md §7), so :func:`build_engine` is a
+An engine build can crash or hang the interpreter, so :func:`build_engine` is a
 file-to-file step: it reads the ONNX file, writes the serialized engine (``.plan``), then deserializes the
 engine and runs it once on the recorded check inputs before the parent accepts it. Arguments and result
 are JSON-able.

@@ -136,7 +136,7 @@ def constrain_to_onnx(profiles: list[Profile],
     """Fit profiles to what the exported ONNX graph accepts.
 
     Inputs the ONNX graph does not have (dropped by the exporter as unused) are removed from every profile.
-    An axis the export fixed to size ``n`` (shape-specialized export, case C03) is narrowed to ``n`` when
+    An axis the export fixed to size ``n`` (shape-specialized export) is narrowed to ``n`` when
     the profile's range contains it; a profile whose range excludes ``n`` cannot serve and is dropped.
 
     Returns:

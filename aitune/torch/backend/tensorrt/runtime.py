@@ -58,7 +58,7 @@ def make_output_allocator_class(trt: Any, device: torch.device) -> type:
     """A ``trt.IOutputAllocator`` subclass that allocates each output as a fresh torch byte buffer.
 
     Used for outputs whose shape is only known after execution (data-dependent, e.g. ``nonzero``).
-    A fresh buffer per call means a later call never overwrites an output the caller holds (case C20).
+    A fresh buffer per call means a later call never overwrites an output the caller holds.
     """
 
     class TorchOutputAllocator(trt.IOutputAllocator):
