@@ -143,8 +143,10 @@ class _Pipe(nn.Module):
 
 @pytest.mark.parametrize("how", ["device", "device_map"])
 def test_load_puts_every_module_on_the_one_device_given(tmp_path, how):
-    """A pipeline tuned on the CPU, loaded with ``device="cuda:0"`` or a ``device_map`` whose entries agree:
-    both modules and their outputs are on that device, and match the CPU's."""
+    """A pipeline tuned on the CPU, built on cuda:0 and loaded with ``device="cuda:0"`` or a ``device_map`` whose
+    entries agree: every module's backends run on that device and match the CPU's outputs. aitune never moves
+    the module: one left on the CPU is refused with a clear error."""
+    from aitune.errors import CheckpointError
     from aitune.torch.backend import TorchEagerBackend
 
     torch.manual_seed(0)
@@ -156,12 +158,16 @@ def test_load_puts_every_module_on_the_one_device_given(tmp_path, how):
     with torch.no_grad():
         expected = pipe(x)
     path = ait.save(pipe, tmp_path / "pipe.ait")
-    torch.manual_seed(1)
-    fresh = _Pipe()  # other weights, on the CPU
     options = {"device": "cuda:0"} if how == "device" else {"device_map": {"a": "cuda:0", "b": "cuda:0"}}
-    loaded = ait.load(fresh, path, **options)
-    assert {str(p.device) for p in loaded.parameters()} == {"cuda:0"}
+    torch.manual_seed(1)
+    loaded = ait.load(_Pipe().to("cuda:0"), path, **options)  # other weights: the checkpoint's are restored
+    assert {str(backend.device) for module in (loaded.a, loaded.b) for backend in module.backends.values()} == {
+        "cuda:0"}
     with torch.no_grad():
         output = loaded(x.to("cuda:0"))
     assert output.device == torch.device("cuda:0")
     torch.testing.assert_close(output.cpu(), expected, atol=1e-5, rtol=1e-4)
+    half = _Pipe()
+    half.b.to("cuda:0")
+    with pytest.raises(CheckpointError, match="module 'a': its parameters are on cpu but it is loaded for cuda:0"):
+        ait.load(half, path, **options)
