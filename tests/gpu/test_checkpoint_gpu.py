@@ -128,3 +128,46 @@ def test_an_aot_artifact_for_another_gpu_architecture_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=rf"built for GPU architecture sm_80 \(NVIDIA A100\); this GPU .* is "
                                               rf"sm_{here}.*re-tune on this GPU"):
         ait.load(MLP().eval(), path)  # device=None: the checkpoint's device (cuda) exists here
+
+
+class _Pipe(nn.Module):
+    """Two tuned modules: ``a`` (the MLP, [B, 64] -> [B, 16]) then ``b`` ([B, 16] -> [B, 8])."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = MLP().eval(), nn.Linear(16, 8).eval()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("how", ["device", "device_map"])
+def test_load_puts_every_module_on_the_one_device_given(tmp_path, how):
+    """A pipeline tuned on the CPU, built on cuda:0 and loaded with ``device="cuda:0"`` or a ``device_map`` whose
+    entries agree: every module's backends run on that device and match the CPU's outputs. aitune never moves
+    the module: one left on the CPU is refused with a clear error."""
+    from aitune.errors import CheckpointError
+    from aitune.torch.backend import TorchEagerBackend
+
+    torch.manual_seed(0)
+    pipe = _Pipe()
+    pipe.a = ait.Module(pipe.a, "a", strategy=only(TorchEagerBackend()))
+    pipe.b = ait.Module(pipe.b, "b", strategy=only(TorchEagerBackend()))
+    ait.tune(pipe, [torch.randn(2, 64), torch.randn(4, 64)], cache_dir_path=tmp_path / "cache", ready_batches=True)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        expected = pipe(x)
+    path = ait.save(pipe, tmp_path / "pipe.ait")
+    options = {"device": "cuda:0"} if how == "device" else {"device_map": {"a": "cuda:0", "b": "cuda:0"}}
+    torch.manual_seed(1)
+    loaded = ait.load(_Pipe().to("cuda:0"), path, **options)  # other weights: the checkpoint's are restored
+    assert {str(backend.device) for module in (loaded.a, loaded.b) for backend in module.backends.values()} == {
+        "cuda:0"}
+    with torch.no_grad():
+        output = loaded(x.to("cuda:0"))
+    assert output.device == torch.device("cuda:0")
+    torch.testing.assert_close(output.cpu(), expected, atol=1e-5, rtol=1e-4)
+    half = _Pipe()
+    half.b.to("cuda:0")
+    with pytest.raises(CheckpointError, match="module 'a': its parameters are on cpu but it is loaded for cuda:0"):
+        ait.load(half, path, **options)

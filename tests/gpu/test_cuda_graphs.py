@@ -142,3 +142,34 @@ def test_eager_backend_with_cuda_graphs_and_autocast_restores_dtypes(tmp_path):
     assert output["out"].dtype == torch.float32
     with torch.no_grad():
         torch.testing.assert_close(output["out"], module(x)["out"], atol=1e-2, rtol=1e-2)
+
+
+def test_concurrent_calls_from_threads_each_get_their_own_answer(tmp_path):
+    """Eight threads call one CUDA-graph backend at once, each with its own inputs of the captured shape: the
+    lock keeps them from copying inputs over each other's static buffers, so every answer is eager's for the
+    thread's own input."""
+    import threading
+
+    module = Mlp().cuda().eval()
+    graph = record_graphs(module, [((torch.randn(b, 64, device="cuda"),), {}) for b in (8, 16)])[0]
+    backend = TorchEagerBackend(TorchEagerBackendConfig(use_cuda_graphs=True)).build(module, graph, "cuda", tmp_path)
+    inputs = [torch.randn(8, 64, device="cuda") for _ in range(8)]
+    with torch.no_grad():
+        expected = [module(x)["out"] for x in inputs]
+    backend(inputs[0])  # captured before the threads start
+    wrong = []
+    start = threading.Barrier(len(inputs))
+
+    def worker(index):
+        start.wait()
+        for _ in range(50):
+            output = backend(inputs[index])["out"]
+            if not torch.allclose(output, expected[index], atol=1e-5, rtol=1e-4):
+                wrong.append(index)
+
+    threads = [threading.Thread(target=worker, args=(index,)) for index in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == [] and backend._graphs.stats["captures"] == 1

@@ -42,6 +42,15 @@ def build_tiny() -> torch.nn.Module:
     return TinyEncoder().eval()
 
 
+BUILT_ON: list = []  # the devices build_tiny_on was given, in order
+
+
+def build_tiny_on(device) -> torch.nn.Module:
+    """A builder that takes the replica's device: records it and builds the tiny encoder there."""
+    BUILT_ON.append(device)
+    return build_tiny().to(device)
+
+
 def tiny_batch(rows: int, tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(1, VOCAB, (rows, tokens), generator=generator)
@@ -50,12 +59,13 @@ def tiny_batch(rows: int, tokens: int, seed: int = 0) -> dict[str, torch.Tensor]
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-def save_tiny_checkpoint(path: Path, profiling, cache_dir: Path) -> Path:
-    """Tune the tiny encoder with ONNX Runtime (no performance validation) and save it."""
+def save_tiny_checkpoint(path: Path, profiling, cache_dir: Path, shapes=TUNE_SHAPES) -> Path:
+    """Tune the tiny encoder with ONNX Runtime (no performance validation) on batches of ``shapes`` ((rows,
+    tokens) each) and save it."""
     strategy = ait.OneBackendStrategy(ONNXRuntimeBackend(), profiling_config=profiling)
     strategy.enable_performance_validation(False)
     encoder = ait.Module(build_tiny(), "tiny", strategy=strategy)
-    batches = [tiny_batch(rows, tokens, seed=i) for i, (rows, tokens) in enumerate(TUNE_SHAPES)]
+    batches = [tiny_batch(rows, tokens, seed=i) for i, (rows, tokens) in enumerate(shapes)]
     ait.tune(lambda batch: encoder(**batch), batches, cache_dir_path=cache_dir, ready_batches=True)
     return ait.save(encoder, path)
 

@@ -6,9 +6,13 @@ import zipfile
 import pytest
 import torch
 
+import aitune.torch as ait
+
 from aitune.errors import CheckpointError, CheckpointIntegrityError, ConfigError, RequestError, ServeError
 from aitune.serve import ServeConfig
 from aitune.serve.model import ServedModel
+import serve_tiny
+from aitune.serve.builder import build_model
 from serve_tiny import build_tiny, forge_manifest, tiny_batch
 
 PAD = {"input_ids": 0, "attention_mask": 0}
@@ -137,3 +141,39 @@ def test_a_load_failure_the_fit_check_cannot_see_is_a_mismatch_too(tiny_checkpoi
     model = ServedModel(config(forged, on_mismatch="eager"))
     assert model.mode == "eager" and "invalid here" in model.stats()["problems"][-1]
     assert model.run_batch([model.prepare(body(tiny_batch(1, 4)))])[0].backend == "eager"
+
+
+def test_a_builder_with_a_device_parameter_gets_the_replicas_device(tiny_checkpoint):
+    serve_tiny.BUILT_ON.clear()
+    model = build_model("serve_tiny:build_tiny_on", torch.device("meta"))
+    assert serve_tiny.BUILT_ON == ["meta"] and next(model.parameters()).device.type == "meta"
+    serve_tiny.BUILT_ON.clear()
+    served = ServedModel(ServeConfig(builder="serve_tiny:build_tiny_on", checkpoint=str(tiny_checkpoint),
+                                     pad_values=PAD, device="cpu", warmup=False))
+    assert serve_tiny.BUILT_ON == ["cpu"] and str(served.device) == "cpu"
+    batch = tiny_batch(2, 5, seed=8)
+    with torch.no_grad():
+        answer = served.run_batch([served.prepare(body(batch))])[0]
+        torch.testing.assert_close(answer.output, build_tiny()(**batch), atol=1e-5, rtol=1e-4)
+
+
+def test_warm_up_turns_batching_off_with_a_warning_when_batched_answers_differ(tmp_path, caplog):
+    # Recorded (rows, tokens): two single rows that fit one call with the 4-row batch's limit. Padding the mask
+    # with 1 counts padded tokens in the mean, so the 4-token row batched with the 6-token one (padded to 6)
+    # gets another answer than alone: warm-up compares them and turns batching off.
+    profiling = ait.ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=3, max_rounds=5, time_budget_s=0.1)
+    checkpoint = serve_tiny.save_tiny_checkpoint(tmp_path / "merge.ait", profiling, tmp_path / "cache",
+                                                 shapes=((1, 4), (1, 6), (4, 8)))
+    wrong_pad = {"input_ids": 0, "attention_mask": 1}
+    with caplog.at_level("WARNING", logger="aitune.serve.model"):
+        model = ServedModel(ServeConfig(builder="serve_tiny:build_tiny", checkpoint=str(checkpoint),
+                                        pad_values=wrong_pad))
+    assert model.batching is False and model.stats()["batching"] is False
+    assert [r for r in caplog.records if "batched answers" in r.message and "batching off" in r.message]
+    requests = [model.prepare(body(tiny_batch(1, 4, seed=20))), model.prepare(body(tiny_batch(1, 6, seed=21)))]
+    assert [(a.rows, a.requests) for a in model.run_batch(requests)] == [(1, 1), (1, 1)]  # one call each
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="aitune.serve.model"):
+        right = ServedModel(config(checkpoint))  # pad values that keep the answers: batching stays on
+    assert right.batching is True and not [r for r in caplog.records if "batched answers" in r.message]
+    assert [(a.rows, a.requests) for a in right.run_batch(requests)] == [(2, 2), (2, 2)]

@@ -174,6 +174,96 @@ def test_ray_serve_validates_the_options_aitune_passes(tiny_checkpoint):
     assert not ray.is_initialized()  # building an application starts nothing
 
 
+def listening_hosts(port: int) -> set[str]:
+    """The IPv4 addresses on which some process of this machine listens on ``port`` (Linux's /proc/net/tcp)."""
+    hosts = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        address, state = fields[1], fields[3]
+        ip_hex, port_hex = address.split(":")
+        if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+            hosts.add(socket.inet_ntoa(bytes.fromhex(ip_hex)[::-1]))
+    return hosts
+
+
+def test_get_shows_the_tuned_inputs_and_the_replicas_stats(tiny_checkpoint):
+    """The deployment's HTTP handler on a GET, called on a replica's model directly (no Ray started)."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from aitune.serve.deployment import TunedModelDeployment
+    from aitune.serve.model import ServedModel
+    from serve_tiny import tiny_batch
+
+    model = ServedModel(ServeConfig(builder="serve_tiny:build_tiny", checkpoint=str(tiny_checkpoint),
+                                    pad_values={"input_ids": 0, "attention_mask": 0}))
+    batch = tiny_batch(2, 5, seed=3)
+    model.run_batch([model.prepare({"inputs": {name: t.tolist() for name, t in batch.items()}})])
+    model.record_request(12.5, 200)
+    deployment = TunedModelDeployment.func_or_class.__new__(TunedModelDeployment.func_or_class)
+    deployment.model = model
+    request = Request({"type": "http", "method": "GET", "path": "/", "headers": [], "query_string": b""})
+    response = asyncio.run(deployment(request))
+    assert response.status_code == 200
+    payload = json.loads(response.body)
+    ranges = [{"axis": "batch", "min": 1, "max": 4}, {"axis": "dynamic", "min": 4, "max": 8}]
+    assert payload["inputs"] == {
+        "module": "tiny", "pad_values": {"input_ids": 0, "attention_mask": 0}, "out_of_range": "reject",
+        "graphs": {"graph0": {"inputs": {"input_ids": {"dtype": "int64", "shape": ranges},
+                                         "attention_mask": {"dtype": "int64", "shape": ranges}},
+                              "rows_per_call": [1, 4], "backend": "onnxruntime"}}}
+    stats = payload["stats"]
+    assert stats == json.loads(json.dumps(model.stats()))
+    assert (stats["mode"], stats["backends"], stats["device"]) == ("tuned", {"graph0": "onnxruntime"}, "cpu")
+    assert (stats["calls"], stats["tuned_calls"], stats["rows_per_call"]) == (1, 1, {"2": 1})
+    assert stats["requests"] == {"200": 1} and stats["latency_ms"] == {"p50": 12.5, "p90": 12.5, "count": 1}
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from Linux's /proc/net/tcp")
+def test_the_http_proxy_binds_where_host_says(tiny_checkpoint):
+    """``run(host=...)`` (``--host``) is where Ray Serve's proxy listens: 127.0.0.2 here (another loopback
+    address, so nothing is exposed), not the default 127.0.0.1 (see the next test for the default)."""
+    assert not ray.is_initialized()
+    port = free_port()
+    here = str(Path(__file__).resolve().parent)  # the replica imports the builder serve_tiny from here
+    python_path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
+             object_store_memory=128 * 2**20, runtime_env={"env_vars": {"PYTHONPATH": python_path}})
+    try:
+        config = ServeConfig(builder="serve_tiny:build_tiny", checkpoint=str(tiny_checkpoint), name="host",
+                             num_cpus=0.5, warmup=False)
+        run(config, host="127.0.0.2", port=port)
+        assert listening_hosts(port) == {"127.0.0.2"}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from Linux's /proc/net/tcp")
+def test_the_http_proxy_binds_to_loopback_by_default(service):
+    """The module's service was started by ``run`` without ``host``: its proxy listens on 127.0.0.1 only; and
+    ``aitune serve`` passes 127.0.0.1 unless ``--host`` says otherwise."""
+    import argparse
+
+    from aitune.cli import _add_serve_parser
+
+    assert listening_hosts(service["port"]) == {"127.0.0.1"}
+    parser = argparse.ArgumentParser()
+    _add_serve_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve", "pkg.mod:build", "m.ait"]).host == "127.0.0.1"
+    assert parser.parse_args(["serve", "pkg.mod:build", "m.ait", "--host", "0.0.0.0"]).host == "0.0.0.0"
+
+
+def test_get_over_http_answers_with_the_inputs_and_stats(service):
+    with urllib.request.urlopen(service["url"], timeout=30) as response:
+        assert response.status == 200
+        payload = json.loads(response.read())
+    assert set(payload) == {"inputs", "stats"}
+    assert set(payload["inputs"]["graphs"]["graph0"]["inputs"]) == {"input_ids", "attention_mask", "token_type_ids"}
+    assert payload["stats"]["mode"] == "tuned" and payload["stats"]["backends"] == {"graph0": "onnxruntime"}
+
+
 def test_embeddings_match_eager_and_concurrent_requests_are_batched(service, eager_embeddings):
     tokens = minilm_tokenizer()(PROBE_SENTENCES, truncation=True, max_length=MAX_TOKENS)
     bodies = [{"texts": [sentence]} for sentence in PROBE_SENTENCES]  # the text path

@@ -707,3 +707,23 @@ def test_aot_load_checks_eager_fallback_with_the_tuned_tolerance(tmp_path):
         loaded = ait.load(target, old)
         with pytest.raises(BackendRuntimeError, match="weights differ"):
             loaded(outside)
+
+
+def test_a_device_map_whose_entries_agree_is_loaded_on_that_device_and_one_that_disagrees_is_refused(
+        eager_checkpoint):
+    from aitune.errors import ConfigError
+
+    features, _ = models.probe()
+    torch.manual_seed(78)
+    plain = models.Encoder().eval()
+    loaded = ait.load(plain, eager_checkpoint.path, device_map={"encoder": "cpu", "other": torch.device("cpu")})
+    assert loaded.state is ait.ModuleState.TUNED and {p.device.type for p in plain.parameters()} == {"cpu"}
+    with torch.no_grad():
+        output = loaded(features, pooling="mean", scale=0.5)
+    torch.testing.assert_close(output.hidden, eager_checkpoint.expected.hidden, rtol=0, atol=0)
+    for device_map, device in (({"encoder": "cpu", "other": "meta"}, None), ({"encoder": "cpu"}, "cpu")):
+        fresh = models.Encoder().eval()
+        weights = {name: value.clone() for name, value in fresh.state_dict().items()}
+        with pytest.raises(ConfigError, match=r"aitune loads a checkpoint on one device; pass device="):
+            ait.load(fresh, eager_checkpoint.path, device_map=device_map, device=device)
+        assert all(torch.equal(weights[name], value) for name, value in fresh.state_dict().items())

@@ -86,3 +86,35 @@ def test_eager_backend_cuda_graphs_config():
         TorchEagerBackendConfig(use_cuda_graphs="yes")
     check = TorchEagerBackend(config).supports(torch.nn.Linear(2, 2), None, torch.device("cpu"))
     assert not check.ok and check.reason == "use_cuda_graphs needs a CUDA device"
+
+
+def test_runner_serialises_concurrent_calls():
+    """A call from a second thread does not enter the function while a first call is inside it (the lock that
+    keeps threads off each other's static buffers). The first call waits up to 1 s for the second to enter:
+    with the lock it never does (the wait times out); without it, it would."""
+    import threading
+
+    entered_first, entered_second = threading.Event(), threading.Event()
+    overlapped = []
+
+    def function(x):
+        if x.item() == 0:
+            entered_first.set()
+            overlapped.append(entered_second.wait(1.0))
+        else:
+            entered_second.set()
+        return x + 1
+
+    runner = CUDAGraphRunner(function, name="test")
+    results = {}
+
+    def second():
+        entered_first.wait(10.0)
+        results["second"] = runner(torch.tensor(1.0))
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    results["first"] = runner(torch.tensor(0.0))
+    thread.join(10.0)
+    assert overlapped == [False] and entered_second.is_set()
+    assert (float(results["first"]), float(results["second"])) == (1.0, 2.0)

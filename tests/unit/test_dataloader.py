@@ -125,3 +125,33 @@ def test_examples_of_different_lengths_name_ready_batches_and_only_exported_name
         assert report.graphs[0].selected.startswith("TorchEagerBackend"), name
         with torch.no_grad():
             torch.testing.assert_close(module(probe), model(probe))
+
+
+def test_a_torch_dataloader_is_taken_as_ready_batches(fast_profiling):
+    """A ``torch.utils.data.DataLoader`` (no ``ready_batches``, no ``batch_sizes``): each batch it yields, here
+    padded to different lengths by its collate_fn, reaches ``func`` as it is (by value), never stacked."""
+    import aitune.torch as ait
+    from aitune.torch.backend import TorchEagerBackend
+
+    examples = [torch.randn(length, 4) for length in (3, 5, 2, 6)]
+
+    def pad(items):
+        length = max(item.shape[0] for item in items)
+        return torch.stack([torch.nn.functional.pad(item, (0, 0, 0, length - item.shape[0])) for item in items])
+
+    loader = torch.utils.data.DataLoader(examples, batch_size=2, collate_fn=pad)
+    expected = list(loader)  # [2, 5, 4] and [2, 6, 4]
+    model = torch.nn.Linear(4, 2).eval()
+    module = ait.Module(model, "loader", strategy=ait.OneBackendStrategy(TorchEagerBackend(),
+                                                                        profiling_config=fast_profiling))
+    seen = []
+
+    def func(batch):
+        seen.append(batch.clone())
+        return module(batch)
+
+    ait.tune(func, loader, ignore_failing_modules=False)
+    assert [tuple(batch.shape) for batch in seen] == [(2, 5, 4), (2, 6, 4)]
+    for batch, batch_expected in zip(seen, expected):
+        assert torch.equal(batch, batch_expected)
+    assert [sample.shapes()[0] for sample in module.graphs[0].samples] == [(2, 5, 4), (2, 6, 4)]

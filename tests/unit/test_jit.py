@@ -4,6 +4,7 @@ decorator, and that nothing the user owns changes."""
 import copy
 import importlib
 import json
+import os
 import pickle
 import sys
 import tomllib
@@ -92,6 +93,23 @@ def test_environment_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("AITUNE_JIT_SETUP", "no_such_module:configure")
     with pytest.raises(ConfigError, match="AITUNE_JIT_SETUP"):
         jit.enable()
+
+
+def test_jit_cache_dir_comes_from_the_environment(monkeypatch, tmp_path):
+    """``$AITUNE_JIT_CACHE_DIR`` is where just-in-time tuning writes its builds and reports (not
+    ``<aitune cache>/jit``); ``cache_dir`` set in the config wins over it."""
+    monkeypatch.setenv("AITUNE_JIT_CACHE_DIR", str(tmp_path / "jit-here"))
+    default = Path(os.environ["AITUNE_CACHE_DIR"]) / "jit"
+    jit.enable(strategy=cheap_strategy(), min_samples=2)
+    assert jit.jit_config.resolved_cache_dir() == tmp_path / "jit-here"
+    model = Top().eval()
+    with torch.no_grad():
+        for x in _batches():
+            model(x)
+    assert jit.patched_modules()[0].state is JitState.TUNED
+    assert list((tmp_path / "jit-here").rglob("*.json")) and not default.exists()
+    jit.jit_config.cache_dir = str(tmp_path / "configured")
+    assert jit.jit_config.resolved_cache_dir() == tmp_path / "configured"
 
 
 def test_public_surface():
@@ -194,6 +212,32 @@ def test_skipped_and_left_alone_modules():
     assert "built-in exclusion" in reasons["OptimizedModule"]
     assert "skip_modules" in reasons["Block"]
     assert type(block) is Block and type(wrapped.module) is Top
+
+
+@pytest.mark.parametrize("entry", ["Top", "Block"])
+def test_patch_exclude_never_tunes_the_module_and_tries_its_children(entry):
+    """A top-level module (``Top``) or children (``Block``: both blocks, tried once Top cannot be tuned whole)
+    in ``patch_exclude`` are never tuned themselves; their children are tried and tuned; outputs stay eager's."""
+    model = Top(branch=entry == "Block").eval()
+    batches = _batches()
+    expected = _eager(model, batches)
+    jit.enable(strategy=cheap_strategy(fullgraph=entry == "Block"), min_samples=2, patch_exclude=[entry])
+    with torch.no_grad():
+        outputs = [model(x) for x in batches]
+    nodes = {node.name: node for node in jit.patched_modules()}
+    excluded = [nodes["Top"]] if entry == "Top" else [nodes["Top.blocks.0"], nodes["Top.blocks.1"]]
+    for node in excluded:
+        assert node.state is JitState.SKIPPED and "patch_exclude" in node.reason and not node.backends
+    if entry == "Top":
+        assert [child.name for child in nodes["Top"].children] == ["Top.blocks.0", "Top.blocks.1", "Top.head"]
+        assert all(child.state is JitState.TUNED for child in nodes["Top"].children)
+    else:
+        assert nodes["Top"].state is JitState.EAGER and nodes["Top.head"].state is JitState.TUNED
+        for node in excluded:
+            assert [child.name for child in node.children] == [f"{node.name}.linear"]
+            assert node.children[0].state is JitState.TUNED
+    for tuned, eager in zip(outputs, expected):
+        torch.testing.assert_close(tuned, eager)
 
 
 def test_module_inside_a_tracked_one_is_not_tracked_twice():

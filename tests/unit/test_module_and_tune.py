@@ -180,3 +180,30 @@ def test_the_state_snapshot_restores_values_dtypes_and_flags_bit_for_bit():
     state = model.state_dict()
     assert all(state[name].dtype == value.dtype and torch.equal(state[name], value) for name, value in before.items())
     assert not model.training and not model[0].training
+
+
+def test_calls_from_another_thread_during_the_recording_pass_are_recorded(fast_profiling):
+    """A call another thread makes while ``ait.tune`` records is recorded too (its shape becomes a sample and
+    widens the tuned range), and the tuned module answers it like eager."""
+    import threading
+
+    model = torch.nn.Linear(4, 2).eval()
+    module = ait.Module(model, "threads", strategy=eager_only(fast_profiling))
+    other = torch.randn(7, 4)
+
+    def func(batch):
+        if batch.shape[0] == 2:  # once, during the recording pass
+            thread = threading.Thread(target=module, args=(other,))
+            thread.start()
+            thread.join()
+        return module(batch)
+
+    ait.tune(func, [torch.randn(4) for _ in range(3)], batch_sizes=[1, 2], ignore_failing_modules=False)
+    graph = module.graphs[0]
+    assert graph.num_calls == 5  # 3 batches of 1, 1 batch of 2, and the other thread's call
+    recorded = [sample.shapes() for sample in graph.samples]
+    assert ((7, 4),) in recorded and [s for s in recorded if s != ((7, 4),)] == [((1, 4),), ((1, 4),), ((2, 4),)]
+    assert any(torch.equal(sample.leaves()[0], other) for sample in graph.samples)
+    assert module.state is ait.ModuleState.TUNED
+    with torch.no_grad():
+        torch.testing.assert_close(module(other), model(other))

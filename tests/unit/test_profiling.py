@@ -219,3 +219,18 @@ def test_the_fake_clock_also_drives_the_time_budget():
     with use_clock(clock):
         measurement = measure(lambda _: clock.advance(10.0), [0], [1], torch.device("cpu"), config)
     assert measurement.rounds == 6 and measurement.median_round_ms == pytest.approx(10.0)  # 60 ms > 50 ms of budget
+
+
+def test_the_cpu_timer_reads_perf_counter_ns_unless_a_clock_is_set():
+    """On the CPU a call is timed with :data:`aitune.torch.profiling.CLOCK`: ``time.perf_counter_ns`` by default,
+    or the clock ``use_clock`` sets (its readings, in ns, give the figure exactly)."""
+    import time
+
+    from aitune.torch import profiling
+
+    assert profiling.CLOCK.get() is time.perf_counter_ns
+    timer = profiling.Timer(torch.device("cpu"))
+    assert not timer.cuda and timer.clock is time.perf_counter_ns
+    readings = iter([1_000_000, 3_500_000])
+    with profiling.use_clock(lambda: next(readings)):
+        assert profiling.Timer(torch.device("cpu"))(lambda: None) == 2.5

@@ -282,6 +282,56 @@ def test_freezing_variant_really_folds_the_weights(freezing, fast_profiling):
         torch.testing.assert_close(after, edited, atol=1e-4, rtol=1e-3)
 
 
+_FREEZING_SEEN: list = []
+
+
+@torch._dynamo.disable
+def _see_freezing(x):
+    """Runs eagerly inside a compiled forward (a graph break): what the process-wide flag is during the call."""
+    _FREEZING_SEEN.append(torch._inductor.config.freezing)
+    return x
+
+
+class _Observed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.second(_see_freezing(torch.relu(self.first(x))))
+
+
+@pytest.mark.parametrize("backend_name", ["inductor_jit", "torchao"])
+def test_a_freezing_variant_sets_the_global_flag_only_during_its_calls(backend_name, fast_profiling):
+    """Inductor and TorchAO ``freezing`` variants turn ``torch._inductor.config.freezing`` on for each call of
+    theirs (seen from inside the forward) and give back the value it had before the call."""
+    if backend_name == "torchao":
+        from aitune.torch.backend import TorchAOBackend, TorchAOBackendConfig
+
+        if not TorchAOBackend.availability().ok:
+            pytest.skip(TorchAOBackend.availability().reason)
+        backend = TorchAOBackend(TorchAOBackendConfig(quantization="int8wo", compile=True, freezing=True,
+                                                      fullgraph=False))
+    else:
+        backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(freezing=True, fullgraph=False))
+    model = _Observed().eval()
+    tuned = ait.Module(model, f"observed-{backend_name}", strategy=ait.OneBackendStrategy(
+        backend, profiling_config=fast_profiling).enable_performance_validation(False))
+    x = torch.randn(2, 16)
+    assert torch._inductor.config.freezing is False
+    ait.tune(tuned, [x], ignore_failing_modules=False, ready_batches=True)
+    assert torch._inductor.config.freezing is False  # tuning gave it back
+    _FREEZING_SEEN.clear()
+    with torch.no_grad():
+        tuned(x)
+    assert _FREEZING_SEEN == [True] and torch._inductor.config.freezing is False
+    assert tuned.backend_calls >= 1
+    _FREEZING_SEEN.clear()
+    with torch.no_grad():
+        model(x)  # the module itself, outside the backend: the flag is off
+    assert _FREEZING_SEEN == [False]
+
+
 def test_a_frozen_variant_retuned_after_new_weights_uses_them(fast_profiling):
     """NOTE [a frozen compile per build]: after load_state_dict (same parameter objects, new values) a re-tune
     must fold the new weights in, not reuse Dynamo's entry with the old ones (found by a fresh-clone trial)."""
