@@ -200,7 +200,7 @@ def test_every_row_s_json_keeps_the_seconds_of_each_phase_after_its_build(fast_p
     assert sum(phases.values()) <= saved["duration_s"]
 
 
-def test_tuning_raises_dynamo_s_recompile_limit_to_64_and_never_lowers_it(fast_profiling, monkeypatch):
+def test_tuning_raises_dynamo_s_recompile_limit_to_64_and_never_lowers_it(fast_profiling):
     """README "Search": aitune raises dynamo's ``recompile_limit`` to 64 for the process when it tunes with
     Inductor (NOTE [recompile limit]); a higher limit the user set is kept."""
     import torch._dynamo.config as dynamo_config
@@ -212,12 +212,12 @@ def test_tuning_raises_dynamo_s_recompile_limit_to_64_and_never_lowers_it(fast_p
         report = ait.tune(tuned, [torch.randn(2, 16)], ready_batches=True)
         assert report.graphs[0].selected.startswith("TorchInductorJitBackend"), report.rows[0].reason
 
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)  # dynamo's default; restored after the test
-    tune_inductor("limit")
-    assert dynamo_config.recompile_limit == 64
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 100)
-    tune_inductor("kept")
-    assert dynamo_config.recompile_limit == 100
+    with dynamo_config.patch(recompile_limit=8):  # dynamo's default; the user's value is restored on exit
+        tune_inductor("limit")
+        assert dynamo_config.recompile_limit == 64
+    with dynamo_config.patch(recompile_limit=100):
+        tune_inductor("kept")
+        assert dynamo_config.recompile_limit == 100
 
 
 def test_1x1_convolutions_as_matrix_multiplies_with_freezing_match_eager(fast_profiling):
