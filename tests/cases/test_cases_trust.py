@@ -302,3 +302,124 @@ def test_scaled_probes_still_catch_a_value_dependent_fault(fast_profiling):
     assert report.rows[0].status == "rejected (correctness)"
     assert "beyond rounding at this probe's magnitudes" in report.rows[0].reason
     assert tuned.state is ait.ModuleState.PASSTHROUGH
+
+
+# ------------------------------------------------------------------------------------------ by value: inputs
+
+
+class WritesIntoItsInput(TorchEagerBackend):
+    """Eager's outputs, right to the last bit, but the input is then used as scratch space (zeroed in place):
+    what an artifact that reuses its input buffer does. Eager leaves the caller's tensor alone."""
+
+    name = "test_writes_into_input"
+    passthrough = False
+
+    def _infer(self, args, kwargs):
+        out = super()._infer(args, kwargs)
+        for leaf in list(args) + list(kwargs.values()):
+            if isinstance(leaf, torch.Tensor):
+                leaf.zero_()
+        return out
+
+
+def test_a_candidate_writing_into_the_callers_tensors_is_rejected(fast_profiling):
+    """README "By value": a candidate that writes into the caller's tensors where eager does not is rejected
+    (its outputs equal eager's: only the input check can catch it), and eager runs after tuning."""
+    model = nn.Sequential(nn.Linear(8, 4)).eval()
+    data = [torch.randn(2, 8), torch.randn(4, 8)]
+    tuned = ait.Module(model, "scratch", strategy=forced(WritesIntoItsInput(), fast_profiling))
+    report = ait.tune(tuned, data, ready_batches=True)
+    row = report.rows[0]
+    assert row.status == "rejected (correctness)"
+    assert "the candidate writes into its input 'input' (eager leaves it unchanged)" in row.reason, row.reason
+    assert tuned.state is ait.ModuleState.PASSTHROUGH
+    x = torch.randn(3, 8)
+    kept = x.clone()
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x), model(kept))
+    assert torch.equal(x, kept)  # the caller's tensor is intact
+
+
+# ------------------------------------------------------------------------------------------ probes: bounds
+
+
+class Tagger(nn.Module):
+    """Floats, a padding mask and token ids over a dynamic length, and a context of its own length: many probe
+    kinds (14 with no bound)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, mask, ids, context):
+        return (self.proj(x) + self.emb(ids) + context.mean(1, keepdim=True)) * mask.unsqueeze(-1)
+
+
+def _tagger_batch(batch, length, context_length):
+    return {"x": torch.randn(batch, length, 8), "mask": torch.rand(batch, length) > 0.2,
+            "ids": torch.randint(0, 32, (batch, length)), "context": torch.randn(batch, context_length, 8)}
+
+
+def test_probe_defaults_are_12_per_graph_and_10_s_per_candidate_and_a_tune_keeps_to_them(fast_profiling):
+    """README "Probes": default up to 12 probes per graph and 10 s per candidate; a graph offering more than
+    12 gets 12 checked."""
+    from aitune.torch.probes import ProbeConfig, make_probes
+
+    assert (ProbeConfig().max_probes, ProbeConfig().max_seconds) == (12, 10.0)
+    assert ait.ProbeConfig is ProbeConfig
+    model = Tagger().eval()
+    data = [_tagger_batch(2, 6, 5), _tagger_batch(4, 10, 3), _tagger_batch(3, 16, 12)]
+    graph = record_graphs(model, [((), batch) for batch in data])[0]
+
+    def run_eager(sample):
+        with torch.no_grad():
+            return model(*sample.args, **sample.kwargs)
+
+    assert len(make_probes(graph, run_eager, ProbeConfig(max_probes=100)).probes) > 12  # the bound matters here
+    strategy = ait.OneBackendStrategy(WritesNothing(), profiling_config=fast_profiling)
+    tuned = ait.Module(model, "tagger", strategy=strategy.enable_performance_validation(False))
+    report = ait.tune(tuned, data, ready_batches=True)
+    row = report.rows[0]
+    assert row.status == "selected", row.reason
+    assert row.probes["checked"] == row.probes["passed"] == 12 and row.probes["not_run"] == 0
+
+
+class WritesNothing(TorchEagerBackend):
+    """Eager as a (non-passthrough) candidate: probes run on it like on any other."""
+
+    name = "test_eager_candidate"
+    passthrough = False
+
+
+class EvenSizesOnlyAccepted(EvenSizesOnlyPool):
+    """EvenSizesOnlyPool (above), with an accepted range that says so: odd spatial sizes are refused."""
+
+    name = "test_even_sizes_accepted"
+    seen: list = []
+
+    def rejects(self, leaves):
+        h, w = leaves[0].shape[-2:]
+        return None if h % 2 == 0 and w % 2 == 0 else f"odd spatial size {h}x{w}"
+
+    def _infer(self, args, kwargs):
+        EvenSizesOnlyAccepted.seen.append(tuple(kwargs["x"].shape))
+        return super()._infer(args, kwargs)
+
+
+def test_a_probe_outside_an_artifacts_accepted_range_is_not_run_on_it(fast_profiling):
+    """README "Probes": a probe the artifact's ``accepts`` refuses is counted ``not_accepted`` and never run on it
+    (the backend would be wrong there); such calls run eager after tuning."""
+    model = Pool().eval()
+    data = [torch.rand(2, 3, 32, 32), torch.rand(4, 3, 64, 48)]
+    EvenSizesOnlyAccepted.seen = []
+    tuned = ait.Module(model, "accepted", strategy=forced(EvenSizesOnlyAccepted(), fast_profiling))
+    report = ait.tune(tuned, data, ready_batches=True)
+    row = report.rows[0]
+    assert row.status == "selected", row.reason
+    assert row.probes["not_accepted"] >= 1 and row.probes["passed"] == row.probes["checked"] >= 1
+    assert EvenSizesOnlyAccepted.seen and all(h % 2 == 0 and w % 2 == 0 for *_, h, w in EvenSizesOnlyAccepted.seen)
+    x = torch.rand(3, 3, 33, 41)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x), model(x))
+    assert tuned.stats["eager_fallbacks"] == {"range": 1}

@@ -1,8 +1,13 @@
 """What the user's console shows while tuning (issue "What users expect", point 1): progress by default on a
 terminal, off with one switch; other packages' warnings go to the candidate's build log, not the console."""
 
+import json
 import logging
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -108,3 +113,63 @@ def test_two_wrapped_modules_with_one_name_are_refused(fast_profiling):
     pair.b = ait.Module(pair.b, "layer")
     with pytest.raises(ConfigError, match="two wrapped modules are named 'layer'"):
         ait.tune(pair, [torch.randn(2, 4)], ready_batches=True)
+
+
+_LOGGING_SCRIPT = r"""
+import json, logging, sys
+
+import torch
+
+root, package = logging.getLogger(), logging.getLogger("aitune")
+root.addHandler(logging.StreamHandler(sys.stderr))  # the application's own logging setup
+root.setLevel(logging.WARNING)
+
+
+def snapshot():
+    return {"root_handlers": [id(h) for h in root.handlers], "root_level": root.level,
+            "root_filters": [[id(f) for f in h.filters] for h in root.handlers],
+            "aitune": [len(package.handlers), package.level, package.propagate],
+            "torch_level": logging.getLogger("torch").level, "warnings_captured": logging._warnings_showwarning is not None}
+
+
+seen = {"before": snapshot()}
+import aitune.torch as ait
+from aitune.torch.backend import TorchEagerBackend
+
+seen["import"] = snapshot()
+
+
+class Candidate(TorchEagerBackend):
+    name = "logging_candidate"
+    passthrough = False
+
+
+profiling = ait.ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=3, max_rounds=5, time_budget_s=0.05)
+model = torch.nn.Linear(8, 4).eval()
+tuned = ait.Module(model, "logged", strategy=ait.MaxThroughputStrategy([Candidate()], profiling_config=profiling))
+ait.tune(tuned, [torch.randn(2, 8), torch.randn(4, 8)], ready_batches=True)
+tuned(torch.randn(3, 8))
+seen["tune"] = snapshot()
+path = ait.save(tuned, sys.argv[1])
+ait.load(ait.Module(torch.nn.Linear(8, 4).eval(), "logged"), path)
+seen["load"] = snapshot()
+print(json.dumps(seen))
+"""
+
+
+def test_aitune_never_configures_logging(tmp_path):
+    """README "Progress and console": aitune never configures logging. In a fresh process with the
+    application's own root handler, importing aitune, tuning (a candidate is built, so build logs are captured)
+    and saving and loading leave the root logger's handlers, their filters and its level, the "aitune"
+    logger and the capture of warnings as they were."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", _LOGGING_SCRIPT, str(tmp_path / "logged.ait")], env=env,
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    before = seen["before"]
+    assert before["root_level"] == logging.WARNING and len(before["root_handlers"]) == 1
+    assert before["aitune"] == [0, logging.NOTSET, True] and not before["warnings_captured"]
+    for step in ("import", "tune", "load"):
+        assert seen[step] == before, step

@@ -363,3 +363,76 @@ def test_a_loaded_module_is_guarded_and_watched(aot_checkpoint):
         net[0].weight.mul_(2)
         torch.testing.assert_close(loaded(x), net(x))
     assert "changed in place" in loaded.needs_retune
+
+
+# ------------------------------------------------------------------------------------------ not guarded
+
+
+class EagerCandidate(TorchEagerBackend):
+    """Eager's own code as a (non-passthrough) candidate: a tuned graph that the guard would check."""
+
+    name = "test_eager_candidate"
+    passthrough = False
+
+
+class CountsCalls(nn.Module):
+    """Stateful: every call advances a counter buffer, and the output depends on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x) + self.calls
+
+
+class ShiftsItsInput(nn.Module):
+    """Changes its input in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x.add_(1.0)
+        return self.fc(x)
+
+
+def _tune_eager_candidate(model, name, fast_profiling):
+    strategy = ait.OneBackendStrategy(EagerCandidate(), profiling_config=fast_profiling)
+    tuned = ait.Module(model, name, strategy=strategy.enable_performance_validation(False))
+    ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
+    assert tuned.backends["graph0"].name == "test_eager_candidate"
+    return tuned
+
+
+def test_stateful_and_input_mutating_graphs_are_not_guarded(fast_profiling):
+    """README "Checked at run time": not guarded are stateful graphs (a second run would advance the module's
+    state) and graphs whose forward changes its inputs in place. A call of a shape never checked runs once: the
+    counter advances by one and the input is shifted once, where a guard's re-run would do it twice."""
+    plain = _tune_eager_candidate(nn.Sequential(nn.Linear(16, 4)).eval(), "plain", fast_profiling)
+    assert "graph0" in plain.stats["guard"]  # the same backend on a graph the guard may re-run: guarded
+
+    model = CountsCalls().eval()
+    tuned = _tune_eager_candidate(model, "counter", fast_profiling)
+    assert tuned.stats["guard"] == {}
+    twin = CountsCalls().eval()
+    twin.load_state_dict(model.state_dict())
+    for batch in (3, 5, 3):  # shapes tuning never checked
+        x = torch.randn(batch, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(tuned(x), twin(x), rtol=0, atol=0)
+    assert model.calls.item() == twin.calls.item()  # one run per call
+    assert tuned.stats["backend_calls"] == 3 and tuned.stats["eager_fallbacks"] == {}
+
+    model = ShiftsItsInput().eval()
+    tuned = _tune_eager_candidate(model, "shift", fast_profiling)
+    assert tuned.stats["guard"] == {}
+    x = torch.randn(3, 16)
+    original = x.clone()
+    out = tuned(x)
+    torch.testing.assert_close(x, original + 1.0, rtol=0, atol=0)  # shifted once
+    with torch.no_grad():
+        torch.testing.assert_close(out, model.fc(original + 1.0), rtol=0, atol=0)

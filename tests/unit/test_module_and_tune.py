@@ -207,3 +207,38 @@ def test_calls_from_another_thread_during_the_recording_pass_are_recorded(fast_p
     assert module.state is ait.ModuleState.TUNED
     with torch.no_grad():
         torch.testing.assert_close(module(other), model(other))
+
+
+class FailsAfterTuning(TorchEagerBackend):
+    """Right while tuned; once ``failing`` is set, every call raises (as a backend does when its device runs
+    out of memory or its runtime breaks after tuning)."""
+
+    name = "test_fails_after_tuning"
+    passthrough = False
+    failing = False
+
+    def _infer(self, args, kwargs):
+        if FailsAfterTuning.failing:
+            raise RuntimeError("kernel launch failed")
+        return super()._infer(args, kwargs)
+
+
+def test_a_backend_that_raises_at_run_time_runs_eager_with_one_warning(fast_profiling, caplog, monkeypatch):
+    """README "A failing backend never takes the run down": a call whose backend raises runs eager, with one
+    warning over every such call (recorded shapes and new ones alike)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    strategy = ait.OneBackendStrategy(FailsAfterTuning(), profiling_config=fast_profiling)
+    tuned = ait.Module(model, "raising", strategy=strategy.enable_performance_validation(False))
+    ait.tune(tuned, [torch.randn(2, 8), torch.randn(4, 8)], ready_batches=True)
+    assert tuned.backends["graph0"].name == "test_fails_after_tuning"
+    monkeypatch.setattr(FailsAfterTuning, "failing", True)
+    inputs = [torch.randn(batch, 8) for batch in (2, 4, 2, 7, 3)]
+    with caplog.at_level(logging.WARNING, logger="aitune"):
+        outputs = [tuned(x) for x in inputs]
+    with torch.no_grad():
+        for x, out in zip(inputs, outputs):
+            torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "test_fails_after_tuning raised RuntimeError: kernel launch failed; running eager instead" in warnings[0]
+    assert tuned.stats["eager_fallbacks"] == {"error": 5} and tuned.stats["backend_calls"] == 0

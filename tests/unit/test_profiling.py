@@ -234,3 +234,45 @@ def test_the_cpu_timer_reads_perf_counter_ns_unless_a_clock_is_set():
     readings = iter([1_000_000, 3_500_000])
     with profiling.use_clock(lambda: next(readings)):
         assert profiling.Timer(torch.device("cpu"))(lambda: None) == 2.5
+
+
+class CostlierWithGrad(torch.nn.Module):
+    """Eager takes 2 ms per call under no_grad and 6 ms with autograd recording (on the fake clock)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        pause(0.002 if not torch.is_grad_enabled() else 0.006)
+        return self.body(x)
+
+
+def test_eager_is_measured_in_the_same_run_under_no_grad_and_the_speedup_is_against_it(fast_profiling, fake_clock):
+    """README "Measured honestly": eager's row is measured in the same tune (same report), under no_grad like the
+    candidate, and the candidate's speed-up is its ratio to that eager: 2 ms / 1 ms = 2.0x (with autograd
+    recording eager would take 6 ms and the speed-up would read 6.0x). Warm-up is not pinned by this test."""
+    import aitune.torch as ait
+    from aitune.torch.backend import TorchEagerBackend
+
+    class OneMillisecond(TorchEagerBackend):
+        name = "test_one_millisecond"
+        passthrough = False
+
+        def _infer(self, args, kwargs):
+            pause(0.001)
+            return self.module.body(kwargs["x"])
+
+    model = CostlierWithGrad().eval()
+    strategy = ait.MaxThroughputStrategy([OneMillisecond()], profiling_config=fast_profiling)
+    report = ait.tune(ait.Module(model, "honest", strategy=strategy), [torch.randn(2, 16), torch.randn(4, 16)],
+                      ready_batches=True)
+    rows = {row.backend: row for row in report.rows}
+    eager, candidate = rows["eager"], rows["test_one_millisecond"]
+    assert eager.reason.startswith("baseline") and eager.speedup == 1.0
+    assert eager.measurement["p50_ms"] == pytest.approx(2.0, rel=1e-2)  # timed under no_grad
+    assert candidate.status == "selected", candidate.reason
+    assert candidate.measurement["p50_ms"] == pytest.approx(1.0, rel=1e-2)
+    assert candidate.speedup == pytest.approx(2.0, rel=1e-2)  # paired with eager in the same rounds
+    assert candidate.speedup_spread["rounds"] == candidate.measurement["rounds"]
+    assert candidate.measurement["throughput"] / eager.measurement["throughput"] == pytest.approx(2.0, rel=1e-2)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from aitune.errors import ConfigError
+from aitune.torch.backend import TorchEagerBackend
 from aitune.torch.samples import BATCH, DYNAMIC, STATIC, BatchDim, CallSignature, DynamicDim, clone_tree, \
     record_graphs
 
@@ -166,3 +167,59 @@ def test_no_plan_where_binding_is_needed():
     assert CallSignature(Toggle().forward).plan((1,), {"x": 2}) is None  # x given twice
     assert CallSignature(PositionalOnly().forward).plan((1,), {}) is None
     assert CallSignature(StarArgs().forward).plan((1, 2, 3), {}) is None
+
+
+class RunningMean(torch.nn.Module):
+    """Stateful: every call updates a running mean of its inputs (as BatchNorm's statistics do) and uses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+        self.register_buffer("mean", torch.zeros(8))
+
+    def forward(self, x):
+        self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.fc(x - self.mean)
+
+
+def test_calls_of_one_shape_with_different_values_are_kept_two_per_shape():
+    """README "Stateful modules": calls of one shape with different values are kept (two per shape); a repeat of
+    a kept call is not."""
+    first, second, third = (torch.randn(4, 8) for _ in range(3))
+    calls = [((first,), {}), ((first.clone(),), {}), ((second,), {}), ((third,), {}), ((torch.randn(2, 8),), {})]
+    graph = record_graphs(RunningMean(), calls)[0]
+    assert graph.stateful
+    same_shape = [sample.leaves()[0] for sample in graph.samples if sample.leaves()[0].shape == (4, 8)]
+    assert len(same_shape) == 2
+    assert torch.equal(same_shape[0], first) and torch.equal(same_shape[1], second)
+    assert len(graph.samples) == 3 and graph.num_calls == 5
+
+
+class FirstCallOfEachShape(TorchEagerBackend):
+    """Answers every call of a shape with what it computed for the first call of that shape: right on one call
+    per shape, wrong on any other values (an artifact with a baked-in result)."""
+
+    name = "test_first_call_of_each_shape"
+    passthrough = False
+
+    def _infer(self, args, kwargs):
+        x = (list(args) + list(kwargs.values()))[0]
+        memo = self.__dict__.setdefault("_memo", {})
+        if x.shape not in memo:
+            memo[x.shape] = super()._infer(args, kwargs)
+        return memo[x.shape].clone()
+
+
+def test_a_second_call_of_a_shape_catches_a_candidate_right_on_the_first_only(fast_profiling):
+    """The kept second call is checked: with probes off, only it can show the fault of a stateful module's
+    candidate that is right on the first call of each shape."""
+    import aitune.torch as ait
+
+    model = RunningMean().eval()
+    strategy = ait.OneBackendStrategy(FirstCallOfEachShape(), profiling_config=fast_profiling,
+                                      probe_config=ait.ProbeConfig(enabled=False))
+    tuned = ait.Module(model, "running", strategy=strategy.enable_performance_validation(False))
+    report = ait.tune(tuned, [torch.randn(4, 8), torch.randn(4, 8)], ready_batches=True)
+    assert report.graphs[0].spec["stateful"] and report.graphs[0].spec["num_samples"] == 2
+    assert report.rows[0].status == "rejected (correctness)", report.rows[0].reason
+    assert tuned.state is ait.ModuleState.PASSTHROUGH

@@ -144,14 +144,14 @@ class Variant(TorchEagerBackend):
         return out + 1.0 if self.wrong else out
 
 
-def _fallback_search(first_wrong: bool, fast_profiling):
+def _fallback_search(first_wrong: bool, fast_profiling, **tune_kwargs):
     first, fallback = Variant(), Variant()
     first.wrong, first.tag, fallback.tag = first_wrong, "first", "fallback"
     fallback._tier, fallback._fallback = 1, True
     model = _net()
     tuned = ait.Module(model, "fallback", strategy=ait.MaxThroughputStrategy(
         [first, fallback], profiling_config=fast_profiling).enable_performance_validation(False))
-    report = ait.tune(tuned, [torch.randn(4, 16)], ready_batches=True)
+    report = ait.tune(tuned, [torch.randn(4, 16)], ready_batches=True, **tune_kwargs)
     return {r.description: r for r in report.rows if r.backend == "test_variant"}, tuned, model
 
 
@@ -166,6 +166,58 @@ def test_a_fallback_variant_is_built_only_when_no_other_variant_of_its_backend_p
     assert rows["Variant(first)"].status in ("passed", "selected")
     skipped = rows["Variant(fallback)"]  # not needed
     assert skipped.status == "skipped" and "fallback variant" in skipped.reason and "one did" in skipped.reason
+
+
+def test_a_fallback_variant_is_built_anyway_with_a_budget_of_at_least_60_s(fast_profiling):
+    """README "Search": with a budget of >= 60 s the fallback variant is built as an extra even though an
+    earlier variant of its backend passed; with less left it is skipped, saying how much was left. (The budget
+    runs on the real clock: these tunes take seconds, far from either bound.)"""
+    rows, _, _ = _fallback_search(first_wrong=False, fast_profiling=fast_profiling, time_budget_s=600)
+    assert rows["Variant(first)"].status in ("passed", "selected")
+    built = rows["Variant(fallback)"]
+    assert built.status in ("passed", "selected"), built.reason
+    assert built.comparison is not None and built.comparison["max_abs_error"] == 0.0  # built and checked
+    assert built.measurement is not None
+    rows, _, _ = _fallback_search(first_wrong=False, fast_profiling=fast_profiling, time_budget_s=30)
+    skipped = rows["Variant(fallback)"]
+    assert skipped.status == "skipped" and "fallback variant" in skipped.reason
+    assert "s of the budget left" in skipped.reason and ">= 60 s" in skipped.reason
+
+
+def test_every_row_s_json_keeps_the_seconds_of_each_phase_after_its_build(fast_profiling):
+    """README "Search": each row's JSON (the report file on disk) keeps ``details.phase_s``: seconds of check,
+    probes, measure (and round_trip for AOT artifacts), each >= 0."""
+    import json
+
+    strategy = ait.MaxThroughputStrategy([Variant()], profiling_config=fast_profiling)
+    report = ait.tune(ait.Module(_net(), "phases", strategy=strategy), [torch.randn(2, 16), torch.randn(4, 16)],
+                      ready_batches=True)
+    saved = json.loads(open(report.path).read())
+    [row] = [r for g in saved["graphs"] for r in g["candidates"] if r["backend"] == "test_variant"]
+    phases = row["details"]["phase_s"]
+    assert set(phases) == {"check", "probes", "measure"}  # a JIT candidate: no round trip
+    assert all(isinstance(seconds, float) and seconds >= 0.0 for seconds in phases.values())
+    assert sum(phases.values()) <= saved["duration_s"]
+
+
+def test_tuning_raises_dynamo_s_recompile_limit_to_64_and_never_lowers_it(fast_profiling):
+    """README "Search": aitune raises dynamo's ``recompile_limit`` to 64 for the process when it tunes with
+    Inductor (NOTE [recompile limit]); a higher limit the user set is kept."""
+    import torch._dynamo.config as dynamo_config
+
+    def tune_inductor(name):
+        strategy = ait.OneBackendStrategy(TorchInductorJitBackend(), profiling_config=fast_profiling,
+                                          probe_config=ait.ProbeConfig(enabled=False))
+        tuned = ait.Module(_net(), name, strategy=strategy.enable_performance_validation(False))
+        report = ait.tune(tuned, [torch.randn(2, 16)], ready_batches=True)
+        assert report.graphs[0].selected.startswith("TorchInductorJitBackend"), report.rows[0].reason
+
+    with dynamo_config.patch(recompile_limit=8):  # dynamo's default; the user's value is restored on exit
+        tune_inductor("limit")
+        assert dynamo_config.recompile_limit == 64
+    with dynamo_config.patch(recompile_limit=100):
+        tune_inductor("kept")
+        assert dynamo_config.recompile_limit == 100
 
 
 def test_1x1_convolutions_as_matrix_multiplies_with_freezing_match_eager(fast_profiling):
