@@ -123,7 +123,7 @@ def check_probes(backend: Backend, context: GraphContext, settings: EvaluationSe
         return None
     probe_set = context.probes(settings.probes)
     probes = probe_set.probes
-    by_structure = []
+    at_scale = []
 
     def check(probe: Probe) -> None:
         if context.restore_state is not None:
@@ -132,22 +132,22 @@ def check_probes(backend: Backend, context: GraphContext, settings: EvaluationSe
         with torch.no_grad():
             output = owned_outputs(backend.infer(*inputs.args, **inputs.kwargs))
         before = comparator.snapshot()
+        fp32_reference = lambda: context.fp32_reference_for(probe.sample)  # noqa: E731
         try:
-            _compare(comparator, probe.reference_outputs, output,
-                     lambda: context.fp32_reference_for(probe.sample))
+            _compare(comparator, probe.reference_outputs, output, fp32_reference)
         except ToleranceExceededError as exc:
             # Correctness rule 6 (NOTE [judging probes at other magnitudes] in aitune/torch/correctness.py)
-            if probe.kind not in SCALED_KINDS or comparator.quantized or exc.tolerance in ("exact", "finite"):
+            factor = SCALED_KINDS.get(probe.kind)
+            if factor is None or comparator.quantized or exc.tolerance in ("exact", "finite"):
                 raise
             try:
-                comparator.for_structure().compare(probe.reference_outputs, output)
-            except ToleranceExceededError as structural:
-                raise type(structural)(f"{exc}; {structural}", leaf=structural.leaf,
-                                       max_abs_error=structural.max_abs_error,
-                                       max_rel_error=structural.max_rel_error,
-                                       tolerance=structural.tolerance) from exc
+                _compare(comparator.for_scaled_probe(factor), probe.reference_outputs, output, fp32_reference)
+            except ToleranceExceededError as scaled:
+                raise type(scaled)(f"{exc}; at the probe's scale (rule 6): {scaled}", leaf=scaled.leaf,
+                                   max_abs_error=scaled.max_abs_error, max_rel_error=scaled.max_rel_error,
+                                   tolerance=scaled.tolerance) from exc
             comparator.restore(before)  # the row's errors stay those judged by rules 3 and 5
-            by_structure.append(probe.kind)
+            at_scale.append(probe.kind)
 
     try:
         counts = run_probes(probes, backend.accepts, check, settings.probes.max_seconds)
@@ -161,8 +161,8 @@ def check_probes(backend: Backend, context: GraphContext, settings: EvaluationSe
     if probe_set.dropped_memory:
         counts["dropped_memory"] = probe_set.dropped_memory
     counts["kinds"] = sorted({probe.kind for probe in probes})
-    if by_structure:
-        counts["judged_by_structure"] = len(by_structure)
+    if at_scale:
+        counts["judged_at_scale"] = len(at_scale)
     return counts
 
 

@@ -45,9 +45,10 @@ from aitune.torch.samples import BATCH, STATIC, Sample, clone_tree
 
 logger = logging.getLogger(__name__)
 
-# Probes that send float magnitudes the user never sent: judged for structure when they miss the sample rules
-# (correctness rule 6, NOTE [judging probes at other magnitudes] in aitune/torch/correctness.py).
-SCALED_KINDS = frozenset({"float-scale-up", "float-scale-down"})
+# Probes that send float magnitudes the user never sent, and the factor they multiply float inputs by: judged
+# at that scale when they miss the sample rules (correctness rule 6, NOTE [judging probes at other magnitudes]
+# in aitune/torch/correctness.py).
+SCALED_KINDS = {"float-scale-up": 10.0, "float-scale-down": 0.1}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -302,7 +303,8 @@ def _value_probes(graph, generator: torch.Generator) -> list[tuple[str, Sample]]
     kinds = {
         "bool": [("bool-flip", _flip)],
         "int": [("int-subrange", _int_subrange), ("int-resample", _int_resample)],
-        "float": [("float-grid", _grid), ("float-scale-up", _scale(10.0)), ("float-scale-down", _scale(0.1)),
+        "float": [("float-grid", _grid), ("float-scale-up", _scale(SCALED_KINDS["float-scale-up"])),
+                  ("float-scale-down", _scale(SCALED_KINDS["float-scale-down"])),
                   ("zero-rows", _zero_rows), ("constant-rows", _constant_rows), ("float-grid-1", _grid_whole)],
     }
     ranges = _integer_ranges(graph)

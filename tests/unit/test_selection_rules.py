@@ -86,8 +86,9 @@ def _measurement(throughput: float, noise: float) -> Measurement:
 
 
 def _candidate(backend, throughput: float, noise: float = 0.02, build_s: float = 1.0) -> Candidate:
+    """A measured candidate; its speed-up is its throughput over eager's 100 samples/s."""
     row = CandidateResult(module="m", graph="graph0", backend=backend.name, description=backend.describe(),
-                          status=PASSED, build_s=build_s)
+                          status=PASSED, build_s=build_s, speedup=throughput / 100.0)
     return Candidate(backend, row, _measurement(throughput, noise))
 
 
@@ -203,3 +204,44 @@ def test_a_deactivated_module_reactivates_on_its_next_call(fast_profiling, caplo
     assert backend.state is BackendState.ACTIVE
     assert not [r for r in caplog.records if "eager" in r.getMessage()], caplog.text
     torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-3)
+
+
+class LoadAfterEager(torch.nn.Module):
+    """Eager pays 4 ms a call on the fake clock, 40 ms once the machine got busy: from the candidate's first call
+    on (eager was timed alone before that, on a quiet machine)."""
+
+    def __init__(self):
+        super().__init__()
+        self.busy = False
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    def forward(self, x):
+        pause(0.040 if self.busy else 0.004)
+        return self.body(x)
+
+
+class FourTimesEager(TorchEagerBackend):
+    """Right everywhere and truly 4x eager: 1 ms a call, 10 ms once the machine got busy (which its first call
+    makes it)."""
+
+    name = "test_four_times_eager"
+    passthrough = False
+
+    def _infer(self, args, kwargs):
+        self.module.busy = True
+        pause(0.010)
+        return self.module.body(*args, *kwargs.values())
+
+
+def test_the_choice_follows_the_paired_speedup_not_throughputs_timed_in_other_windows(fast_profiling, fake_clock):
+    """Eager's own row was timed while the machine was quiet (250 samples/s), the candidate while it was busy
+    (100 samples/s by its own rounds), yet it is 4x eager when both are timed in alternation: it is chosen."""
+    model = LoadAfterEager().eval()
+    strategy = ait.MaxThroughputStrategy([FourTimesEager()], profiling_config=fast_profiling)
+    tuned = ait.Module(model, "loaded", strategy=strategy)
+    report = ait.tune(tuned, [torch.randn(1, 16) for _ in range(2)], ready_batches=True)
+    rows = {row.backend: row for row in report.rows}
+    candidate, eager = rows["test_four_times_eager"], rows["eager"]
+    assert candidate.measurement["throughput"] < eager.measurement["throughput"]  # the windows differ
+    assert candidate.speedup == pytest.approx(4.0, rel=0.01)
+    assert candidate.status == "selected" and tuned.backends["graph0"].name == "test_four_times_eager"

@@ -228,13 +228,13 @@ def _inputs_text(spec: dict) -> str:
 
 
 def probes_text(probes: dict | None) -> str:
-    """``passed/checked`` plus ``(n not accepted, n not run, n judged for structure)`` where there are any (the
-    last: scaled probes passed by correctness rule 6); "" without probes."""
+    """``passed/checked`` plus ``(n not accepted, n not run, n judged at the probe's scale)`` where there are any
+    (the last: scaled probes that passed by correctness rule 6); "" without probes."""
     if not probes:
         return ""
     text = f"{probes.get('passed', 0)}/{probes.get('checked', 0)}"
     extra = [f"{probes[key]} {label}" for key, label in (("not_accepted", "not accepted"), ("not_run", "not run"),
-                                                         ("judged_by_structure", "judged for structure"))
+                                                         ("judged_at_scale", "judged at the probe's scale"))
              if probes.get(key)]
     return text + (f" ({', '.join(extra)})" if extra else "")
 

@@ -565,9 +565,15 @@ def quick_profiling(config: ProfilingConfig) -> ProfilingConfig:
 
 
 def _score(by_latency: bool) -> Callable[[Candidate], float]:
+    """Higher is better. By latency: the inverse of the smallest batch's median latency. By throughput: the
+    row's speed-up over eager (eager's own row: 1.0), which for a candidate timed in alternation with eager is
+    the paired median (NOTE [paired speed-up] in aitune/torch/profiling.py): every candidate is then compared
+    with eager under the conditions of its own rounds, so load that comes and goes between one candidate's
+    measurement and another's (or eager's) does not decide the choice. Without a speed-up: the raw throughput
+    relative to nothing, i.e. 0 (never preferred)."""
     if by_latency:
         return lambda c: 1.0 / max(c.measurement.min_batch_latency_ms, 1e-9)
-    return lambda c: c.measurement.throughput
+    return lambda c: c.row.speedup if c.row.speedup is not None else 0.0
 
 
 def _simplicity(backend: Backend) -> tuple[int, int]:
