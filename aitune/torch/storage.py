@@ -174,6 +174,11 @@ class LocalTorchStorage:
             if found:
                 logger.info("aitune.load: %s not found; reading %s as given", archive, found[0])
                 return checkpoint.load(model_or_pipeline, found[0], device=device, weights=weights)
+            legacy = [] if literal.is_absolute() else _as_given(self.base_folder.expanduser() / literal)
+            if legacy:  # where a name starting with the base folder was saved before such names were kept as given
+                logger.warning("aitune.load: %s not found; reading %s, where earlier aitune versions saved %r "
+                               "(save it again to move it to %s)", archive, legacy[0], str(name), archive)
+                return checkpoint.load(model_or_pipeline, legacy[0], device=device, weights=weights)
             raise FileNotFoundError(f"no checkpoint {archive} (nor an unpacked {folder}/)")
         if archive.exists():
             side = _sha512_path(archive)
@@ -239,7 +244,9 @@ def load(model_or_pipeline: Any, path: str | os.PathLike, storage: LocalTorchSto
         weights: for a module whose checkpoint stores no weights (AOT-only) and whose own weights differ from
             those it was tuned with: ``"checkpoint"`` (the artifacts answer; calls they do not take raise),
             ``"module"`` (the module's own weights answer every call, eagerly; ``needs_retune`` says why) or
-            None (as ``"checkpoint"``, with a warning). See NOTE [one model per loaded module] in
+            None (as ``"checkpoint"``, with a warning). A checkpoint that stores weights (JIT graphs) loads
+            them into the module, unless ``weights="module"``: the module then keeps its own and the JIT
+            backends are rebuilt from them. See NOTE [one model per loaded module] in
             :func:`aitune.torch.checkpoint.load`.
 
     Raises:

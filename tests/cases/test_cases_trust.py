@@ -1,4 +1,5 @@
-"""Cases C31, C32, C34, C35 of shared/cases/CASES.md (faults that only show on inputs tuning never saw), and
+"""Faults that only show on inputs tuning never saw (pytorch/pytorch#191499, #183546, #148748,
+microsoft/onnxscript#989; test names keep the project's case numbers), and
 the kinds behind them caught for other ops: value-range dependence and size dependence.
 
 Each real-backend case forces its backend (OneBackendStrategy, no performance validation): after tuning,

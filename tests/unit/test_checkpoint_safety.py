@@ -127,6 +127,18 @@ def test_a_name_starting_with_the_base_folder_is_used_as_given(in_tmp):
     assert existing_checkpoint("cnn") == Path("checkpoints/cnn.ait")
 
 
+def test_a_checkpoint_saved_where_earlier_versions_put_such_names_still_loads(in_tmp, caplog):
+    """Before names starting with the base folder were kept as given, ``save("checkpoints/old")`` wrote
+    ``checkpoints/checkpoints/old.ait``: ``load("checkpoints/old")`` still finds it, and says where."""
+    module = tuned()
+    saved = ait.save(module, in_tmp / "checkpoints" / "checkpoints" / "old.ait")
+    assert saved.is_file() and not (in_tmp / "checkpoints" / "old.ait").exists()
+    with caplog.at_level("WARNING", logger="aitune.torch.storage"):
+        loaded = ait.load(MLP().eval(), "checkpoints/old")
+    torch.testing.assert_close(loaded(X), MLP().eval()(X))
+    assert "earlier aitune versions" in caplog.text
+
+
 # ---------------------------------------------------------------------------------------------- stored file names
 
 needs_ort = pytest.mark.skipif(not ONNXRuntimeBackend.availability().ok,

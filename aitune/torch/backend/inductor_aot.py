@@ -234,7 +234,7 @@ class _ExportPlan:
 
     example: list[torch.Tensor]
     dynamic_shapes: list[dict]
-    repeated_batch: int | None  # C02: sample repeated from batch 1 to this batch, else None
+    repeated_batch: int | None  # a batch-1 sample repeated to this batch (pytorch/pytorch#133653), else None
     batch_range: tuple[int, int] | None
 
 

@@ -32,7 +32,8 @@ metadata gives is resolved inside the extracted checkpoint and must be a verifie
 does not know are refused (``BackendConfig.from_dict``). Nothing is unpickled: tensors come from
 safetensors, everything else from JSON. Python types named by a checkpoint (user dataclasses, namedtuples,
 ``transformers`` ``ModelOutput`` classes in input/output structures) are looked up only among modules
-already imported in this process (``sys.modules``); a checkpoint never makes aitune import anything.
+already imported in this process (``sys.modules``) and the few library modules of
+:data:`aitune.torch.serialization.IMPORTABLE_MODULES`, which may be imported; no other import happens.
 What this does not give: the SHA-256 digests are stored in and beside the archive, so they detect
 corruption and accidental changes (integrity), not tampering — whoever can rewrite the archive can rewrite
 its sums file too (NOTE [what the digests prove] in :mod:`.archive`). And an Inductor AOT artifact

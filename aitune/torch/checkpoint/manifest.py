@@ -54,7 +54,9 @@ def weights_digest(module: torch.nn.Module) -> str | None:
     ``ait.load`` compares the target module with for modules whose weights are not stored (AOT-only).
 
     Returns:
-        The digest, or None when a tensor is on the ``meta`` device (no data to digest).
+        The digest, or None when a tensor is on the ``meta`` device (no data to digest) or cannot be read as
+        bytes (a sparse tensor, a tensor subclass): ``ait.load`` then compares outputs instead (NOTE [eager
+        fallback after load] in :mod:`aitune.torch.checkpoint.load`).
     """
     from aitune.torch.cache import hash_tensor
 
@@ -62,10 +64,14 @@ def weights_digest(module: torch.nn.Module) -> str | None:
     for name, value in module.state_dict().items():
         if not isinstance(value, torch.Tensor):
             continue
-        if value.device.type == "meta":
+        if value.device.type == "meta" or value.layout != torch.strided or type(value) not in (
+                torch.Tensor, torch.nn.Parameter):
             return None
         hasher.update(f"{name}|{dtype_name(value.dtype)}|{list(value.shape)}\n".encode())
-        hash_tensor(hasher, value)
+        try:
+            hash_tensor(hasher, value)
+        except (RuntimeError, TypeError):  # a layout or storage hash_tensor cannot read
+            return None
     return hasher.hexdigest()
 
 

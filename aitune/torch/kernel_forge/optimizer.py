@@ -14,7 +14,7 @@ How a plan is made (:meth:`KernelOptimizer.make_plan`):
      sequence lengths (:data:`~aitune.torch.kernel_forge.kernel_provider.FAMILY_FIELDS`). Per family every
      provider correct on all the family's examples is timed over those examples in alternation with the
      original SDPA (:func:`aitune.torch.profiling.measure_pair`: a round of one, a round of the other, so
-     a drifting machine does not favour whichever ran second; CUDA events on GPU, ``perf_counter`` on
+     a drifting machine does not favour whichever ran second; CUDA events on GPU, ``perf_counter_ns`` on
      CPU). The fastest provider is kept only if it beats the original by more than the measured noise
      (:func:`aitune.torch.profiling.beats`). A plan may be empty.
 

@@ -14,7 +14,7 @@ from aitune.torch.report_html.page import (
     _is_number,
     _labels,
     _shorten_left,
-    _speedup_text,
+    speedup_text,
     _style,
     _wrap_label,
 )
@@ -146,7 +146,7 @@ class _FigureMaker:
         speed_axes.axvline(1.0, color="#444444", linewidth=1, linestyle="--")
         top = max(speedups + [1.0])
         for position, row, value in zip(positions, shown, speedups):
-            text = _speedup_text(row.get("speedup"), row.get("speedup_spread")) if _is_number(row.get("speedup")) \
+            text = speedup_text(row.get("speedup"), row.get("speedup_spread")) if _is_number(row.get("speedup")) \
                 else "not measured"
             speed_axes.text(value + top * 0.02, position, text, va="center", fontsize=8.5, color="#333333")
         speed_axes.set_xlim(0, top * 1.28)

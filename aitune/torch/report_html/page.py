@@ -239,10 +239,6 @@ def probes_text(probes: dict | None) -> str:
     return text + (f" ({', '.join(extra)})" if extra else "")
 
 
-def _speedup_text(value: Any, spread: Any = None) -> str:
-    return speedup_text(value, spread)
-
-
 def speedup_text(value: Any, spread: Any = None) -> str:
     """A speed-up as shown in reports: ``4.02x (3.95-4.10)`` with the quartiles of its per-round ratios when the
     row has a ``speedup_spread``; a noisy one as ``~4.02x (noisy: 1.20-9.80)`` with the smallest and largest

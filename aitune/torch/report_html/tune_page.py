@@ -16,7 +16,7 @@ from aitune.torch.report_html.page import (
     _num,
     _page,
     _row_order,
-    _speedup_text,
+    speedup_text,
     _style,
     _table,
     probes_text,
@@ -80,7 +80,7 @@ def _selection_summary(graphs: list[dict], module_errors: dict) -> str:
         speedup, spread = (selected_row or {}).get("speedup"), (selected_row or {}).get("speedup_spread")
         body.append([f'<a href="#graph-{index}">{_e(graph.get("module"))}/{_e(graph.get("graph"))}</a>',
                      _e(graph.get("selected") or "eager (fallback)"),
-                     ("", "num", _speedup_text(speedup, spread)),
+                     ("", "num", speedup_text(speedup, spread)),
                      ("", "reason", _e(graph.get("selection_reason", "")))])
     for module, error in module_errors.items():
         body.append([_e(module), "eager (tuning failed)", ("", "num", ""), ("", "reason", _e(error))])
@@ -139,7 +139,7 @@ def _candidates_table(rows: list[dict]) -> str:
             ("", "num", _num(row.get("build_s"), ".1f")),
             ("", "num", latency if measurement else ""),
             ("", "num", _num(measurement.get("throughput"), ",.1f")),
-            ("", "num", _speedup_text(row.get("speedup"), row.get("speedup_spread"))),
+            ("", "num", speedup_text(row.get("speedup"), row.get("speedup_spread"))),
             ("", "num", (errors if comparison else "") + (f"<br>{quality}" if quality else "")),
             ("", "probes", probes_text(row.get("probes"))),
         ]})
