@@ -341,3 +341,15 @@ def test_an_unknown_tolerance_field_is_refused_in_a_checkpoint_only(eager_saved,
     with pytest.raises(CheckpointError, match=r"mlp/graph0: malformed tolerance.*no field 'max_ulp'.*re-tune"):
         ait.load(MLP().eval(), forged)
     assert Tolerance.from_dict({"atol": 0.5, "max_ulp": 4}) == Tolerance(atol=0.5)  # other callers: unchanged
+
+
+def test_a_name_is_checked_before_anything_is_looked_up(tmp_path):
+    """An absolute or '..' name is refused as such even when nothing is there, not reported as 'missing'."""
+    from aitune.torch.checkpoint.archive import checkpoint_path
+
+    missing = CheckpointError("missing")
+    for name in (str(tmp_path / "nowhere.so"), "../nowhere.so"):
+        with pytest.raises(CheckpointIntegrityError, match="leaves the checkpoint"):
+            checkpoint_path(tmp_path, name, "a test field", missing=missing)
+    with pytest.raises(CheckpointError, match="^missing$"):
+        checkpoint_path(tmp_path, "inside.so", "a test field", missing=missing)

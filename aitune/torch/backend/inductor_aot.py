@@ -572,9 +572,8 @@ class TorchInductorAotBackend(Backend):
         from aitune.torch.checkpoint.archive import checkpoint_path
 
         package = metadata.get("package", PACKAGE_FILE)
-        if isinstance(package, str) and not (Path(directory) / package).exists():
-            raise CheckpointError(f"{self.name}: {Path(directory) / package} is missing from the checkpoint")
-        package_path = checkpoint_path(directory, package, f"{self.name} metadata 'package'")
+        package_path = checkpoint_path(directory, package, f"{self.name} metadata 'package'", missing=CheckpointError(
+            f"{self.name}: {Path(directory) / str(package)} is missing from the checkpoint"))
         self._accepted = AcceptedInputs.from_json({"inputs": metadata["inputs"],
                                                    "batch_axes": metadata.get("batch_axes", []),
                                                    "device_type": metadata.get("device_type", device.type)})

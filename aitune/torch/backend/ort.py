@@ -496,9 +496,9 @@ class ONNXRuntimeBackend(Backend):
 
         self._io = OnnxCallIO.from_json(metadata["io"], graph)
         onnx_file = metadata.get("onnx_file", ONNX_FILE)
-        if isinstance(onnx_file, str) and not (Path(directory) / onnx_file).exists():
-            raise BackendRuntimeError(f"onnxruntime: checkpoint file {Path(directory) / onnx_file} is missing")
-        self._onnx_path = checkpoint_path(directory, onnx_file, "onnxruntime metadata 'onnx_file'")
+        self._onnx_path = checkpoint_path(directory, onnx_file, "onnxruntime metadata 'onnx_file'",
+                                          missing=BackendRuntimeError(f"onnxruntime: checkpoint file "
+                                                                      f"{Path(directory) / str(onnx_file)} is missing"))
         for name in external_data_files(self._onnx_path):  # ONNX Runtime reads them relative to the model
             checkpoint_path(self._onnx_path.parent, name, f"the external data location of {self._onnx_path.name}")
         self._provider = self.config.resolved_provider(device)

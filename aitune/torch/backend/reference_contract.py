@@ -342,10 +342,9 @@ def _decode(value: Any, directory: Path, tensors: dict) -> Any:
 
         root = checkpoint_path(directory, value.get("root"), "a stored ArtifactPath's 'root'", kind="dir")
         relative = value.get("relative_path")
-        if isinstance(relative, str) and not (root / relative).exists():
-            raise CheckpointError(f"artifact {relative} is missing from the checkpoint")
         if relative != ".":  # an artifact that is its root folder itself
-            checkpoint_path(root, relative, "a stored ArtifactPath's 'relative_path'", kind="any")
+            checkpoint_path(root, relative, "a stored ArtifactPath's 'relative_path'", kind="any",
+                            missing=CheckpointError(f"artifact {relative} is missing from the checkpoint"))
         return ArtifactPath(root, relative)
     if tag == "tensor":
         return tensors[value["key"]]

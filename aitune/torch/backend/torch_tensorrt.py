@@ -559,9 +559,8 @@ class TorchTensorRTAotBackend(Backend):
         from aitune.torch.checkpoint.archive import checkpoint_path
 
         name = metadata.get("artifact", ARTIFACT_FILE)
-        if isinstance(name, str) and not (Path(directory) / name).exists():
-            raise CheckpointError(f"{self.name}: {Path(directory) / name} is missing from the checkpoint")
-        artifact = checkpoint_path(directory, name, f"{self.name} metadata 'artifact'")
+        artifact = checkpoint_path(directory, name, f"{self.name} metadata 'artifact'", missing=CheckpointError(
+            f"{self.name}: {Path(directory) / str(name)} is missing from the checkpoint"))
         self._inputs = [{key: value for key, value in entry.items() if key != "leaf_index"}
                         for entry in metadata["inputs"]]
         self._leaf_indices = [int(entry["leaf_index"]) for entry in metadata["inputs"]]

@@ -145,7 +145,8 @@ def check_member_name(name: str) -> None:
             "refusing to read it; the file was not written by aitune or was tampered with")
 
 
-def checkpoint_path(directory: str | os.PathLike, name: object, field: str, kind: str = "file") -> Path:
+def checkpoint_path(directory: str | os.PathLike, name: object, field: str, kind: str = "file", *,
+                    missing: Exception | None = None) -> Path:
     """The file (or folder) a checkpoint's manifest or a backend's metadata names, below ``directory``.
 
     Every file a checkpoint loads goes through here, so it lies inside the checkpoint and is covered by its
@@ -158,6 +159,8 @@ def checkpoint_path(directory: str | os.PathLike, name: object, field: str, kind
         directory: the folder the name is relative to (e.g. a graph's extracted ``artifacts/``).
         name: the stored value. field: what names it, for the message (``"onnxruntime metadata 'onnx_file'"``).
         kind: ``"file"`` (must be one), ``"dir"`` (a folder, possibly absent) or ``"any"`` (either, existing).
+        missing: raised when the name passes the path checks but nothing is there (default: the
+            :class:`CheckpointIntegrityError` of ``kind``); names are always checked before anything is looked up.
 
     Returns:
         ``directory / name``.
@@ -186,6 +189,8 @@ def checkpoint_path(directory: str | os.PathLike, name: object, field: str, kind
     real_directory, real = os.path.realpath(directory), os.path.realpath(path)
     if os.path.commonpath([real_directory, real]) != real_directory:
         raise refuse(f"which resolves outside the checkpoint ({real})")
+    if missing is not None and not path.exists():
+        raise missing
     exists = path.is_file() if kind == "file" else path.is_dir() if kind == "dir" else path.exists()
     if kind == "file" and not exists:
         raise refuse("which is not a file in the checkpoint")

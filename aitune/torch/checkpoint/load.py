@@ -193,10 +193,9 @@ def _restore_module(plan: ModulePlan, files: ExtractedFiles, weights: str | None
                                     "'artifacts_dir'", kind="dir")
         artifacts.mkdir(parents=True, exist_ok=True)
         for artifact in graph_entry.get("artifacts", []):
-            if isinstance(artifact, str) and not (artifacts / artifact).exists():
-                raise CheckpointIntegrityError(f"{where}: artifact {artifact!r} of backend "
+            missing = CheckpointIntegrityError(f"{where}: artifact {artifact!r} of backend "
                                                f"'{graph_entry['backend']}' is missing from the checkpoint")
-            checkpoint_path(artifacts, artifact, f"{where}: an entry of the manifest's 'artifacts'")
+            checkpoint_path(artifacts, artifact, f"{where}: an entry of the manifest's 'artifacts'", missing=missing)
         backend_class, config = graph_plan.backend_class, graph_plan.config
         if graph_plan.rebuild_as_eager:
             backend_class, config = TorchEagerBackend, TorchEagerBackend.config_class()

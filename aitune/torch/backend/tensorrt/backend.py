@@ -345,9 +345,8 @@ class TensorRTBackend(Backend):
         from aitune.torch.checkpoint.archive import checkpoint_path
 
         engine = metadata.get("engine", ENGINE_FILE)
-        if isinstance(engine, str) and not (Path(directory) / engine).exists():
-            raise CheckpointError(f"{self.name}: {Path(directory) / engine} is missing from the checkpoint")
-        engine_path = checkpoint_path(directory, engine, f"{self.name} metadata 'engine'")
+        engine_path = checkpoint_path(directory, engine, f"{self.name} metadata 'engine'", missing=CheckpointError(
+            f"{self.name}: {Path(directory) / str(engine)} is missing from the checkpoint"))
         inputs = metadata["inputs"]
         self._names = [entry["name"] for entry in inputs]
         self._leaf_indices = [int(entry["leaf_index"]) for entry in inputs]
