@@ -601,7 +601,7 @@ def measure_candidate(candidate: Candidate, context: GraphContext, config: Profi
     row = candidate.row
     _set_figures(row, measurement, context, config)
     notes = [note for note in row.reason.split("; ") if note and note not in old_notes]
-    row.reason = "; ".join(notes + [noise_note(measurement), speedup_noise_note(measurement)]).strip("; ")
+    row.reason = "; ".join(filter(None, notes + [noise_note(measurement), speedup_noise_note(measurement)]))
     return candidate
 
 

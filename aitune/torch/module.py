@@ -588,7 +588,14 @@ class Module(wrapt.ObjectProxy):
         replacement.activate()
 
     def _eager(self, args, kwargs, key, message: str):
-        """Run eager for a call a backend cannot take; warn once per ``key``, count every such call by kind."""
+        """Run eager for a call a backend cannot take; warn once per ``key``, count every such call by kind.
+        When eager may not run (``ait.load`` found the module's weights are not the artifacts'), the call raises
+        that reason, which names what the backend could not take, and nothing says it ran eager."""
+        if self._self_eager_fallback_error is not None:
+            from aitune.errors import BackendRuntimeError
+
+            raise BackendRuntimeError(f"{self._self_name}: {message.removesuffix('; such calls run eager')}; and "
+                                      f"{self._self_eager_fallback_error}")
         kind = key[0] if isinstance(key, tuple) else key
         self._self_fallbacks[kind] = self._self_fallbacks.get(kind, 0) + 1
         self._warn_once(key, "%s: %s", self._self_name, message)

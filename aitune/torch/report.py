@@ -240,7 +240,7 @@ class TuneReport:
     def table(self) -> str:
         """Markdown table: module, graph, backend, status, reason, build s, p50/p90 ms, samples/s, speed-up (the
         median over rounds timed in alternation with eager of eager's round time over the candidate's, with the
-        quartiles of those ratios; ``~`` and ``noisy`` with their extremes when they spread too widely:
+        quartiles of those ratios; ``~`` and ``noisy`` when they spread too widely:
         :func:`~aitune.torch.report_html.page.speedup_text`), max abs error, probes."""
         return render_table(self.rows)
 
@@ -271,7 +271,7 @@ def render_table(rows: list[CandidateResult]) -> str:
     from tabulate import tabulate
 
     headers = ["module", "graph", "backend", "config", "status", "reason", "build s", "p50 ms", "p90 ms",
-               "samples/s", "speed-up (samples/s)", "max abs err", "probes"]
+               "samples/s", "speed-up (paired)", "max abs err", "probes"]
     body, notes = [], []
     for row in rows:
         measurement = row.measurement or {}

@@ -17,6 +17,7 @@ call, a buffer, and a dataclass output holding a dict, a tuple and a constant.
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -145,6 +146,16 @@ def test_config_round_trips_and_refuses_unknown_types(candidate):
              else TorchEagerBackendConfig())
     with pytest.raises(ConfigError, match="unknown backend config type"):
         type(config).from_dict(other.to_dict())
+
+
+
+def test_settings_given_as_keywords_name_the_config_form(candidate):
+    backend_class = type(candidate.backend())
+    with pytest.raises(ConfigError, match=rf"write {backend_class.__name__}\({backend_class.config_class.__name__}"
+                                          r"\(freezing=True\)\)"):
+        backend_class(freezing=True)
+    assert type(backend_class()) is backend_class  # the plain forms still work
+    assert copy.deepcopy(backend_class()).config == backend_class().config
 
 
 # ---------------------------------------------------------------------------------------------- 2. values

@@ -82,7 +82,7 @@ def test_page_holds_every_row_full_reasons_and_figures(tuned):
         figure = re.search(rf'<figure class="chart" data-figure="{kind}"[^>]*>(.*?)</figure>', page, re.S)
         assert figure, kind
         assert figure.group(1).count("<path") >= 5 and "<text" in figure.group(1)
-    assert "ONNXRuntimeBackend()" in re.search(r'data-figure="speed-error".*?</figure>', page, re.S).group(0)
+    assert ">onnxruntime<" in re.search(r'data-figure="speed-error".*?</figure>', page, re.S).group(0)
     assert torch.__version__ in text
 
 
@@ -132,18 +132,24 @@ def test_figure_labels_break_between_words_never_inside_one():
     break; only a single word longer than a line is cut, and the "…" says so."""
     from aitune.torch.report_html.page import _labels
 
-    descriptions = ["TorchInductorJitBackend(freezing=True,memory_format=channels_last)",
-                    "TorchInductorJitBackend(mode=max-autotune-no-cudagraphs,freezing=True)",
-                    "ONNXRuntimeBackend(graph_optimization_level=extended)",
-                    "A" * 50 + "(x=1)"]
-    rows = [CandidateResult("m", "graph0", "b", text, speedup=1.0) for text in descriptions]
+    descriptions = [("inductor_jit", "TorchInductorJitBackend(freezing=True,memory_format=channels_last)"),
+                    ("inductor_jit", "TorchInductorJitBackend(mode=max-autotune-no-cudagraphs,freezing=True)"),
+                    ("inductor_jit", "TorchInductorJitBackend(autocast_enabled=True,autocast_dtype=bfloat16,"
+                                     "freezing=True)"),
+                    ("onnxruntime", "ONNXRuntimeBackend(graph_optimization_level=extended)"),
+                    ("eager", "TorchEagerBackend()"),
+                    ("", "A" * 50 + "(x=1)")]  # no backend name: the description, one word too long
+    rows = [CandidateResult("m", "graph0", name, text, speedup=1.0) for name, text in descriptions]
     labels = [label.split("\n") for label in _labels([row.to_dict() for row in rows])]
-    assert labels == [["TorchInductorJitBackend(freezing=True,", "memory_format=channels_last)"],
-                      ["TorchInductorJitBackend(", "mode=max-autotune-no-cudagraphs,…"],
-                      ["ONNXRuntimeBackend(", "graph_optimization_level=extended)"],
+    # the backend's registered name instead of its class name, so the settings that tell variants apart fit
+    assert labels == [["inductor_jit(freezing=True,", "memory_format=channels_last)"],
+                      ["inductor_jit(", "mode=max-autotune-no-cudagraphs,…"],
+                      ["inductor_jit(autocast_enabled=True,", "autocast_dtype=bfloat16, freezing=True)"],
+                      ["onnxruntime(", "graph_optimization_level=extended)"],
+                      ["eager"],
                       ["A" * 39 + "…"]]
     texts = _figure_texts(_report(rows).to_html(), "speed-error")
-    assert "TorchInductorJitBackend(freezing=True," in texts and "memory_format=channels_last)" in texts
+    assert "inductor_jit(freezing=True," in texts and "memory_format=channels_last)" in texts
     assert not any(text.startswith(("e,", "Tru")) for text in texts)  # the old cut: "freezing=Tru" / "e,..."
 
 

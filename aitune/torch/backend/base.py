@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import enum
 import hashlib
+import inspect
 import json
 import logging
 import time
@@ -273,6 +274,19 @@ class Backend:
             hook(cls)
         if isinstance(cls.__dict__.get("name"), str) and cls.name:  # only classes that declare their name register
             _REGISTRY[cls.name] = cls
+
+    def __new__(cls, *args, **kwargs):
+        """Settings passed as keywords (``TorchInductorJitBackend(freezing=True)``) raise a ConfigError that shows
+        the config form, instead of Python's ``unexpected keyword argument``."""
+        accepted = inspect.signature(cls.__init__).parameters
+        unknown = [name for name in kwargs if name not in accepted]
+        if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+            settings = ", ".join(f"{name}={kwargs[name]!r}" for name in unknown)
+            config_name = getattr(cls.config_class, "__name__", "its config class")
+            raise ConfigError(f"{cls.__name__} takes its settings in a {config_name}, not as keywords: write "
+                              f"{cls.__name__}({config_name}({settings})) (valid keywords of {cls.__name__}: "
+                              f"{', '.join(name for name in accepted if name != 'self') or 'none'})")
+        return super().__new__(cls)
 
     def __init__(self, config: BackendConfig | None = None):
         if config is None:

@@ -133,11 +133,44 @@ def _name(row: dict) -> str:
     return row.get("description") or row.get("backend") or "?"
 
 
+def _short_name(row: dict) -> str:
+    """A figure's name for a row: its backend's registered name instead of the class name, and a space after
+    each setting (``inductor_jit(freezing=True, memory_format=channels_last)``), so the settings that tell two
+    variants apart fit the label's two lines."""
+    description, backend = _name(row), row.get("backend")
+    head, bracket, settings = description.partition("(")
+    if not bracket or not backend or not head.isidentifier():
+        return description
+    if settings.strip() == ")":
+        return backend
+    return f"{backend}({', '.join(part.strip() for part in _split_settings(settings))}"
+
+
+def _split_settings(settings: str) -> list[str]:
+    """``a=1,b={'x': 1, 'y': 2})`` split at the commas between settings (not inside brackets or quotes)."""
+    parts, depth, current, quote = [], 0, "", None
+    for char in settings:
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        if char == "," and depth == 0 and not quote:
+            parts.append(current)
+            current = ""
+            continue
+        current += char
+    return parts + [current]
+
+
 def _labels(rows: list[dict]) -> list[str]:
-    """Figure labels: each row's description on at most two lines of 40 characters, broken only between words
-    (:func:`_wrap_label`; longer ones end in "…"; the tables carry them whole), numbered where two would read
-    the same; ``$`` kept literal (no mathtext)."""
-    labels = ["\n".join(_wrap_label(_name(row), _LABEL_WIDTH)) for row in rows]
+    """Figure labels: each row's short name (:func:`_short_name`) on at most two lines of 40 characters, broken
+    only between words (:func:`_wrap_label`; longer ones end in "…"; the tables carry the full descriptions),
+    numbered where two would read the same; ``$`` kept literal (no mathtext)."""
+    labels = ["\n".join(_wrap_label(_short_name(row), _LABEL_WIDTH)) for row in rows]
     for label in set(labels):
         indices = [i for i, other in enumerate(labels) if other == label]
         if len(indices) > 1:
@@ -241,15 +274,21 @@ def probes_text(probes: dict | None) -> str:
 
 def speedup_text(value: Any, spread: Any = None) -> str:
     """A speed-up as shown in reports: ``4.02x (3.95-4.10)`` with the quartiles of its per-round ratios when the
-    row has a ``speedup_spread``; a noisy one as ``~4.02x (noisy: 1.20-9.80)`` with the smallest and largest
-    round ratios, so it never reads as a plain figure; "" when there is none."""
+    row has a ``speedup_spread``; a noisy one as ``~4.02x (noisy: 1.20-9.80)``, still with the quartiles (the
+    extremes of rounds taken under load say little), so it never reads as a plain figure; "" when there is
+    none. Figures below 0.1 keep two significant digits instead of reading 0.00."""
     if not _is_number(value):
         return ""
-    if not isinstance(spread, dict) or not all(_is_number(spread.get(key)) for key in ("q25", "q75", "min", "max")):
-        return f"{value:.2f}x"
+    if not isinstance(spread, dict) or not all(_is_number(spread.get(key)) for key in ("q25", "q75")):
+        return f"{_ratio(value)}x"
+    quartiles = f"{_ratio(spread['q25'])}-{_ratio(spread['q75'])}"
     if spread.get("noisy"):
-        return f"~{value:.2f}x (noisy: {spread['min']:.2f}-{spread['max']:.2f})"
-    return f"{value:.2f}x ({spread['q25']:.2f}-{spread['q75']:.2f})"
+        return f"~{_ratio(value)}x (noisy: {quartiles})"
+    return f"{_ratio(value)}x ({quartiles})"
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.2f}" if abs(value) >= 0.1 else f"{value:.2g}"
 
 
 def _is_number(value: Any) -> bool:
