@@ -76,6 +76,11 @@ def models():
 
 
 def measure_one(name: str, model: nn.Module, batches: list, load: str, retime_s: float) -> dict:
+    with tempfile.TemporaryDirectory() as cache:  # the tuned artifacts live there until the re-timing is done
+        return _measure_one(name, model, batches, load, retime_s, cache)
+
+
+def _measure_one(name: str, model: nn.Module, batches: list, load: str, retime_s: float, cache: str) -> dict:
     strategy = ait.MaxThroughputStrategy([TorchInductorJitBackend(), ONNXRuntimeBackend()])
     tuned = ait.Module(model, name.replace(" ", "_"), strategy=strategy)
     stop = multiprocessing.Event()
@@ -84,8 +89,7 @@ def measure_one(name: str, model: nn.Module, batches: list, load: str, retime_s:
         burner = multiprocessing.Process(target=burn_in_bursts, args=(stop, 0), daemon=True)
         burner.start()
     try:
-        with tempfile.TemporaryDirectory() as cache:
-            report = ait.tune(tuned, batches, ready_batches=True, cache_dir_path=cache)
+        report = ait.tune(tuned, batches, ready_batches=True, cache_dir_path=cache)
     finally:
         stop.set()
         if burner is not None:
@@ -102,6 +106,9 @@ def measure_one(name: str, model: nn.Module, batches: list, load: str, retime_s:
             ProfilingConfig(min_rounds=20, max_rounds=100000, time_budget_s=retime_s, stable_rel_error=0.0))
     retimed = statistics.median(e / t for e, t in zip(eager_ms, tuned_ms))
     guard = (tuned.stats.get("guard") or {}).get("graph0") or {}
+    if tuned.stats.get("eager_fallbacks"):
+        raise RuntimeError(f"{name}: the tuned module ran eager during the re-timing: "
+                           f"{tuned.stats['eager_fallbacks']}")
     return {"model": name, "selected": row.description, "headline": row.speedup,
             "spread": row.speedup_spread, "separately_timed_ratio": separate, "retimed": retimed,
             "headline_over_retimed": (row.speedup / retimed) if row.speedup else None,
