@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import wrapt
 
-from aitune.errors import ConfigError
+from aitune.errors import BackendRuntimeError, ConfigError
 from aitune.torch.config import config
 from aitune.torch.guard import GuardConfig, StateWatch
 from aitune.torch.module_arguments import validate_dynamic_shapes, validate_strategies
@@ -589,12 +589,11 @@ class Module(wrapt.ObjectProxy):
 
     def _eager(self, args, kwargs, key, message: str):
         """Run eager for a call a backend cannot take; warn once per ``key``, count every such call by kind.
-        When eager may not run (``ait.load`` found the module's weights are not the artifacts'), the call raises
-        that reason, which names what the backend could not take, and nothing says it ran eager."""
+        When eager may not run (``ait.load`` found the module's weights are not the artifacts'), nothing is
+        logged and the call raises, naming why the backend could not take it (``message``, which describes the
+        eager fallback that was refused) and why eager may not run."""
         if self._self_eager_fallback_error is not None:
-            from aitune.errors import BackendRuntimeError
-
-            raise BackendRuntimeError(f"{self._self_name}: {message.removesuffix('; such calls run eager')}; and "
+            raise BackendRuntimeError(f"{self._self_name}: {message} — but eager may not run here: "
                                       f"{self._self_eager_fallback_error}")
         kind = key[0] if isinstance(key, tuple) else key
         self._self_fallbacks[kind] = self._self_fallbacks.get(kind, 0) + 1
@@ -603,8 +602,6 @@ class Module(wrapt.ObjectProxy):
 
     def _call_eager(self, args, kwargs):
         if self._self_eager_fallback_error is not None:
-            from aitune.errors import BackendRuntimeError
-
             raise BackendRuntimeError(self._self_eager_fallback_error)
         with torch.no_grad():
             return self.__wrapped__(*args, **kwargs)

@@ -201,6 +201,24 @@ def flatten_outputs(value: Any) -> tuple[list, TreeSpec]:
     return tree_flatten(value)
 
 
+def leaf_magnitudes(value: Any, chunk_elements: int = CHUNK_ELEMENTS) -> list[float | None]:
+    """Per leaf of ``value`` (raw outputs or :class:`StoredOutputs`), the largest finite ``|x|`` of a floating
+    tensor (0.0 when it has none), None for other leaves; read one chunk at a time."""
+    magnitudes: list[float | None] = []
+    for leaf in flatten_outputs(value)[0]:
+        if not isinstance(leaf, (torch.Tensor, StoredTensor)) or not leaf.is_floating_point():
+            magnitudes.append(None)
+            continue
+        largest = 0.0
+        for index, start, stop in chunk_plan(leaf.shape, chunk_elements):
+            piece = piece_of(leaf, index, start, stop).detach()
+            piece = piece[torch.isfinite(piece)]
+            if piece.numel():
+                largest = max(largest, float(piece.abs().max()))
+        magnitudes.append(largest)
+    return magnitudes
+
+
 def all_finite(value: Any, chunk_elements: int = CHUNK_ELEMENTS) -> bool:
     """No NaN/Inf in the floating/complex tensors of ``value`` (raw outputs or :class:`StoredOutputs`), checked
     one chunk at a time."""

@@ -16,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aitune.torch as ait
-from aitune.torch.backend import TorchEagerBackend, TorchInductorAotBackend, TorchInductorJitBackend
+from aitune.torch.backend import (TorchEagerBackend, TorchEagerBackendConfig, TorchInductorAotBackend,
+                                  TorchInductorJitBackend)
 from aitune.torch.samples import record_graphs
 
 
@@ -322,18 +323,20 @@ def test_scaled_probes_still_catch_a_fault_in_a_few_elements(dtype, fast_profili
     tuned = ait.Module(model, "fault", strategy=forced(FaultAtLargeValues(), fast_profiling))
     report = ait.tune(tuned, data, ready_batches=True)
     row = report.rows[0]
-    assert row.status == "rejected (correctness)"
-    assert row.reason.startswith("probe float-scale-up") and "at the probe's scale (rule 6)" in row.reason
+    assert row.status == "rejected (correctness)" and row.reason.startswith("probe float-scale-up"), row.reason
+    if dtype == torch.bfloat16:  # rule 6 was tried (an fp32 leaf of an exact eager gets no third chance)
+        assert "at the probe's scale (rule 6)" in row.reason
     assert tuned.state is ait.ModuleState.PASSTHROUGH
 
 
 def test_scaled_probes_still_catch_a_value_dependent_fault(fast_profiling):
-    """SaturatingBackend (above): wrong by a sizable fraction of the output at 10x magnitudes."""
-    model = Normalize().eval()
-    data = [torch.randn(2, 8) * 3, torch.randn(4, 8) * 3]
+    """SaturatingBackend (above), in bf16 so that rule 6 is tried: wrong by a sizable fraction of the output at
+    10x magnitudes, far beyond 4x eager's own rounding there."""
+    model = Normalize().eval().to(torch.bfloat16)
+    data = [(torch.randn(2, 8) * 3).to(torch.bfloat16), (torch.randn(4, 8) * 3).to(torch.bfloat16)]
     tuned = ait.Module(model, "saturating", strategy=forced(SaturatingBackend(), fast_profiling))
     report = ait.tune(tuned, data, ready_batches=True)
-    assert report.rows[0].status == "rejected (correctness)"
+    assert report.rows[0].status == "rejected (correctness)", report.rows[0].reason
     assert "at the probe's scale (rule 6)" in report.rows[0].reason
     assert tuned.state is ait.ModuleState.PASSTHROUGH
 
@@ -456,3 +459,35 @@ def test_a_probe_outside_an_artifacts_accepted_range_is_not_run_on_it(fast_profi
     with torch.no_grad():
         torch.testing.assert_close(tuned(x), model(x))
     assert tuned.stats["eager_fallbacks"] == {"range": 1}
+
+
+class AutocastFaultOnSaturatedOutputs(TorchEagerBackend):
+    """bf16 autocast (a reduced-precision candidate) whose outputs, once its inputs pass a magnitude only the x10
+    probe reaches, are off by 0.05 in 4 elements: on a sigmoid output, whose magnitude does not grow with the
+    input, rule 6 must not loosen atol for it."""
+
+    name = "test_autocast_fault_on_saturated_outputs"
+    passthrough = False
+
+    def __init__(self, config=None):
+        super().__init__(config or TorchEagerBackendConfig(autocast_enabled=True, autocast_dtype="bfloat16"))
+
+    def _infer(self, args, kwargs):
+        x = (list(args) + list(kwargs.values()))[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = self.module(x).float()
+        if x.abs().amax() > 8:
+            out.view(-1)[:4] -= 0.05
+        return out
+
+
+def test_rule_6_does_not_loosen_atol_for_outputs_that_do_not_grow(fast_profiling):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid()).eval()
+    data = [torch.randn(2, 8).clamp(-3, 3), torch.randn(4, 8).clamp(-3, 3)]
+    strategy = forced(AutocastFaultOnSaturatedOutputs(), fast_profiling).enable_reduced_precision(True)
+    tuned = ait.Module(model, "sigmoid", strategy=strategy)
+    report = ait.tune(tuned, data, ready_batches=True)
+    row = report.rows[0]
+    assert row.status == "rejected (correctness)" and row.reason.startswith("probe float-scale-up"), row.reason
+    assert "at the probe's scale (rule 6)" in row.reason

@@ -1,4 +1,4 @@
-"""The backend contract (DESIGN.md §3), checked the same way for every registered backend on CPU.
+"""The backend contract (docs/design.md §3), checked the same way for every registered backend on CPU.
 
 Parameters: every backend aitune registers, with its default config, plus the extra configs of
 ``contract_support.EXTRA_CONFIGS``. A backend that cannot run here is skipped with its ``availability()``
@@ -18,7 +18,9 @@ call, a buffer, and a dataclass output holding a dict, a tuple and a constant.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import re
 from typing import Any
 
 import pytest
@@ -151,9 +153,13 @@ def test_config_round_trips_and_refuses_unknown_types(candidate):
 
 def test_settings_given_as_keywords_name_the_config_form(candidate):
     backend_class = type(candidate.backend())
-    with pytest.raises(ConfigError, match=rf"write {backend_class.__name__}\({backend_class.config_class.__name__}"
-                                          r"\(freezing=True\)\)"):
-        backend_class(freezing=True)
+    field = dataclasses.fields(backend_class.config_class)[0]
+    value = getattr(backend_class.config_class(), field.name)
+    with pytest.raises(ConfigError, match=re.escape(f"write {backend_class.__name__}("
+                                                    f"{backend_class.config_class.__name__}({field.name}={value!r}))")):
+        backend_class(**{field.name: value})
+    with pytest.raises(ConfigError, match="unknown keyword.*'confg'.*go in a"):
+        backend_class(confg=1)
     assert type(backend_class()) is backend_class  # the plain forms still work
     assert copy.deepcopy(backend_class()).config == backend_class().config
 

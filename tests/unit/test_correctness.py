@@ -299,3 +299,20 @@ def test_chunked_fp32_parity_rmse_equals_float64():
     for key, values in (("candidate_rmse", candidate), ("eager_rmse", eager)):
         float64 = float(torch.sqrt(torch.mean((values.double() - exact.double()) ** 2)))
         assert parity[key] == pytest.approx(float64, rel=1e-6)
+
+
+def test_rule_6_allows_4x_eagers_rounding_but_not_one_element_beyond_4x_eagers_worst():
+    """Correctness rule 6 (scaled probes): an fp16 leaf 3x as far from the exact fp32 result as eager passes;
+    the same leaf with one element 20 sigma off keeps its RMSE within 4x but not its worst element."""
+    generator = torch.Generator().manual_seed(0)
+    exact = torch.rand(1000, generator=generator) + 1.0
+    sigma = 0.01
+    eager = (exact + sigma * torch.randn(1000, generator=generator)).half()
+    candidate = (exact + 3 * sigma * torch.randn(1000, generator=generator)).half()
+    with pytest.raises(ToleranceExceededError, match="exceeds 2 x eager"):
+        OutputComparator().compare(eager, candidate, reference_fp32=exact)  # rules 3 and 5 alone reject it
+    OutputComparator().for_scaled_probe().compare(eager, candidate, reference_fp32=exact)  # rule 6 passes it
+    faulty = candidate.clone()
+    faulty[7] += 20 * sigma
+    with pytest.raises(ToleranceExceededError, match="worst element"):
+        OutputComparator().for_scaled_probe().compare(eager, faulty, reference_fp32=exact)

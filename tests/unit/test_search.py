@@ -519,7 +519,7 @@ def test_a_retune_in_the_same_environment_rebuilds_only_the_earlier_winner(fast_
         assert "not rebuilt: Delayed(0.0) ranked first" in rows[slower].reason
         assert "enable_ranking_reuse(False)" in rows[slower].reason
     reason = second.graphs[0].selection_reason
-    assert "highest throughput among 1 correct candidate" in reason and "no candidate passed" not in reason
+    assert "highest throughput (paired speed-up over eager) among 1 correct candidate" in reason and "no candidate passed" not in reason
     probe = torch.randn(3, 16)
     with torch.no_grad():
         torch.testing.assert_close(tuned(probe), net(probe))

@@ -281,11 +281,18 @@ class Backend:
         accepted = inspect.signature(cls.__init__).parameters
         unknown = [name for name in kwargs if name not in accepted]
         if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-            settings = ", ".join(f"{name}={kwargs[name]!r}" for name in unknown)
-            config_name = getattr(cls.config_class, "__name__", "its config class")
-            raise ConfigError(f"{cls.__name__} takes its settings in a {config_name}, not as keywords: write "
-                              f"{cls.__name__}({config_name}({settings})) (valid keywords of {cls.__name__}: "
-                              f"{', '.join(name for name in accepted if name != 'self') or 'none'})")
+            config_class = cls.config_class
+            fields = {field.name for field in dataclasses.fields(config_class)} \
+                if dataclasses.is_dataclass(config_class) else set()
+            keywords = ", ".join(name for name in accepted if name != "self") or "none"
+            if fields and all(name in fields for name in unknown):
+                settings = ", ".join(f"{name}={kwargs[name]!r}" for name in unknown)
+                raise ConfigError(f"{cls.__name__} takes its settings in a {config_class.__name__}, not as keywords: "
+                                  f"write {cls.__name__}({config_class.__name__}({settings})) (keywords of "
+                                  f"{cls.__name__}: {keywords})")
+            raise ConfigError(f"{cls.__name__} got unknown keyword(s) {', '.join(map(repr, unknown))}: its keywords "
+                              f"are {keywords}; its settings ({', '.join(sorted(fields)) or 'none'}) go in a "
+                              f"{getattr(config_class, '__name__', 'config')}")
         return super().__new__(cls)
 
     def __init__(self, config: BackendConfig | None = None):

@@ -441,7 +441,8 @@ class TuneStrategy:
         if ranked:
             context.rankings.record(key, context, [
                 {"candidate": candidate_key(c.backend), "description": c.row.description, "score": score(c),
-                 "noise": c.measurement.noise, "speedup": c.row.speedup} for c in ranked], strategy=self.describe())
+                 "noise": c.measurement.noise if by_latency else _noise(c, self.profiling_config.min_noise),
+                 "speedup": c.row.speedup} for c in ranked], strategy=self.describe())
 
     def _search_again(self, context: GraphContext, blueprints: list[Backend],
                       record: dict) -> tuple[list[Candidate] | None, dict[int, Candidate]]:
@@ -515,12 +516,13 @@ class TuneStrategy:
 
         Args:
             candidates: evaluated candidates (those not passing or not measured are ignored).
-            by_latency: rank by the smallest batch's median latency instead of throughput.
+            by_latency: rank by the smallest batch's median latency instead of throughput (by default each
+                candidate's throughput is judged by its paired speed-up over eager, see :func:`_score`).
             score: rank by this (higher is better, > 0) instead; e.g. throughput within a latency budget.
 
         The tie rule is the same for every strategy: a candidate ties with the top one unless the top one
-        beats it by more than the *top* candidate's relative noise (a noisy slower candidate cannot widen
-        the tie by its own noise). Among the tied, the simplest wins: plain eager, then AOT over JIT
+        beats it by more than the *top* candidate's relative noise (for paired speed-ups, the spread of its
+        per-round ratios, at least ``min_noise``; a noisy slower candidate cannot widen the tie by its own noise). Among the tied, the simplest wins: plain eager, then AOT over JIT
         (deployable without the original module), then the backend class's rank, then the shorter build.
 
         Raises:
@@ -529,14 +531,15 @@ class TuneStrategy:
         passing = [c for c in candidates if c.passed and c.measurement is not None]
         if not passing:
             raise AITuneError("no candidate passed")
+        paired_scores = score is None and not by_latency
         score = score or _score(by_latency)
         top = max(passing, key=score)
-        noise = top.measurement.noise
+        noise = _noise(top, self.profiling_config.min_noise) if paired_scores else top.measurement.noise
         tied = [c for c in passing if not score(top) > score(c) * (1 + noise)]
         return min(tied, key=lambda c: (_simplicity(c.backend), c.row.build_s or 0.0))
 
     def rank(self, candidates: list[Candidate], *, by_latency: bool = False) -> list[Backend]:
-        """The passing, measured candidates' backends, best first (by throughput or latency)."""
+        """The passing, measured candidates' backends, best first (by paired speed-up or latency)."""
         passing = [c for c in candidates if c.passed and c.measurement is not None]
         return [c.backend for c in sorted(passing, key=_score(by_latency), reverse=True)]
 
@@ -574,6 +577,16 @@ def _score(by_latency: bool) -> Callable[[Candidate], float]:
     if by_latency:
         return lambda c: 1.0 / max(c.measurement.min_batch_latency_ms, 1e-9)
     return lambda c: c.row.speedup if c.row.speedup is not None else 0.0
+
+
+def _noise(candidate: Candidate, min_noise: float) -> float:
+    """The relative uncertainty of a candidate's paired speed-up: the spread of its per-round ratios (half the
+    inter-quartile range over the median), at least ``min_noise``; without a paired figure, its own timing
+    noise."""
+    paired = candidate.measurement.paired if candidate.measurement is not None else None
+    if paired is None:
+        return candidate.measurement.noise
+    return max(paired.spread, min_noise)
 
 
 def _simplicity(backend: Backend) -> tuple[int, int]:

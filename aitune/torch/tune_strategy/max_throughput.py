@@ -1,4 +1,4 @@
-"""MaxThroughputStrategy: the correct candidate with the highest throughput (samples/s)."""
+"""MaxThroughputStrategy: the correct candidate with the highest paired speed-up over eager's throughput."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from aitune.torch.tune_strategy.base import TuneStrategy
 
 
 class MaxThroughputStrategy(TuneStrategy):
-    """Evaluate every backend; choose the highest throughput over the recorded samples (all batch sizes).
+    """Evaluate every backend; choose the highest throughput over the recorded samples (all batch sizes), judged
+    by each candidate's paired speed-up over eager (timed in alternation with it, NOTE [paired speed-up] in
+    :mod:`aitune.torch.profiling`), so load that comes and goes between measurements does not decide.
 
     Eager is measured in the same run and competes (unless performance validation is off). A candidate
     must beat the best by more than the measured noise; within the noise the simpler one wins (eager,
@@ -43,7 +45,8 @@ class MaxThroughputStrategy(TuneStrategy):
         self.finish(chosen, pool)
         self.runners_up = self.rank([c for c in contenders if c is not chosen and c is not eager],
                                     by_latency=self.by_latency)[:2]
-        metric = "lowest latency at the smallest batch" if self.by_latency else "highest throughput"
+        metric = "lowest latency at the smallest batch" if self.by_latency else \
+            "highest throughput (paired speed-up over eager)"
         correct = sum(c.passed or c is chosen for c in contenders)
         correct_in_all = sum(c.passed or c is chosen for c in pool)
         if not any_passed:
