@@ -4,7 +4,6 @@ GPU architecture refused with a clear error (case C23)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -21,7 +20,7 @@ from torch import nn
 import aitune.torch as ait
 from aitune.errors import CheckpointError
 from aitune.torch.backend import ONNXRuntimeBackend, TorchInductorJitBackend
-from aitune.torch.checkpoint import sums_path
+from checkpoint_edits import rewrite_archive
 from aitune.torch.profiling import ProfilingConfig
 
 pytestmark = pytest.mark.gpu
@@ -111,19 +110,12 @@ def test_an_aot_artifact_for_another_gpu_architecture_is_refused(tmp_path):
     ait.tune(model, [torch.randn(2, 64), torch.randn(8, 64)], cache_dir_path=tmp_path / "cache", ready_batches=True)
     path = ait.save(model, tmp_path / "mlp.ait")
     # Pretend it was built on an sm_80 GPU (re-signed consistently, as a real checkpoint would be).
-    with zipfile.ZipFile(path) as zf:
-        members = {info.filename: zf.read(info) for info in zf.infolist()}
-    manifest = json.loads(members["manifest.json"])
-    graph = manifest["modules"][0]["graphs"][0]
-    graph["device"] = "cuda:0"
-    graph["device_facts"] = {"type": "cuda", "index": 0, "name": "NVIDIA A100", "capability": [8, 0]}
-    members["manifest.json"] = json.dumps(manifest).encode()
-    digests = {name: hashlib.sha256(data).hexdigest() for name, data in members.items() if name != "SHA256SUMS"}
-    members["SHA256SUMS"] = "".join(f"{d}  {n}\n" for n, d in sorted(digests.items())).encode()
-    with zipfile.ZipFile(path, "w") as zf:
-        for name, data in members.items():
-            zf.writestr(name, data)
-    sums_path(path).write_bytes(members["SHA256SUMS"])
+    def on_an_a100(manifest):
+        graph = manifest["modules"][0]["graphs"][0]
+        graph["device"] = "cuda:0"
+        graph["device_facts"] = {"type": "cuda", "index": 0, "name": "NVIDIA A100", "capability": [8, 0]}
+
+    rewrite_archive(path, path, edit_manifest=on_an_a100)
     here = "".join(map(str, torch.cuda.get_device_capability()))
     with pytest.raises(CheckpointError, match=rf"built for GPU architecture sm_80 \(NVIDIA A100\); this GPU .* is "
                                               rf"sm_{here}.*re-tune on this GPU"):

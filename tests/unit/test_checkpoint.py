@@ -28,6 +28,7 @@ from torch import nn
 
 import aitune.torch as ait
 import checkpoint_models as models
+from checkpoint_edits import rewrite_archive
 from aitune.errors import CheckpointError, CheckpointIntegrityError, CheckpointVersionError
 from aitune.torch.backend import (
     ONNXRuntimeBackend,
@@ -170,26 +171,8 @@ def copy_checkpoint(source: Path, target_dir: Path, name: str = "copy.ait") -> P
 
 def rewrite(source: Path, target: Path, *, replace: dict | None = None, drop: tuple = (), resign: bool = True,
             side: str = "update") -> Path:
-    """Rebuild an archive with members replaced/dropped; ``resign`` recomputes SHA256SUMS; ``side`` is
-    ``update`` (write the new sums beside it), ``keep`` (the original's) or ``remove``."""
-    with zipfile.ZipFile(source) as zf:
-        members = {info.filename: zf.read(info) for info in zf.infolist()}
-    for name in drop:
-        members.pop(name)
-    members.update(replace or {})
-    if resign:
-        digests = {name: hashlib.sha256(data).hexdigest() for name, data in members.items() if name != "SHA256SUMS"}
-        members["SHA256SUMS"] = "".join(f"{d}  {n}\n" for n, d in sorted(digests.items())).encode()
-    with zipfile.ZipFile(target, "w") as zf:
-        for name, data in members.items():
-            zf.writestr(name, data)
-    if side == "update":
-        sums_path(target).write_bytes(members["SHA256SUMS"])
-    elif side == "keep":
-        sums_path(target).write_bytes(sums_path(source).read_bytes())
-    else:
-        sums_path(target).unlink(missing_ok=True)
-    return target
+    """Rebuild an archive with members replaced/dropped (:func:`checkpoint_edits.rewrite_archive`)."""
+    return rewrite_archive(source, target, replace=replace, drop=drop, resign=resign, side=side)
 
 
 def read_manifest(path: Path) -> dict:

@@ -7,9 +7,7 @@ Tiny models (an 8 -> 4 MLP) and the eager / ONNX Runtime / Inductor AOT backends
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import stat
 import zipfile
 from pathlib import Path
@@ -20,9 +18,10 @@ from torch import nn
 
 import aitune.torch as ait
 from aitune.errors import CheckpointError, CheckpointIntegrityError, CheckpointVersionError
-from aitune.torch.backend import ONNXRuntimeBackend, TorchEagerBackend, TorchInductorAotBackend
+from aitune.torch.backend import ONNXRuntimeBackend, TorchEagerBackend
 from aitune.torch.checkpoint import sums_path
 from aitune.torch.profiling import ProfilingConfig
+from checkpoint_edits import rewrite_archive
 
 FAST = ProfilingConfig(warmup_rounds=1, min_rounds=3, max_rounds=10, time_budget_s=0.1)
 X = torch.linspace(-1, 1, 16).reshape(2, 8)
@@ -159,19 +158,7 @@ def ort_checkpoint(tmp_path_factory):
 def forge(source: Path, target: Path, edit, replace: dict | None = None) -> Path:
     """A copy of ``source`` with its manifest edited (and members replaced), re-summed inside and beside it,
     so only the check of the stored file names can stop it."""
-    with zipfile.ZipFile(source) as zf:
-        members = {info.filename: zf.read(info) for info in zf.infolist()}
-    manifest = json.loads(members["manifest.json"])
-    edit(manifest)
-    members["manifest.json"] = json.dumps(manifest).encode()
-    members.update(replace or {})
-    digests = {name: hashlib.sha256(data).hexdigest() for name, data in members.items() if name != "SHA256SUMS"}
-    members["SHA256SUMS"] = "".join(f"{d}  {n}\n" for n, d in sorted(digests.items())).encode()
-    with zipfile.ZipFile(target, "w") as zf:
-        for name, data in members.items():
-            zf.writestr(name, data)
-    sums_path(target).write_bytes(members["SHA256SUMS"])
-    return target
+    return rewrite_archive(source, target, edit_manifest=edit, replace=replace)
 
 
 def graph0(manifest: dict) -> dict:
