@@ -179,13 +179,7 @@ def check_probes(backend: Backend, context: GraphContext, settings: EvaluationSe
 def _magnitude_growth(probe_outputs, context: GraphContext) -> list[float | None]:
     """Per output leaf, its largest ``|eager|`` on the probe over the largest on the recorded samples (None for
     leaves that are not float tensors, or that were all zeros on the samples)."""
-    on_samples: list = []
-    for outputs in context.reference_outputs:
-        for position, magnitude in enumerate(leaf_magnitudes(outputs)):
-            if position == len(on_samples):
-                on_samples.append(magnitude)
-            elif magnitude is not None and on_samples[position] is not None:
-                on_samples[position] = max(on_samples[position], magnitude)
+    on_samples = context.output_magnitudes()
     growth = []
     for position, magnitude in enumerate(leaf_magnitudes(probe_outputs)):
         before = on_samples[position] if position < len(on_samples) else None

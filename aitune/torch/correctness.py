@@ -389,21 +389,24 @@ class OutputComparator:
         tf32_eager: did eager's fp32 leaves come from TF32 math (rule 5 then applies to them)? None (default):
             when the candidate's output is on CUDA and :func:`tf32_allowed`.
         chunk_elements: elements compared at a time (default :data:`~aitune.torch.references.CHUNK_ELEMENTS`).
-        parity_worst_element: rule 6: a leaf that needs more than the tolerance's own rule-5 multiplier must also
-            keep its worst element within it (see :meth:`for_scaled_probe`).
+        parity_worst_element: rule 6: a leaf that needs more than ``base_parity_multiplier`` (default: the
+            tolerance's own rule-5 multiplier) must also keep its worst element within the multiplier.
+        atol_scales: rule 6: per output leaf, a factor on ``atol`` for a reduced-precision candidate's fp32 leaves
+            of an exact eager (see :meth:`for_scaled_probe`).
     """
 
     def __init__(self, tolerance: Tolerance | None = None, quantized: bool = False, low_precision: bool = False,
                  *, tf32_eager: bool | None = None, chunk_elements: int = CHUNK_ELEMENTS,
-                 parity_worst_element: bool = False):
+                 parity_worst_element: bool = False, base_parity_multiplier: float | None = None,
+                 atol_scales: list[float | None] | None = None):
         self.tolerance = tolerance or Tolerance()
         self.quantized = quantized
         self.low_precision = low_precision  # computes fp32 in reduced precision (TF32, autocast): fp16 tolerances
         self.tf32_eager = tf32_eager
         self.chunk_elements = chunk_elements
         self.parity_worst_element = parity_worst_element
-        self._base_multiplier = self.tolerance.fp32_parity_multiplier  # rule 6: beyond it, the worst element counts
-        self._atol_scales: list[float | None] = []  # rule 6: per leaf, for a reduced-precision candidate's fp32 leaves
+        self._base_multiplier = base_parity_multiplier or self.tolerance.fp32_parity_multiplier
+        self._atol_scales = list(atol_scales or [])
         self._errors: dict[str, LeafError] = {}
 
     def for_scaled_probe(self, atol_scales: list[float | None] | None = None) -> "OutputComparator":
@@ -415,11 +418,9 @@ class OutputComparator:
         tolerance = dataclasses.replace(
             self.tolerance,
             fp32_parity_multiplier=max(self.tolerance.fp32_parity_multiplier, SCALED_PROBE_PARITY_MULTIPLIER))
-        scaled = OutputComparator(tolerance, self.quantized, self.low_precision, tf32_eager=self.tf32_eager,
-                                  chunk_elements=self.chunk_elements, parity_worst_element=True)
-        scaled._base_multiplier = self.tolerance.fp32_parity_multiplier
-        scaled._atol_scales = list(atol_scales or [])
-        return scaled
+        return OutputComparator(tolerance, self.quantized, self.low_precision, tf32_eager=self.tf32_eager,
+                                chunk_elements=self.chunk_elements, parity_worst_element=True,
+                                base_parity_multiplier=self.tolerance.fp32_parity_multiplier, atol_scales=atol_scales)
 
     def compare(self, reference: Any, candidate: Any, reference_fp32: Any = None) -> None:
         """Compare one sample's outputs. Raises ShapeMismatchError or ToleranceExceededError.

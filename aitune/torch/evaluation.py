@@ -34,7 +34,7 @@ from aitune.torch.isolation import BACKGROUND_BUILDS, BUILD_DEADLINE
 from aitune.torch.probes import ProbeConfig, ProbeSet, make_probes
 from aitune.torch.profiling import Measurement, ProfilingConfig, measure, measure_pair, paired_speedup
 from aitune.torch.pytree import tree_flatten, tree_unflatten
-from aitune.torch.references import ReferenceStore
+from aitune.torch.references import ReferenceStore, leaf_magnitudes
 from aitune.torch.report import (
     FAILED,
     NO_OP,
@@ -102,6 +102,7 @@ class GraphContext:
     deadline: float | None = None  # perf_counter() by which this graph's evaluations should end (time budget)
     references: ReferenceStore = dataclasses.field(default_factory=ReferenceStore)
     _eager_runner: Any = None  # the eager backend candidates are timed against (measure_backend)
+    _output_magnitudes: list | None = None  # per output leaf, eager's largest |x| over the samples
     _probes: dict = dataclasses.field(default_factory=dict)
     _fp32_outputs: dict = dataclasses.field(default_factory=dict)
     _fp32_unavailable: bool = False
@@ -119,12 +120,22 @@ class GraphContext:
         """Plain eager as a built backend, made once per graph: what every candidate is timed against in
         alternation (NOTE [paired speed-up] in :mod:`aitune.torch.profiling`)."""
         if self._eager_runner is None:
-            from aitune.torch.backend.eager import TorchEagerBackend
-
-            blueprint = TorchEagerBackend()
-            self._eager_runner = blueprint.copy().build(self.module, self.graph, self.device,
-                                                        self.workdir / blueprint.key())
+            self._eager_runner = build_eager(self)
         return self._eager_runner
+
+    def output_magnitudes(self) -> list[float | None]:
+        """Per output leaf, eager's largest finite ``|x|`` over the recorded samples (None for leaves that are
+        not float tensors); read once per graph (:func:`aitune.torch.references.leaf_magnitudes`)."""
+        if self._output_magnitudes is None:
+            largest: list[float | None] = []
+            for outputs in self.reference_outputs:
+                for position, magnitude in enumerate(leaf_magnitudes(outputs)):
+                    if position == len(largest):
+                        largest.append(magnitude)
+                    elif magnitude is not None and largest[position] is not None:
+                        largest[position] = max(largest[position], magnitude)
+            self._output_magnitudes = largest
+        return self._output_magnitudes
 
     def probes(self, config: ProbeConfig) -> ProbeSet:
         """The graph's probes with eager's outputs (derived once per graph and config, shared by candidates)."""
@@ -150,6 +161,7 @@ class GraphContext:
         """Drop the references (probes', rule 5's) and remove spilled files once the graph is tuned."""
         self._probes.clear()
         self._fp32_outputs.clear()
+        self._output_magnitudes = None
         if self._eager_runner is not None:
             self._eager_runner.deactivate()
             self._eager_runner = None
@@ -505,6 +517,14 @@ def _build_failed(exc: BaseException, blueprint: Backend, context: GraphContext,
     raise _Stop(FAILED, exc) from exc
 
 
+def build_eager(context: GraphContext) -> Backend:
+    """Plain eager (:class:`~aitune.torch.backend.eager.TorchEagerBackend`) built for the graph."""
+    from aitune.torch.backend.eager import TorchEagerBackend
+
+    blueprint = TorchEagerBackend()
+    return blueprint.copy().build(context.module, context.graph, context.device, context.workdir / blueprint.key())
+
+
 def eager_candidate(context: GraphContext, profiling: ProfilingConfig) -> Candidate:
     """The eager baseline as a passing candidate (correct by definition), measured once per graph.
 
@@ -512,18 +532,15 @@ def eager_candidate(context: GraphContext, profiling: ProfilingConfig) -> Candid
     kept in ``context.eager_measurement`` and reused by later calls (and by :func:`evaluate` for the
     speed-up column).
     """
-    from aitune.torch.backend.eager import TorchEagerBackend
-
-    blueprint = TorchEagerBackend()
-    backend = blueprint.copy().build(context.module, context.graph, context.device, context.workdir / blueprint.key())
+    backend = build_eager(context)
     if context.eager_measurement is None:
         context.show("eager (baseline)", "measure")
         context.eager_measurement = measure(_caller(backend, context), *_samples(context), context.device, profiling)
         if context.progress is not None:
             context.progress.candidate_done()
     measurement = context.eager_measurement
-    row = CandidateResult(module=context.module_name, graph=context.graph.name, backend=blueprint.name,
-                          description=blueprint.describe(), build_s=backend.build_info.get("build_s"),
+    row = CandidateResult(module=context.module_name, graph=context.graph.name, backend=backend.name,
+                          description=backend.describe(), build_s=backend.build_info.get("build_s"),
                           measurement=measurement.to_dict(), speedup=1.0,
                           reason="; ".join(filter(None, ["baseline", noise_note(measurement)])))
     return Candidate(backend, row, measurement)
