@@ -136,34 +136,19 @@ def test_guard_with_a_full_table_on_a_tuned_module(fast_profiling, fake_clock):
     assert eager_runs[0] <= 20  # before the fix: one eager re-run per new shape (over 50)
 
 
-class FakeClock:
-    """A clock (ns) that only the fake calls below advance."""
-
-    def __init__(self):
-        self.now_ns = 0
-        self.candidate_started = False
-        self.eager_calls = 0
-
-    def __call__(self) -> int:
-        return self.now_ns
-
-    def advance(self, ms: float) -> None:
-        self.now_ns += int(ms * 1e6)
-
-
 class LoadedNet(nn.Module):
     """Eager at 4 ms a call on the fake clock; 10x slower while the machine is busy: throughout until the
     candidate's first call (when eager alone is timed), then on one call in 11."""
 
-    def __init__(self, clock):
+    def __init__(self):
         super().__init__()
-        self.clock = clock
+        self.candidate_started, self.eager_calls = False, 0
         self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
     def forward(self, x):
-        self.clock.eager_calls += 1
-        busy = not self.clock.candidate_started or self.clock.eager_calls % 11 == 0
-        self.clock.advance(40.0 if busy else 4.0)
+        self.eager_calls += 1
+        busy = not self.candidate_started or self.eager_calls % 11 == 0
+        pause(0.040 if busy else 0.004)
         return self.body(x)
 
 
@@ -174,24 +159,20 @@ class OneMsBackend(TorchEagerBackend):
     passthrough = False
 
     def _infer(self, args, kwargs):
-        clock = self.module.clock
-        clock.candidate_started = True
-        clock.advance(1.0)
+        self.module.candidate_started = True
+        pause(0.001)
         return self.module.body(kwargs["x"])
 
 
-def test_headline_speedup_and_guard_interval_under_one_sided_load():
+def test_headline_speedup_and_guard_interval_under_one_sided_load(fake_clock):
     """Load on eager's side while eager is timed alone, and now and then afterwards: the row's speed-up (the
     figure the checkpoint keeps and the guard's N comes from) is the true paired 4x, not 40x."""
-    from aitune.torch.profiling import use_clock
-
-    clock = FakeClock()
-    model = LoadedNet(clock).eval()
+    fake_clock.tick_s = 0.0  # every timed call pauses: exact figures
+    model = LoadedNet().eval()
     config = ait.ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=5, max_rounds=30, time_budget_s=100.0)
     strategy = ait.MaxThroughputStrategy([OneMsBackend()], profiling_config=config)
     tuned = ait.Module(model, "loaded", strategy=strategy)
-    with use_clock(clock):
-        report = ait.tune(tuned, [torch.randn(4, 16)], ready_batches=True)
+    report = ait.tune(tuned, [torch.randn(4, 16)], ready_batches=True)
     row = next(row for row in report.rows if row.backend == "test_one_ms")
     assert row.status == "selected"
     assert row.speedup == pytest.approx(4.0)  # before: 40x (eager's figure was timed alone, while busy)

@@ -369,3 +369,14 @@ def _manifest(path: Path) -> dict:
     from aitune.torch.checkpoint.manifest import read_manifest
 
     return read_manifest(path)[0]
+
+
+def test_speedup_text_shows_quartiles_marks_noisy_figures_and_never_reads_zero():
+    from aitune.torch.report_html.page import speedup_text
+
+    steady = {"q25": 3.95, "q75": 4.10, "min": 3.0, "max": 5.0, "rounds": 40, "noisy": False}
+    noisy = {"q25": 2.9, "q75": 5.3, "min": 0.001, "max": 860.0, "rounds": 40, "noisy": True}
+    assert speedup_text(4.02, steady) == "4.02x (3.95-4.10)"
+    assert speedup_text(4.02, noisy) == "~4.02x (noisy: 2.90-5.30)"  # quartiles, not the load's extremes
+    assert speedup_text(0.004, {**steady, "q25": 0.003, "q75": 0.005}) == "0.004x (0.003-0.005)"
+    assert speedup_text(4.02) == "4.02x" and speedup_text(None) == ""
