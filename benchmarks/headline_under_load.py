@@ -23,7 +23,6 @@ import argparse
 import json
 import multiprocessing
 import random
-import statistics
 import tempfile
 import time
 
@@ -32,7 +31,7 @@ import torch.nn as nn
 
 import aitune.torch as ait
 from aitune.torch.backend import ONNXRuntimeBackend, TorchInductorJitBackend
-from aitune.torch.profiling import ProfilingConfig, interleaved_round_ms
+from aitune.torch.profiling import ProfilingConfig, interleaved_round_ms, paired_speedup
 
 
 def burn_in_bursts(stop, seed: int) -> None:
@@ -104,7 +103,7 @@ def _measure_one(name: str, model: nn.Module, batches: list, load: str, retime_s
         eager_ms, tuned_ms = interleaved_round_ms(
             [lambda: model(x), lambda: tuned(x)], torch.device("cpu"),
             ProfilingConfig(min_rounds=20, max_rounds=100000, time_budget_s=retime_s, stable_rel_error=0.0))
-    retimed = statistics.median(e / t for e, t in zip(eager_ms, tuned_ms))
+    retimed = paired_speedup(eager_ms, tuned_ms).median
     guard = (tuned.stats.get("guard") or {}).get("graph0") or {}
     if tuned.stats.get("eager_fallbacks"):
         raise RuntimeError(f"{name}: the tuned module ran eager during the re-timing: "
