@@ -19,9 +19,9 @@ def _env(args) -> int:
     from tabulate import tabulate
 
     from aitune.torch.backend import registered_backends
-    from aitune.torch.crashes import FILE_NAME, CrashRegistry
-    from aitune.torch.environment import cpu_model_name, native_bf16
-    from aitune.torch.rankings import RANKINGS_DIR, RankingStore
+    from aitune.torch.search.crashes import FILE_NAME, CrashRegistry
+    from aitune.torch.common.environment import cpu_model_name, native_bf16
+    from aitune.torch.search.rankings import RANKINGS_DIR, RankingStore
     from aitune.torch.tuning import cache_dir
 
     crashes = CrashRegistry(cache_dir() / FILE_NAME)
@@ -111,8 +111,8 @@ def _report(args) -> int:
     from aitune.errors import AITuneError
     from aitune.torch.checkpoint import describe_checkpoint
     from aitune.torch.checkpoint.manifest import read_manifest
-    from aitune.torch.report import TuneReport
-    from aitune.torch.report_html import REPORT_EXTRA, figures_available
+    from aitune.torch.report.rows import TuneReport
+    from aitune.torch.report.html import REPORT_EXTRA, figures_available
 
     from aitune.torch.storage import existing_checkpoint
 

@@ -60,7 +60,7 @@ class BackendBuildError(AITuneError):
 
 
 class IsolatedStepError(BackendBuildError):
-    """A build step run in a child process (``aitune.torch.isolation.run_isolated``) failed.
+    """A build step run in a child process (``aitune.torch.backend.isolation.run_isolated``) failed.
 
     The message is one line: ``killed by signal SIGSEGV``, ``aborted (SIGABRT)``, ``timed out after 30.0 s``,
     ``exited with code 3``, or the child's exception type and message.

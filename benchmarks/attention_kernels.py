@@ -32,8 +32,8 @@ from aitune.torch.backend import KernelSelectorBackend, KernelSelectorBackendCon
 from aitune.torch.kernel_forge import KernelOptimizer
 from aitune.torch.kernel_forge.optimizer import prepare_calls
 from aitune.torch.kernel_forge.kernel_provider import SageAttentionKernelProvider, SDPACall, TorchSDPAKernelProvider
-from aitune.torch.profiling import ProfilingConfig, measure
-from aitune.torch.samples import record_graphs
+from aitune.torch.measure.profiling import ProfilingConfig, measure
+from aitune.torch.record.samples import record_graphs
 
 logger = logging.getLogger("benchmarks.attention_kernels")
 

@@ -1,5 +1,5 @@
 """Eager MiniLM 8 × 128 on this CPU before and after settling the host allocator (NOTE [host allocator steady
-state], ``aitune/torch/profiling.py``): p50 and minor page faults per call, in one fresh process.
+state], ``aitune/torch/measure/profiling.py``): p50 and minor page faults per call, in one fresh process.
 
 Usage (repository root; needs a fresh process, so run it on its own)::
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from aitune.torch.profiling import settle_host_allocator
+from aitune.torch.measure.profiling import settle_host_allocator
 
 
 def p50_and_faults(function, seconds: float) -> tuple[float, float]:

@@ -21,7 +21,7 @@ each per round, for ``--paired-s`` seconds, and the median over rounds of eager'
 taken. This VM's speed drifts by more than the differences measured (eager's p50 moved between 93 and 181 ms
 within one process, RESULTS.md 2026-12-01); within one round every row meets the same conditions. The
 separate p50s (``p50_ms``, each over its own 3-second window) are kept for reference. The host allocator is
-settled first (``aitune.torch.profiling.settle_host_allocator``, NOTE [host allocator steady state]), so
+settled first (``aitune.torch.measure.profiling.settle_host_allocator``, NOTE [host allocator steady state]), so
 eager is not timed while it still pays page faults the later rows no longer do. Usage (repository
 root)::
 
@@ -41,7 +41,7 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend.inductor_jit import parameter_freezing
-from aitune.torch.profiling import ProfilingConfig, interleaved_round_ms, settle_host_allocator
+from aitune.torch.measure.profiling import ProfilingConfig, interleaved_round_ms, settle_host_allocator
 
 
 def p50_ms(function, seconds: float = 3.0, warmup: int = 3) -> float:
@@ -93,7 +93,7 @@ def anchors(model, inputs, expected) -> dict:
 
 
 def paired_speedups(eager, calls: dict, seconds: float) -> dict:
-    """Round-robin timing (``aitune.torch.profiling.interleaved_round_ms``: each round calls ``eager`` and every
+    """Round-robin timing (``aitune.torch.measure.profiling.interleaved_round_ms``: each round calls ``eager`` and every
     callable once, the order rotating); returns, per label, the median over rounds of eager's time / the
     callable's time."""
     config = ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=10, max_rounds=10**9, time_budget_s=seconds,

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aitune.torch.backend import TorchEagerBackend, TorchEagerBackendConfig  # noqa: E402
-from aitune.torch.samples import record_graphs  # noqa: E402
+from aitune.torch.record.samples import record_graphs  # noqa: E402
 
 
 def resnet50():

@@ -37,7 +37,7 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend.inductor_jit import parameter_freezing
-from aitune.torch.profiling import ProfilingConfig, Timer, interleaved_round_ms
+from aitune.torch.measure.profiling import ProfilingConfig, Timer, interleaved_round_ms
 
 
 def resnet50(batch: int, dtype: torch.dtype = torch.float16):
@@ -81,7 +81,7 @@ def p50_ms(function, seconds: float = 2.0, warmup: int = 30) -> float:
 
 def paired_p50_ms(first, second, seconds: float = 4.0, warmup: int = 30) -> tuple[float, float, float]:
     """Two callables timed call by call in alternation (CUDA events, GPU synchronised after each call;
-    ``aitune.torch.profiling.interleaved_round_ms``): ``(p50 of first, p50 of second, p50 of first/second per
+    ``aitune.torch.measure.profiling.interleaved_round_ms``): ``(p50 of first, p50 of second, p50 of first/second per
     pair)``. On a lent machine whose speed drifts by more than the difference measured (RESULTS.md: the same
     callable 0.51-0.55 ms across rounds), alternating every call puts both under the same conditions; the
     per-pair ratio's median is the figure to quote."""
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     report = ait.tune(lambda item: wrapped(**item), [inputs], progress=False, time_budget_s=args.time_budget_s, ready_batches=True)
     result["tune_wall_s"] = time.perf_counter() - started
-    # the report's figure: per-candidate sections reset PyTorch's counter and fold what it held (aitune/torch/memory.py)
+    # the report's figure: per-candidate sections reset PyTorch's counter and fold what it held (aitune/torch/measure/memory.py)
     result["tuning_peak_bytes"] = max(report.peak_memory["device_bytes"] or 0, torch.cuda.max_memory_allocated())
     gc.collect()  # what stays allocated once the tune is over (chosen backend, guard fallbacks, anything leaked)
     result["allocated_after_tune_bytes"] = torch.cuda.memory_allocated()

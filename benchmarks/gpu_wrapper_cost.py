@@ -28,7 +28,7 @@ import torch
 import aitune.torch as ait
 from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
 from aitune.torch.backend.inductor_jit import parameter_freezing
-from aitune.torch.guard import GuardConfig, StateWatch
+from aitune.torch.check.guard import GuardConfig, StateWatch
 from benchmarks.gpu_search import p50_ms, paired_p50_ms, resnet50
 
 

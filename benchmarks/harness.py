@@ -29,7 +29,7 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend import get_backend_class
-from aitune.torch.profiling import ProfilingConfig, Timer, settle_host_allocator
+from aitune.torch.measure.profiling import ProfilingConfig, Timer, settle_host_allocator
 
 
 def minilm(device, dtype, batch, seq):

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 import aitune.torch as ait
 from aitune.torch.backend import ONNXRuntimeBackend, TorchInductorJitBackend
-from aitune.torch.profiling import ProfilingConfig, interleaved_round_ms, paired_speedup
+from aitune.torch.measure.profiling import ProfilingConfig, interleaved_round_ms, paired_speedup
 
 
 def burn_in_bursts(stop, seed: int) -> None:

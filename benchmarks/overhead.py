@@ -16,7 +16,7 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend import TorchEagerBackend, TorchInductorJitBackend
-from aitune.torch.profiling import ProfilingConfig
+from aitune.torch.measure.profiling import ProfilingConfig
 
 
 class Tiny(torch.nn.Module):

@@ -38,7 +38,7 @@ from aitune.demo import SENTENCES, make_batches
 from aitune.serve import ServeConfig, run
 from aitune.serve.examples import MINILM_PAD_VALUES, minilm_encoder, minilm_tokenizer
 from aitune.torch.backend import get_backend_class
-from aitune.torch.profiling import percentile
+from aitune.torch.measure.profiling import percentile
 
 CONFIGURATIONS = [  # (replicas, batching)
     (1, False), (1, True), (2, False), (2, True),

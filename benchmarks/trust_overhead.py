@@ -22,7 +22,7 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend import get_backend_class
-from aitune.torch.profiling import ProfilingConfig
+from aitune.torch.measure.profiling import ProfilingConfig
 
 PROFILING = ProfilingConfig(time_budget_s=0.5)
 

@@ -10,7 +10,7 @@ measurement runs in its own process, so neither sees the other's memory:
     probes.
 
 The host figure of each is the process's resident high-water mark (``VmHWM``, NOTE [measuring peak memory] in
-aitune/torch/memory.py), reset just before the measured work, so both start from a process holding Python,
+aitune/torch/measure/memory.py), reset just before the measured work, so both start from a process holding Python,
 PyTorch and the model; on CUDA also ``torch.cuda.max_memory_allocated``. Build steps that run in child
 processes (Inductor AOT, TensorRT engines) are not counted; the CPU candidates here build in-process. Target:
 ``tuning peak <= 1.5 x eager peak + the largest candidate's own weights`` (a candidate that folds or exports

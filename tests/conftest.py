@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 
-from aitune.torch.profiling import ProfilingConfig
+from aitune.torch.measure.profiling import ProfilingConfig
 
 
 _SESSION_CACHE: list[str] = []
@@ -38,7 +38,7 @@ def fake_clock(monkeypatch):
     pauses the test's code makes with ``fake_clock.pause`` (plus 1 us per clock reading), whatever the machine's
     load. Returns the clock."""
     import fake_clock
-    from aitune.torch import profiling
+    from aitune.torch.measure import profiling
     from aitune.torch.jit import inspection
 
     clock = fake_clock.FakeClock()

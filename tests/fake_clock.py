@@ -1,6 +1,6 @@
 """A fake clock for tests that pin orderings of timed calls without depending on the machine's speed.
 
-:class:`FakeClock` stands in for ``time.perf_counter`` where aitune reads its clock (``aitune.torch.profiling.use_clock``,
+:class:`FakeClock` stands in for ``time.perf_counter`` where aitune reads its clock (``aitune.torch.measure.profiling.use_clock``,
 ``aitune.torch.jit.inspection._clock``; the ``fake_clock`` fixture in ``tests/conftest.py`` installs it). Its time
 moves only when the code under test says so: :func:`pause` (in place of ``time.sleep``) moves it by the given
 seconds, and every reading moves it by one ``tick_s`` (1 us), so no call takes zero time. Real work (a tiny
@@ -23,7 +23,7 @@ class FakeClock:
         return self.now
 
     def nanoseconds(self) -> int:
-        """A reading in integer ns, as ``time.perf_counter_ns`` gives (what ``aitune.torch.profiling.use_clock``
+        """A reading in integer ns, as ``time.perf_counter_ns`` gives (what ``aitune.torch.measure.profiling.use_clock``
         takes)."""
         return round(self() * 1e9)
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from aitune.serve.inputs import GraphInputs, PreparedRequest, pad_axis
-from aitune.torch.pytree import tree_flatten, tree_unflatten
+from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
 
 class OutputNotSplittable(Exception):

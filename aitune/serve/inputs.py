@@ -20,9 +20,9 @@ import torch
 from aitune.errors import ConfigError, RequestError
 from aitune.serve.tensors import tensor_from_json
 from aitune.torch.checkpoint import tree_spec_from_json
-from aitune.torch.dtypes import dtype_from_name, dtype_name
-from aitune.torch.pytree import TreeSpec, tree_unflatten
-from aitune.torch.serialization import constant_from_json
+from aitune.torch.common.dtypes import dtype_from_name, dtype_name
+from aitune.torch.record.pytree import TreeSpec, tree_unflatten
+from aitune.torch.record.serialization import constant_from_json
 
 BATCH, STATIC = "batch", "static"
 

@@ -31,8 +31,8 @@ from aitune.serve.config import ServeConfig
 from aitune.serve.fit import FitProblem, fit_problems, read_manifest, served_module_entry
 from aitune.serve.inputs import PreparedRequest, TunedInputs
 from aitune.torch.checkpoint import describe_checkpoint, find_wrappers
-from aitune.torch.profiling import percentile
-from aitune.torch.pytree import tree_flatten, tree_unflatten
+from aitune.torch.measure.profiling import percentile
+from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from aitune.errors import RequestError
-from aitune.torch.dtypes import dtype_from_name, dtype_name
+from aitune.torch.common.dtypes import dtype_from_name, dtype_name
 
 _TENSOR_KEYS = {"data", "dtype", "shape"}
 

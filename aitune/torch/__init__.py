@@ -4,21 +4,21 @@ An independent implementation of the NVIDIA AITune interface; not an NVIDIA prod
 """
 
 import aitune.utils.monitoring  # noqa: F401 - AITUNE_HARDWARE_METRICS=1 starts collecting on import
-from aitune.torch.compat.legacy_names import resolve as _resolve_legacy_name
+from aitune.torch.common.legacy_names import resolve as _resolve_legacy_name
 from aitune.torch.config import config
-from aitune.torch.correctness import Tolerance
+from aitune.torch.check.correctness import Tolerance
 from aitune.torch.dataloader import DataLoaderFactory
-from aitune.torch.guard import GuardConfig
+from aitune.torch.check.guard import GuardConfig
 from aitune.torch.inspecting import InspectedModulesInfo, ModuleInfo, inspect, wrap
-from aitune.torch.kernel_profiler import ModuleFunctionKernelProfiler
+from aitune.torch.measure.kernel_profiler import ModuleFunctionKernelProfiler
 from aitune.torch.module import Module, ModuleState
-from aitune.torch.probes import ProbeConfig
+from aitune.torch.check.probes import ProbeConfig
 from aitune.torch.profile_api import PerformanceProfile, profile
-from aitune.torch.profiling import ProfilingConfig
-from aitune.torch.report import TuneReport
-from aitune.torch.samples import BatchDim, DynamicDim
+from aitune.torch.measure.profiling import ProfilingConfig
+from aitune.torch.report.rows import TuneReport
+from aitune.torch.record.samples import BatchDim, DynamicDim
 from aitune.torch.storage import LocalTorchStorage, load, save
-from aitune.torch.telemetry import snapshot_tuning_data
+from aitune.torch.report.telemetry import snapshot_tuning_data
 from aitune.torch.tune_strategy import (
     FirstWinsStrategy,
     LatencyBudgetStrategy,

@@ -12,11 +12,11 @@ from typing import Any, Callable
 import torch
 
 from aitune.errors import ConfigError
-from aitune.torch.arguments import known_keywords
+from aitune.torch.common.arguments import known_keywords
 from aitune.torch import dataloader
-from aitune.torch.environment import environment
-from aitune.torch.locate import walk
-from aitune.torch.report_html import render_inspection
+from aitune.torch.common.environment import environment
+from aitune.torch.record.locate import walk
+from aitune.torch.report.html import render_inspection
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class InspectedModulesInfo:
                                        "precisions"], tablefmt="github")
 
     def to_html(self, path: Path | str | None = None) -> str:
-        """Which modules take the time, as one self-contained HTML page (:mod:`aitune.torch.report_html`): a bar
+        """Which modules take the time, as one self-contained HTML page (:mod:`aitune.torch.report.html`): a bar
         chart of each module's share of the timed run (needs matplotlib: ``pip install 'aitune[report]'``) and
         the table (calls, total/avg ms, share, parameters, precisions).
 
@@ -120,7 +120,7 @@ class InspectedModulesInfo:
 
 
 def _discover(obj: Any, max_depth: int) -> list[ModuleInfo]:
-    """Every module reachable from ``obj`` (see :mod:`aitune.torch.locate`), named by its dotted path."""
+    """Every module reachable from ``obj`` (see :mod:`aitune.torch.record.locate`), named by its dotted path."""
     return [ModuleInfo(node.value, ".".join(str(step.key) for step in node.path), node.parent,
                        node.path[-1].key if node.path else None, node.depth)
             for node in walk(obj, max_depth) if node.first and isinstance(node.value, torch.nn.Module)]

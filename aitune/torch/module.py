@@ -19,10 +19,10 @@ import wrapt
 
 from aitune.errors import BackendRuntimeError, ConfigError
 from aitune.torch.config import config
-from aitune.torch.guard import GuardConfig, StateWatch
-from aitune.torch.module_arguments import validate_dynamic_shapes, validate_strategies
-from aitune.torch.pytree import tree_flatten
-from aitune.torch.samples import Recorder, make_graph_key
+from aitune.torch.check.guard import GuardConfig, StateWatch
+from aitune.torch.record.module_arguments import validate_dynamic_shapes, validate_strategies
+from aitune.torch.record.pytree import tree_flatten
+from aitune.torch.record.samples import Recorder, make_graph_key
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Module(wrapt.ObjectProxy):
         dynamic_shapes: explicit axes per input path, e.g. ``{"x": (BatchDim("batch", 1, 32), 3, 224, 224)}``.
         max_samples: distinct input shapes kept per graph for building/checking (range extremes always kept);
             default ``aitune.torch.config.max_num_samples_stored`` (8).
-        guard: run-time checks against eager after tuning (:class:`~aitune.torch.guard.GuardConfig`; default:
+        guard: run-time checks against eager after tuning (:class:`~aitune.torch.check.guard.GuardConfig`; default:
             the first call of every unseen input signature, and one call in N keeping eager re-runs within
             2 % of serving time). ``GuardConfig(enabled=False)`` turns them off.
 
@@ -177,7 +177,7 @@ class Module(wrapt.ObjectProxy):
 
     @property
     def graphs(self) -> list:
-        """Recorded graphs (:class:`~aitune.torch.samples.GraphSpec`) in order."""
+        """Recorded graphs (:class:`~aitune.torch.record.samples.GraphSpec`) in order."""
         return list(self._self_recorder.graphs.values())
 
     @property
@@ -208,7 +208,7 @@ class Module(wrapt.ObjectProxy):
             dry_run: plan only (see :func:`aitune.torch.planning.plan_modules`).
 
         Returns:
-            The :class:`~aitune.torch.report.TuneReport`.
+            The :class:`~aitune.torch.report.rows.TuneReport`.
 
         Raises:
             ConfigError: already tuned (``enable_recording(force=True)`` first), nothing recorded, or a
@@ -273,7 +273,7 @@ class Module(wrapt.ObjectProxy):
 
     @property
     def guard_config(self) -> GuardConfig:
-        """The run-time guard's settings (see :class:`~aitune.torch.guard.GuardConfig`)."""
+        """The run-time guard's settings (see :class:`~aitune.torch.check.guard.GuardConfig`)."""
         return self._self_guard_config
 
     @property
@@ -308,8 +308,8 @@ class Module(wrapt.ObjectProxy):
         """Install the run-time guard of one tuned graph (``ait.tune`` and ``ait.load`` call this).
 
         Args:
-            graph: a tuned :class:`~aitune.torch.samples.GraphSpec` of this module.
-            guard: a :class:`~aitune.torch.guard.RuntimeGuard`, or None for no checks on that graph.
+            graph: a tuned :class:`~aitune.torch.record.samples.GraphSpec` of this module.
+            guard: a :class:`~aitune.torch.check.guard.RuntimeGuard`, or None for no checks on that graph.
         """
         if guard is None:
             self._self_guards.pop(id(graph), None)
@@ -557,7 +557,7 @@ class Module(wrapt.ObjectProxy):
                                                   "(module.enable_recording(force=True), then ait.tune)")
 
     def _guarded_call(self, graph, backend, guard, args, kwargs, leaves):
-        """One call checked against eager (NOTE [guard cost] in aitune/torch/guard.py)."""
+        """One call checked against eager (NOTE [guard cost] in aitune/torch/check/guard.py)."""
         output, replacement = guard.check(backend, lambda chosen: chosen.run(args, kwargs),
                                           lambda: self._call_eager(args, kwargs), leaves)
         if replacement is backend:
@@ -672,6 +672,6 @@ def graph_device(graph) -> torch.device:
 
 def _contiguous(value):
     leaves, spec = tree_flatten(value)
-    from aitune.torch.pytree import tree_unflatten
+    from aitune.torch.record.pytree import tree_unflatten
 
     return tree_unflatten(spec, [leaf.contiguous() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])

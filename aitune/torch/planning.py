@@ -16,9 +16,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from aitune.torch import telemetry
-from aitune.torch.environment import environment
-from aitune.torch.report import PLANNED, UNAVAILABLE, UNSUPPORTED, CandidateResult, GraphReport, TuneReport
+from aitune.torch.report import telemetry
+from aitune.torch.common.environment import environment
+from aitune.torch.report.rows import PLANNED, UNAVAILABLE, UNSUPPORTED, CandidateResult, GraphReport, TuneReport
 from aitune.torch.tune_strategy import MaxThroughputStrategy
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def plan_modules(modules: Iterable, device_for: Callable, root: Path, report_pat
         started: ``perf_counter()`` at the start of ``ait.tune``.
 
     Returns:
-        A :class:`~aitune.torch.report.TuneReport` with ``dry_run=True``, rows ``planned``/``unavailable``/
+        A :class:`~aitune.torch.report.rows.TuneReport` with ``dry_run=True``, rows ``planned``/``unavailable``/
         ``unsupported``, and no selected backend.
     """
     started = time.perf_counter() if started is None else started

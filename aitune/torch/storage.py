@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from aitune.errors import CheckpointError, CheckpointIntegrityError, ConfigError
-from aitune.torch.arguments import known_keywords
+from aitune.torch.common.arguments import known_keywords
 from aitune.torch import checkpoint
 from aitune.torch.checkpoint.archive import CHUNK, SUMS, is_aitune_sums, parse_sums, sums_path
 from aitune.torch.checkpoint.load import check_weights_choice

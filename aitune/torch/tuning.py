@@ -14,22 +14,23 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from aitune.errors import AITuneError, ConfigError
-from aitune.torch import dataloader, telemetry
-from aitune.torch.arguments import known_keywords
+from aitune.torch import dataloader
+from aitune.torch.report import telemetry
+from aitune.torch.common.arguments import known_keywords
 from aitune.torch.config import config
-from aitune.torch.environment import environment
-from aitune.torch.max_batch_size import search_for_graph
-from aitune.torch.memory import PeakMemory, available_memory_bytes
+from aitune.torch.common.environment import environment
+from aitune.torch.search.max_batch_size import search_for_graph
+from aitune.torch.measure.memory import PeakMemory, available_memory_bytes
 from aitune.torch.module import Module, ModuleState, registered_modules, set_recording_batch_size
-from aitune.torch.module_arguments import check_unique_names
-from aitune.torch.references import ReferenceStore, spill_bytes_from_env
-from aitune.torch.report import GraphReport, TuneReport
-from aitune.torch.samples import clone_tree
+from aitune.torch.record.module_arguments import check_unique_names
+from aitune.torch.check.references import ReferenceStore, spill_bytes_from_env
+from aitune.torch.report.rows import GraphReport, TuneReport
+from aitune.torch.record.samples import clone_tree
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
-from aitune.torch.evaluation import GraphContext
-from aitune.torch.guard import guard_for
+from aitune.torch.search.evaluation import GraphContext
+from aitune.torch.check.guard import guard_for
 from aitune.torch.planning import plan_modules
-from aitune.torch.progress import TuneProgress
+from aitune.torch.report.progress import TuneProgress
 from aitune.utils.logging import libraries_logging
 from aitune.utils.monitoring import annotate
 
@@ -84,7 +85,7 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
             written to ``config.tuning_data_output_path``.
         use_cache: reuse earlier AOT builds from the tuning cache when nothing that matters changed.
         progress: show progress on the terminal (module/graph, candidate, phase, elapsed, left); None (default)
-            = when standard error is a terminal, unless ``AITUNE_PROGRESS=0`` (see :mod:`aitune.torch.progress`).
+            = when standard error is a terminal, unless ``AITUNE_PROGRESS=0`` (see :mod:`aitune.torch.report.progress`).
         time_budget_s: seconds for the whole run (recording excluded), shared out evenly among the graphs left;
             a candidate is not started once its graph's share is spent (its row says "skipped"), child build
             steps get at most the time left, and expensive candidates (max-autotune) are tried only with
@@ -93,7 +94,7 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
 
 
     Returns:
-        The :class:`~aitune.torch.report.TuneReport` (also written as JSON and logged as a table).
+        The :class:`~aitune.torch.report.rows.TuneReport` (also written as JSON and logged as a table).
 
     Raises:
         ConfigError: bad ``func``/``dataset``/``batch_sizes``/``device``, a dataset item ``func`` cannot take,
@@ -191,7 +192,7 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
     (measuring since the recording pass) are passed by :func:`tune` itself.
 
     Returns:
-        The :class:`~aitune.torch.report.TuneReport` (also written as JSON and logged as a table).
+        The :class:`~aitune.torch.report.rows.TuneReport` (also written as JSON and logged as a table).
 
     Raises:
         ConfigError: for an entry that is not an :class:`~aitune.torch.Module`, or a bad ``device``.
@@ -215,9 +216,9 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
     telemetry.begin_run(report)
     cache = crashes = rankings = None
     if use_cache:
-        from aitune.torch.cache import BuildCache
-        from aitune.torch.crashes import FILE_NAME, CrashRegistry
-        from aitune.torch.rankings import RANKINGS_DIR, RankingStore
+        from aitune.torch.search.cache import BuildCache
+        from aitune.torch.search.crashes import FILE_NAME, CrashRegistry
+        from aitune.torch.search.rankings import RANKINGS_DIR, RankingStore
 
         cache = BuildCache(root / "builds")
         crashes = CrashRegistry(root / FILE_NAME)
@@ -326,7 +327,7 @@ def _graph_context(module: Module, graph, device: torch.device, root: Path, cach
     stateful graph from the module's starting state, which ``restore_state`` puts back).
 
     The outputs — and, for a graph that changes its inputs in place, the inputs after the call — are kept by
-    a :class:`~aitune.torch.references.ReferenceStore`: on the host, spilled to a temporary file in the
+    a :class:`~aitune.torch.check.references.ReferenceStore`: on the host, spilled to a temporary file in the
     graph's workdir once they pass ``spill_bytes`` (default ``$AITUNE_REFERENCE_SPILL_BYTES`` or 256 MiB).
     One sample's inputs and outputs are alive at a time.
     """

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import aitune.torch as ait
 from aitune.torch.backend import (TorchEagerBackend, TorchEagerBackendConfig, TorchInductorAotBackend,
                                   TorchInductorJitBackend)
-from aitune.torch.samples import record_graphs
+from aitune.torch.record.samples import record_graphs
 
 
 def forced(backend, profiling):
@@ -400,7 +400,7 @@ def _tagger_batch(batch, length, context_length):
 def test_probe_defaults_are_12_per_graph_and_10_s_per_candidate_and_a_tune_keeps_to_them(fast_profiling):
     """README "Probes": default up to 12 probes per graph and 10 s per candidate; a graph offering more than
     12 gets 12 checked."""
-    from aitune.torch.probes import ProbeConfig, make_probes
+    from aitune.torch.check.probes import ProbeConfig, make_probes
 
     assert (ProbeConfig().max_probes, ProbeConfig().max_seconds) == (12, 10.0)
     assert ait.ProbeConfig is ProbeConfig

@@ -697,7 +697,7 @@ def test_torchao_nvfp4dq_preset():
 
 
 def _recorded_graph(module, x):
-    from aitune.torch.samples import record_graphs
+    from aitune.torch.record.samples import record_graphs
 
     return record_graphs(module, [((x,), {})])[0]
 

@@ -22,7 +22,7 @@ from aitune.torch.backend import (
     ONNXRuntimeBackend,
     registered_backends,
 )
-from aitune.torch.samples import record_graphs
+from aitune.torch.record.samples import record_graphs
 from fresh_process_load import run_fresh_process
 
 # Recorded (batch, length) shapes: batch axis in [2, 4], length axis in [5, 9].

@@ -37,8 +37,8 @@ from aitune.torch.backend import (
     TorchEagerBackendConfig,
     TorchInductorJitBackendConfig,
 )
-from aitune.torch.correctness import OutputComparator, Tolerance
-from aitune.torch.samples import record_graphs
+from aitune.torch.check.correctness import OutputComparator, Tolerance
+from aitune.torch.record.samples import record_graphs
 from contract_support import (
     EXTRA_CONFIGS,
     Candidate,

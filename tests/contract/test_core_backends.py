@@ -12,7 +12,7 @@ from aitune.torch.backend import (
     TorchInductorJitBackend,
     TorchInductorJitBackendConfig,
 )
-from aitune.torch.samples import record_graphs
+from aitune.torch.record.samples import record_graphs
 
 
 class TinyEncoder(torch.nn.Module):

@@ -18,8 +18,8 @@ import torch
 from aitune.errors import BackendBuildError, ConfigError
 from aitune.torch.backend import BackendConfig, BackendState, BuildMode, TorchInductorAotBackend
 from aitune.torch.backend.inductor_aot import TorchInductorAotBackendConfig
-from aitune.torch.correctness import OutputComparator
-from aitune.torch.samples import BatchDim, record_graphs
+from aitune.torch.check.correctness import OutputComparator
+from aitune.torch.record.samples import BatchDim, record_graphs
 from case_models import FlattenHead, PairScore
 from contract_support import model_inputs
 
@@ -210,7 +210,7 @@ def test_canary_loads_a_cpu_package_once_per_environment(monkeypatch, tmp_path):
     """NOTE [AOTInductor canary]: the one-op package is compiled, loaded and checked once; the marker it leaves
     in the user's cache makes later builds skip it (a real compile here, about 10 s on 2 cores)."""
     from aitune.torch.backend import inductor_aot
-    from aitune.torch.crashes import CrashRegistry
+    from aitune.torch.search.crashes import CrashRegistry
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     marker = tmp_path / "cache" / "aitune" / "aoti_canary" / f"{CrashRegistry.environment_id('cpu')}.ok"

@@ -32,7 +32,7 @@ from aitune.torch.kernel_forge.kernel_provider import (
     TorchSDPAKernelProvider,
     family_to_dict,
 )
-from aitune.torch.samples import record_graphs
+from aitune.torch.record.samples import record_graphs
 
 CPU_PROVIDERS = [TorchSDPAKernelProvider("math"), TorchSDPAKernelProvider("flash")]
 

@@ -25,9 +25,9 @@ from aitune.torch.backend import (
     ONNXRuntimeBackend,
     ONNXRuntimeBackendConfig,
 )
-from aitune.torch.correctness import OutputComparator
-from aitune.torch.pytree import tree_flatten
-from aitune.torch.samples import record_graphs
+from aitune.torch.check.correctness import OutputComparator
+from aitune.torch.record.pytree import tree_flatten
+from aitune.torch.record.samples import record_graphs
 from case_models import Detector, HeadOut, Ranker, SplitHeads
 
 
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.skipif(not ONNXRuntimeBackend.availability().ok,
 
 def canonical_leaves(module, args=(), kwargs=None) -> list:
     """The flattened canonical input leaves aitune.Module hands to Backend.accepts."""
-    from aitune.torch.samples import CallSignature
+    from aitune.torch.record.samples import CallSignature
 
     args, kwargs = CallSignature(module.forward).normalize(tuple(args), dict(kwargs or {}))
     return tree_flatten((args, kwargs))[0]

@@ -17,8 +17,8 @@ from torch import nn
 from aitune.errors import ConfigError, ToleranceExceededError
 from aitune.torch.backend import BackendConfig, BackendState, BuildMode, TorchAOBackend, TorchAOBackendConfig
 from aitune.torch.backend.ao import default_preset
-from aitune.torch.correctness import OutputComparator, Tolerance
-from aitune.torch.samples import record_graphs
+from aitune.torch.check.correctness import OutputComparator, Tolerance
+from aitune.torch.record.samples import record_graphs
 
 pytestmark = pytest.mark.skipif(not TorchAOBackend.availability().ok, reason=TorchAOBackend.availability().reason)
 

@@ -21,7 +21,7 @@ import aitune.torch as ait
 from aitune.errors import CheckpointError
 from aitune.torch.backend import ONNXRuntimeBackend, TorchInductorJitBackend
 from checkpoint_edits import rewrite_archive
-from aitune.torch.profiling import ProfilingConfig
+from aitune.torch.measure.profiling import ProfilingConfig
 
 pytestmark = pytest.mark.gpu
 

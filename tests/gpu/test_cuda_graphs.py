@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from aitune.torch.backend import TorchEagerBackend, TorchEagerBackendConfig
-from aitune.torch.cuda_graphs import CUDAGraphRunner
-from aitune.torch.samples import record_graphs
+from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
+from aitune.torch.record.samples import record_graphs
 
 pytestmark = pytest.mark.gpu
 
@@ -84,7 +84,7 @@ def test_capture_failure_falls_back_with_one_warning(caplog):
 
     runner = CUDAGraphRunner(host_sync, name="sync")
     x = torch.randn(16, device="cuda")
-    with caplog.at_level(logging.WARNING, logger="aitune.torch.cuda_graphs"):
+    with caplog.at_level(logging.WARNING, logger="aitune.torch.backend.cuda_graphs"):
         outputs = [runner(x) for _ in range(3)]
     for output in outputs:
         torch.testing.assert_close(output, x * 2)

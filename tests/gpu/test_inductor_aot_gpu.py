@@ -15,8 +15,8 @@ from torch import nn
 from aitune.errors import BackendBuildError
 from aitune.torch.backend import BackendState, TorchInductorAotBackend
 from aitune.torch.backend.inductor_aot import TorchInductorAotBackendConfig
-from aitune.torch.correctness import OutputComparator, Tolerance
-from aitune.torch.samples import record_graphs
+from aitune.torch.check.correctness import OutputComparator, Tolerance
+from aitune.torch.record.samples import record_graphs
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
-from aitune.torch.profiling import ProfilingConfig
+from aitune.torch.measure.profiling import ProfilingConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -54,7 +54,7 @@ def test_the_bf16_variant_of_an_fp32_model_runs_reduce_overhead_in_bf16_when_all
 
 
 def test_fp32_convnet_candidates_are_judged_against_a_tf32_eager_by_its_own_accuracy():
-    """Correctness rule 5 for fp32 leaves (aitune/torch/correctness.py): with PyTorch's default
+    """Correctness rule 5 for fp32 leaves (aitune/torch/check/correctness.py): with PyTorch's default
     ``cudnn.allow_tf32 = True`` eager's convolutions run in TF32; Inductor + freezing (BatchNorm folded into the
     convolutions) differed from fp32 ResNet-50's logits by up to 1.1e-3 on the H200 and was rejected by the plain
     fp32 rule. Judged against eager's own distance from an exact fp32 run, it passes."""

@@ -20,7 +20,7 @@ from aitune.errors import ToleranceExceededError
 
 from aitune.torch.backend import KernelSelectorBackend, KernelSelectorBackendConfig, TorchAOBackend, \
     TorchAOBackendConfig, TorchInductorJitBackend
-from aitune.torch.correctness import OutputComparator, Tolerance, cosine_similarity
+from aitune.torch.check.correctness import OutputComparator, Tolerance, cosine_similarity
 from aitune.torch.kernel_forge import KernelOptimizer
 from aitune.torch.kernel_forge.kernel_provider import (
     ORIGINAL_SDPA,
@@ -29,8 +29,8 @@ from aitune.torch.kernel_forge.kernel_provider import (
     SDPACall,
     TorchSDPAKernelProvider,
 )
-from aitune.torch.profiling import ProfilingConfig
-from aitune.torch.samples import record_graphs
+from aitune.torch.measure.profiling import ProfilingConfig
+from aitune.torch.record.samples import record_graphs
 from case_models import MHA, TwoTowers
 
 pytestmark = pytest.mark.gpu

@@ -8,8 +8,8 @@ import torch
 import aitune.torch as ait
 from aitune.errors import ShapeMismatchError, ToleranceExceededError
 from aitune.torch.backend import TorchEagerBackend
-from aitune.torch.correctness import OutputComparator
-from aitune.torch.references import ReferenceStore
+from aitune.torch.check.correctness import OutputComparator
+from aitune.torch.check.references import ReferenceStore
 
 pytestmark = pytest.mark.gpu
 
@@ -80,7 +80,7 @@ def test_each_candidate_row_says_what_it_keeps_on_the_device(fast_profiling):
 
 
 def test_sections_give_their_own_peaks_and_the_overall_peak_stays_true():
-    from aitune.torch.memory import DeviceSection, PeakMemory
+    from aitune.torch.measure.memory import DeviceSection, PeakMemory
 
     torch.cuda.init()
     peak = PeakMemory()

@@ -13,8 +13,8 @@ from torch import nn
 
 from aitune.errors import BackendBuildError
 from aitune.torch.backend import ONNXRuntimeBackend, ONNXRuntimeBackendConfig
-from aitune.torch.correctness import OutputComparator
-from aitune.torch.samples import record_graphs
+from aitune.torch.check.correctness import OutputComparator
+from aitune.torch.record.samples import record_graphs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not ONNXRuntimeBackend.availability().ok,

@@ -4,7 +4,7 @@ clock."""
 import pytest
 import torch
 
-from aitune.torch import profiling
+from aitune.torch.measure import profiling
 
 pytestmark = pytest.mark.gpu
 

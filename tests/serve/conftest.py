@@ -2,7 +2,7 @@
 
 import pytest
 
-from aitune.torch.profiling import ProfilingConfig
+from aitune.torch.measure.profiling import ProfilingConfig
 from serve_tiny import save_tiny_checkpoint
 
 

@@ -6,7 +6,7 @@ import torch
 from aitune.torch.backend import TorchTensorRTAotBackend
 from aitune.torch.backend.accepted import AcceptedInput, AcceptedInputs
 from aitune.torch.backend.torch_tensorrt import export_dynamic_shapes
-from aitune.torch.samples import record_graphs
+from aitune.torch.record.samples import record_graphs
 
 
 class Encoder(torch.nn.Module):

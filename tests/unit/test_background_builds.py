@@ -1,7 +1,7 @@
 """NOTE [no CPU timing beside a background build] (aitune/torch/tune_strategy/base.py): on a CPU device, candidates
 are built and checked while a background child step runs, but timed only after it has finished. The fresh-clone
 trial of 2026-12-02 measured Inductor at 0.02-0.03x eager while the AOTInductor child compiled on the same two
-cores, against 0.76x alone. The background step here is a real child process (aitune.torch.isolation)."""
+cores, against 0.76x alone. The background step here is a real child process (aitune.torch.backend.isolation)."""
 
 import time
 from pathlib import Path
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 import aitune.torch as ait
-from aitune.torch import evaluation
+from aitune.torch.search import evaluation
 from aitune.torch.backend import TorchEagerBackend
 
 
@@ -32,7 +32,7 @@ class ChildBuiltBackend(TorchEagerBackend):
         return True
 
     def _build(self, module, graph, device, workdir):
-        from aitune.torch.isolation import submit_isolated
+        from aitune.torch.backend.isolation import submit_isolated
 
         super()._build(module, graph, device, workdir)
         # the strategy always provides the executor for a background build (None would fail the test: FINISHED)

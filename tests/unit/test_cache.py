@@ -1,4 +1,4 @@
-"""The tuning cache (aitune.torch.cache.BuildCache) with a real AOT backend (ONNX Runtime, CPU EP).
+"""The tuning cache (aitune.torch.search.cache.BuildCache) with a real AOT backend (ONNX Runtime, CPU EP).
 
 Each test uses its own cache folder (``cache_dir_path=tmp_path``). ONNX Runtime builds take a few
 seconds here; the tests build at most twice each.
@@ -19,9 +19,9 @@ from aitune.torch.backend import (
     TorchEagerBackend,
     TorchInductorAotBackend,
 )
-from aitune.torch.cache import ENTRY_FILE, BuildCache
-from aitune.torch.profiling import ProfilingConfig
-from aitune.torch.samples import record_graphs
+from aitune.torch.search.cache import ENTRY_FILE, BuildCache
+from aitune.torch.measure.profiling import ProfilingConfig
+from aitune.torch.record.samples import record_graphs
 
 FAST = ProfilingConfig(warmup_rounds=1, min_rounds=3, max_rounds=10, time_budget_s=0.1)
 

@@ -39,8 +39,8 @@ from aitune.torch.backend import (
     TorchInductorJitBackend,
 )
 from aitune.torch.checkpoint import FORMAT_VERSION, describe_checkpoint, sums_path
-from aitune.torch.correctness import OutputComparator, Tolerance
-from aitune.torch.profiling import ProfilingConfig
+from aitune.torch.check.correctness import OutputComparator, Tolerance
+from aitune.torch.measure.profiling import ProfilingConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -20,7 +20,7 @@ import aitune.torch as ait
 from aitune.errors import CheckpointError, CheckpointIntegrityError, CheckpointVersionError
 from aitune.torch.backend import ONNXRuntimeBackend, TorchEagerBackend
 from aitune.torch.checkpoint import sums_path
-from aitune.torch.profiling import ProfilingConfig
+from aitune.torch.measure.profiling import ProfilingConfig
 from checkpoint_edits import rewrite_archive
 
 FAST = ProfilingConfig(warmup_rounds=1, min_rounds=3, max_rounds=10, time_budget_s=0.1)
@@ -320,7 +320,7 @@ def test_an_unknown_config_field_is_refused(eager_saved, tmp_path):
 
 
 def test_an_unknown_tolerance_field_is_refused_in_a_checkpoint_only(eager_saved, tmp_path):
-    from aitune.torch.correctness import Tolerance
+    from aitune.torch.check.correctness import Tolerance
 
     path, _ = eager_saved
     forged = forge(path, tmp_path / "tol.ait", lambda m: graph0(m).update(tolerance=dict(

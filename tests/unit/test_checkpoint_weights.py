@@ -19,7 +19,7 @@ from torch import nn
 import aitune.torch as ait
 from aitune.errors import BackendRuntimeError, CheckpointError, ConfigError
 from aitune.torch.backend import ONNXRuntimeBackend
-from aitune.torch.profiling import ProfilingConfig
+from aitune.torch.measure.profiling import ProfilingConfig
 
 pytestmark = pytest.mark.skipif(not ONNXRuntimeBackend.availability().ok,
                                 reason=ONNXRuntimeBackend.availability().reason)

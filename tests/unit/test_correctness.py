@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from aitune.errors import ConfigError, ShapeMismatchError, ToleranceExceededError
-from aitune.torch.correctness import OutputComparator, Tolerance, cosine_similarity, sqnr_db
+from aitune.torch.check.correctness import OutputComparator, Tolerance, cosine_similarity, sqnr_db
 
 
 def test_defaults_follow_design():
@@ -131,7 +131,7 @@ def test_fp32_leaves_of_a_tf32_eager_are_judged_against_eager_s_own_distance_fro
 
 
 def test_exact_fp32_turns_tf32_off_and_restores_the_user_settings():
-    from aitune.torch.correctness import exact_fp32, tf32_allowed
+    from aitune.torch.check.correctness import exact_fp32, tf32_allowed
 
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision("medium")

@@ -8,7 +8,7 @@ import torch
 
 from aitune.errors import ConfigError
 from aitune.torch.backend import TorchEagerBackend, TorchEagerBackendConfig
-from aitune.torch.cuda_graphs import CUDAGraphRunner, LRUCache, clone_tensors, graph_key
+from aitune.torch.backend.cuda_graphs import CUDAGraphRunner, LRUCache, clone_tensors, graph_key
 
 
 def test_lru_cache_evicts_least_recently_used_first():

@@ -11,7 +11,7 @@ from fake_clock import pause
 import aitune.torch as ait
 from aitune.errors import ConfigError
 from aitune.torch.backend import TorchEagerBackend, TorchInductorAotBackend
-from aitune.torch.guard import FULL_SCAN_EVERY, GuardConfig, RuntimeGuard, StateWatch
+from aitune.torch.check.guard import FULL_SCAN_EVERY, GuardConfig, RuntimeGuard, StateWatch
 
 PAUSE_S = 0.002
 
@@ -182,7 +182,7 @@ def test_headline_speedup_and_guard_interval_under_one_sided_load(fake_clock):
 
 
 def test_no_speedup_figure_switches_the_periodic_check_off():
-    from aitune.torch.guard import guard_speedup
+    from aitune.torch.check.guard import guard_speedup
 
     assert GuardConfig().interval(800.0) == 1000 and GuardConfig().interval(float("inf")) == 1000
     assert GuardConfig(max_check_every=50).interval(4.0) == 50 and GuardConfig(check_every=5000).interval(4.0) == 5000

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from aitune.errors import BackendBuildError, ConfigError, IsolatedStepError
-from aitune.torch.isolation import run_isolated
+from aitune.torch.backend.isolation import run_isolated
 
 HERE = f"{Path(__file__).stem}"
 

@@ -28,8 +28,8 @@ from aitune.torch.kernel_forge.kernel_provider import (
     family_to_dict,
     kernel_provider_from_dict,
 )
-from aitune.torch.profiling import ProfilingConfig
-from aitune.torch.samples import record_graphs
+from aitune.torch.measure.profiling import ProfilingConfig
+from aitune.torch.record.samples import record_graphs
 from case_models import MHA, TwoTowers
 
 MATH_OP = "aten::_scaled_dot_product_attention_math"
@@ -381,7 +381,7 @@ def test_kernel_forge_does_not_import_the_backend_layer():
 
 def test_requirements_are_still_importable_from_the_backend_base():
     import aitune.torch.backend.base as base
-    import aitune.torch.requirements as requirements
+    import aitune.torch.common.requirements as requirements
 
     for name in ("Requirement", "Check", "probe_requirement", "check_requirements", "validate_flags",
                  "torch_version_at_least"):

@@ -1,14 +1,14 @@
-"""aitune.torch.max_batch_size: the search's memory accounting, limits, bisection and restoration."""
+"""aitune.torch.search.max_batch_size: the search's memory accounting, limits, bisection and restoration."""
 
 import torch
 from torch import nn
 
-from aitune.torch.max_batch_size import MaxBatchSizeSearch, batch_of, find_max_batch_size, peak_tensor_bytes
-from aitune.torch.samples import record_graphs
+from aitune.torch.search.max_batch_size import MaxBatchSizeSearch, batch_of, find_max_batch_size, peak_tensor_bytes
+from aitune.torch.record.samples import record_graphs
 
 
 def _graph(module, sizes=(1, 2), width=16):
-    from aitune.torch.samples import Recorder
+    from aitune.torch.record.samples import Recorder
 
     recorder = Recorder(module)
     with torch.no_grad():

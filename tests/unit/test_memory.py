@@ -1,4 +1,4 @@
-"""Memory while tuning (aitune/torch/memory.py, references, probes' bound): peaks measured and reported,
+"""Memory while tuning (aitune/torch/measure/memory.py, references, probes' bound): peaks measured and reported,
 spilled references judged like in-memory ones, probes dropped past their reference bound."""
 
 import json
@@ -10,10 +10,10 @@ import torch
 import aitune.torch as ait
 from aitune.errors import ConfigError
 from aitune.torch.backend import TorchEagerBackend
-from aitune.torch.memory import PeakMemory, host_peak_bytes, reset_host_peak
-from aitune.torch.probes import ProbeConfig, make_probes
-from aitune.torch.report import TuneReport
-from aitune.torch.samples import record_graphs
+from aitune.torch.measure.memory import PeakMemory, host_peak_bytes, reset_host_peak
+from aitune.torch.check.probes import ProbeConfig, make_probes
+from aitune.torch.report.rows import TuneReport
+from aitune.torch.record.samples import record_graphs
 
 MiB = 2**20
 
@@ -93,7 +93,7 @@ def test_the_report_carries_the_tuning_peak_memory(fast_profiling, tmp_path):
 
 @pytest.mark.parametrize("spill_bytes", ["0", None], ids=["spilled", "in-memory"])
 def test_spilled_references_judge_candidates_like_in_memory_ones(spill_bytes, fast_profiling, monkeypatch, tmp_path):
-    from aitune.torch.references import ReferenceStore
+    from aitune.torch.check.references import ReferenceStore
 
     if spill_bytes is not None:
         monkeypatch.setenv("AITUNE_REFERENCE_SPILL_BYTES", spill_bytes)

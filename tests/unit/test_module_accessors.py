@@ -13,7 +13,7 @@ import aitune.torch as ait
 from aitune.errors import BackendRuntimeError
 from aitune.torch.backend import TorchEagerBackend
 from aitune.torch.checkpoint import ExtractedFiles
-from aitune.torch.profiling import ProfilingConfig
+from aitune.torch.measure.profiling import ProfilingConfig
 
 FAST = ProfilingConfig(warmup_rounds=1, min_rounds=3, max_rounds=10, time_budget_s=0.1)
 

@@ -12,12 +12,12 @@ from aitune.errors import CheckpointError, ConfigError
 from aitune.torch.backend.onnx_call_io import OnnxCallIO
 from aitune.torch.backend.onnx_export import export_onnx
 from aitune.torch.backend.onnx_graph import specialized_axes
-from aitune.torch.serialization import constant_from_json, constant_to_json
-from aitune.torch.serialization import tree_spec_from_json as spec_from_json
-from aitune.torch.serialization import tree_spec_to_json as spec_to_json
-from aitune.torch.correctness import OutputComparator
-from aitune.torch.pytree import tree_flatten
-from aitune.torch.samples import BatchDim, record_graphs
+from aitune.torch.record.serialization import constant_from_json, constant_to_json
+from aitune.torch.record.serialization import tree_spec_from_json as spec_from_json
+from aitune.torch.record.serialization import tree_spec_to_json as spec_to_json
+from aitune.torch.check.correctness import OutputComparator
+from aitune.torch.record.pytree import tree_flatten
+from aitune.torch.record.samples import BatchDim, record_graphs
 from case_models import FlattenHead, MaskedPool, Pooled
 
 onnx = pytest.importorskip("onnx")

@@ -8,7 +8,7 @@ import torch
 from fake_clock import pause
 
 from aitune.errors import ConfigError
-from aitune.torch.profiling import (
+from aitune.torch.measure.profiling import (
     Measurement,
     ProfilingConfig,
     SampleTiming,
@@ -93,7 +93,7 @@ def test_interleaved_rounds_rotate_the_order_and_stay_aligned(fake_clock):
 
 _FAULTS_SCRIPT = """
 import resource, torch
-from aitune.torch.profiling import settle_host_allocator
+from aitune.torch.measure.profiling import settle_host_allocator
 
 def call():  # like an eager forward: many activations alive together (20 x 1 MiB, written), then all freed
     activations = [torch.ones(2**18) for _ in range(20)]
@@ -155,7 +155,7 @@ def test_profiling_config_validation():
 
 
 def test_noisy_figures_are_flagged():
-    from aitune.torch.evaluation import noise_note
+    from aitune.torch.search.evaluation import noise_note
 
     assert noise_note(_measurement(1.0, noise=0.02)) == ""
     assert "noisy measurement (±20%)" in noise_note(_measurement(1.0, noise=0.2))
@@ -222,11 +222,11 @@ def test_the_fake_clock_also_drives_the_time_budget():
 
 
 def test_the_cpu_timer_reads_perf_counter_ns_unless_a_clock_is_set():
-    """On the CPU a call is timed with :data:`aitune.torch.profiling.CLOCK`: ``time.perf_counter_ns`` by default,
+    """On the CPU a call is timed with :data:`aitune.torch.measure.profiling.CLOCK`: ``time.perf_counter_ns`` by default,
     or the clock ``use_clock`` sets (its readings, in ns, give the figure exactly)."""
     import time
 
-    from aitune.torch import profiling
+    from aitune.torch.measure import profiling
 
     assert profiling.CLOCK.get() is time.perf_counter_ns
     timer = profiling.Timer(torch.device("cpu"))

@@ -56,7 +56,7 @@ def test_cli_env_lists_every_backend():
     for name in ("eager", "inductor_jit", "tensorrt", "torch_tensorrt_jit"):
         assert name in output
     assert "pip install 'aitune[tensorrt]'" in output
-    from aitune.torch.environment import native_bf16
+    from aitune.torch.common.environment import native_bf16
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the device `aitune env` describes
     assert ("native bf16: yes" if native_bf16(device) else "native bf16: no") in output

@@ -4,7 +4,7 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 
-from aitune.torch.pytree import leaf_paths, path_to_name, path_to_str, tree_flatten, tree_unflatten
+from aitune.torch.record.pytree import leaf_paths, path_to_name, path_to_str, tree_flatten, tree_unflatten
 
 
 @dataclasses.dataclass
@@ -62,7 +62,7 @@ def test_checkpoint_types_from_the_allow_list_are_imported_others_never():
     code = (
         "import sys\n"
         "from aitune.errors import CheckpointError\n"
-        "from aitune.torch.serialization import resolve_type\n"
+        "from aitune.torch.record.serialization import resolve_type\n"
         "assert 'transformers.modeling_outputs' not in sys.modules\n"
         "cls = resolve_type('transformers.modeling_outputs:BaseModelOutput', 'model_output')\n"
         "assert cls.__name__ == 'BaseModelOutput'\n"

@@ -10,8 +10,8 @@ import aitune.torch as ait
 from aitune.errors import ConfigError, ToleranceExceededError
 from aitune.torch.backend import (TorchEagerBackend, TorchEagerBackendConfig, TorchInductorJitBackend,
                                   TorchInductorJitBackendConfig, inductor_jit)
-from aitune.torch.correctness import OutputComparator, Tolerance, comparator_for
-from aitune.torch.environment import native_bf16
+from aitune.torch.check.correctness import OutputComparator, Tolerance, comparator_for
+from aitune.torch.common.environment import native_bf16
 
 BF16_CONFIG = TorchInductorJitBackendConfig(freezing=True, autocast_enabled=True, autocast_dtype=torch.bfloat16)
 needs_native_bf16 = pytest.mark.skipif(not native_bf16(torch.device("cpu")),

@@ -1,4 +1,4 @@
-"""Reference outputs kept compactly (aitune/torch/references.py): chunk plans, host copies, spilled files."""
+"""Reference outputs kept compactly (aitune/torch/check/references.py): chunk plans, host copies, spilled files."""
 
 import math
 
@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from aitune.errors import ShapeMismatchError, ToleranceExceededError
-from aitune.torch.correctness import OutputComparator
-from aitune.torch.references import ReferenceStore, StoredTensor, all_finite, chunk_plan, spill_bytes_from_env
+from aitune.torch.check.correctness import OutputComparator
+from aitune.torch.check.references import ReferenceStore, StoredTensor, all_finite, chunk_plan, spill_bytes_from_env
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (5, 0, 3), (13,), (3, 4, 5), (2, 3, 41), (1, 1, 100), (7, 2)])

@@ -20,8 +20,8 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend import ONNXRuntimeBackend, TensorRTBackend, TorchAOBackend
-from aitune.torch.profiling import ProfilingConfig
-from aitune.torch.report import CandidateResult, GraphReport, TuneReport
+from aitune.torch.measure.profiling import ProfilingConfig
+from aitune.torch.report.rows import CandidateResult, GraphReport, TuneReport
 from chromium_pages import assert_figure_drawn, launch, open_page
 
 FIGURES = ("speed-error", "latency", "probes")
@@ -130,7 +130,7 @@ def _report(rows: list[CandidateResult]) -> TuneReport:
 def test_figure_labels_break_between_words_never_inside_one():
     """A label breaks after a separator ("(", ",", a space); what does not fit on two lines ends in "…" at a
     break; only a single word longer than a line is cut, and the "…" says so."""
-    from aitune.torch.report_html.page import _labels
+    from aitune.torch.report.html.page import _labels
 
     descriptions = [("inductor_jit", "TorchInductorJitBackend(freezing=True,memory_format=channels_last)"),
                     ("inductor_jit", "TorchInductorJitBackend(mode=max-autotune-no-cudagraphs,freezing=True)"),
@@ -157,7 +157,7 @@ def test_passed_bars_beyond_the_atol_line_say_which_rule_they_passed_by():
     """Comparisons from the real comparator: within atol (no note), rtol's share on large values, fp16
     tolerances of a reduced-precision candidate, fp32 parity of an fp16 output, SQNR of a quantized one, and a
     rejected candidate (no note: it did not pass)."""
-    from aitune.torch.correctness import OutputComparator, Tolerance
+    from aitune.torch.check.correctness import OutputComparator, Tolerance
 
     def comparison(expected, actual, reference_fp32=None, **options):
         comparator = OutputComparator(Tolerance(), **options)
@@ -301,7 +301,7 @@ def browser():
 
 def _figure_name(row) -> str:
     """The first line of a row's figure label (figures name backends by their registered name)."""
-    from aitune.torch.report_html.page import _labels
+    from aitune.torch.report.html.page import _labels
 
     return _labels([row.to_dict()])[0].split("\n")[0]
 
@@ -372,7 +372,7 @@ def _manifest(path: Path) -> dict:
 
 
 def test_speedup_text_shows_quartiles_marks_noisy_figures_and_never_reads_zero():
-    from aitune.torch.report_html.page import speedup_text
+    from aitune.torch.report.html.page import speedup_text
 
     steady = {"q25": 3.95, "q75": 4.10, "min": 3.0, "max": 5.0, "rounds": 40, "noisy": False}
     noisy = {"q25": 2.9, "q75": 5.3, "min": 0.001, "max": 860.0, "rounds": 40, "noisy": True}

@@ -3,7 +3,7 @@ ranked above "1.20.0" (issue "One house", point 6)."""
 
 import pytest
 
-from aitune.torch.requirements import Requirement, probe_requirement, torch_version_at_least, version_at_least
+from aitune.torch.common.requirements import Requirement, probe_requirement, torch_version_at_least, version_at_least
 
 
 @pytest.mark.parametrize("version, minimum, expected", [

@@ -5,7 +5,7 @@ import torch
 
 from aitune.errors import ConfigError
 from aitune.torch.backend import TorchEagerBackend
-from aitune.torch.samples import BATCH, DYNAMIC, STATIC, BatchDim, CallSignature, DynamicDim, clone_tree, \
+from aitune.torch.record.samples import BATCH, DYNAMIC, STATIC, BatchDim, CallSignature, DynamicDim, clone_tree, \
     record_graphs
 
 
@@ -112,7 +112,7 @@ def test_extremes_of_every_axis_are_kept():
 
 
 def test_graph_spec_json_round_trip():
-    from aitune.torch.samples import GraphSpec, TensorSpec
+    from aitune.torch.record.samples import GraphSpec, TensorSpec
 
     class Model(torch.nn.Module):
         def forward(self, tokens, scale=1.0):

@@ -10,7 +10,7 @@ from fake_clock import pause
 
 import aitune.torch as ait
 from aitune.torch.backend import TorchEagerBackend, TorchInductorJitBackend, TorchInductorJitBackendConfig
-from aitune.torch.isolation import run_isolated
+from aitune.torch.backend.isolation import run_isolated
 
 
 def _net():
@@ -65,8 +65,8 @@ def test_a_finalist_measured_below_a_non_finalist_says_which_quick_figure_made_i
     """Rows of finalists show their full measurement and the others their quick one; where that makes a finalist
     look slower than a non-finalist (fresh-clone trial: Inductor + freezing 1.00x finalist, AOT 1.06x not), the
     finalist's row gives its quick figure."""
-    from aitune.torch.evaluation import Candidate
-    from aitune.torch.report import CandidateResult
+    from aitune.torch.search.evaluation import Candidate
+    from aitune.torch.report.rows import CandidateResult
     from aitune.torch.tune_strategy.base import _explain_finalists
 
     def candidate(name, quick, full=None):
@@ -438,7 +438,7 @@ class CrashingAotBuild(TorchEagerBackend):
 
 
 def test_a_candidate_that_crashed_is_remembered_and_skipped(fast_profiling, tmp_path):
-    from aitune.torch.crashes import CrashRegistry
+    from aitune.torch.search.crashes import CrashRegistry
 
     CrashingAotBuild.runs = 0
     for attempt in range(2):
@@ -459,7 +459,7 @@ def test_a_candidate_that_crashed_is_remembered_and_skipped(fast_profiling, tmp_
 
 def test_aitune_env_lists_and_clears_recorded_crashes(tmp_path, monkeypatch, capsys):
     from aitune.cli import main
-    from aitune.torch.crashes import CrashRegistry
+    from aitune.torch.search.crashes import CrashRegistry
 
     monkeypatch.setenv("AITUNE_CACHE_DIR", str(tmp_path))
     CrashRegistry(tmp_path / "crashes.json").record(CrashingAotBuild(), "cpu", "SIGSEGV", "killed by signal SIGSEGV",

@@ -11,9 +11,9 @@ from fake_clock import pause
 import aitune.torch as ait
 from aitune.torch.backend import BackendState, BuildMode, TorchEagerBackend, TorchInductorAotBackend, \
     TorchInductorJitBackend
-from aitune.torch.evaluation import Candidate
-from aitune.torch.profiling import Measurement, SampleTiming
-from aitune.torch.report import PASSED, CandidateResult
+from aitune.torch.search.evaluation import Candidate
+from aitune.torch.measure.profiling import Measurement, SampleTiming
+from aitune.torch.report.rows import PASSED, CandidateResult
 
 SLEEP_S = 0.003
 

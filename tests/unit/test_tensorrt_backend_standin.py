@@ -26,8 +26,8 @@ pytest.importorskip("modelopt.onnx", reason="nvidia-modelopt's ONNX tools not im
 import fake_tensorrt  # noqa: E402
 from aitune.torch.backend import ONNXAutoCastConfig, TensorRTBackend, TensorRTBackendConfig  # noqa: E402
 from aitune.torch.backend.base import Check  # noqa: E402
-from aitune.torch.correctness import OutputComparator, Tolerance  # noqa: E402
-from aitune.torch.samples import record_graphs  # noqa: E402
+from aitune.torch.check.correctness import OutputComparator, Tolerance  # noqa: E402
+from aitune.torch.record.samples import record_graphs  # noqa: E402
 
 
 def standin_build_engine(*, onnx_path, engine_path, profiles, input_names, output_names, check_inputs_path,

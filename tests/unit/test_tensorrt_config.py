@@ -26,7 +26,7 @@ from aitune.torch.backend import (
     TorchTensorRTJitBackendConfig,
 )
 from aitune.torch.backend.tensorrt import profiles as rules
-from aitune.torch.samples import BatchDim, record_graphs
+from aitune.torch.record.samples import BatchDim, record_graphs
 
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 HAS_TORCH_TENSORRT = importlib.util.find_spec("torch_tensorrt") is not None
@@ -100,7 +100,7 @@ def test_importing_aitune_torch_does_not_import_tensorrt_stack():
     import subprocess
     import sys
 
-    code = ("import sys, aitune.torch, aitune.torch.backend, aitune.torch.cuda_graphs;"
+    code = ("import sys, aitune.torch, aitune.torch.backend, aitune.torch.backend.cuda_graphs;"
             "heavy=[m for m in sys.modules if m.split('.')[0] in "
             "('tensorrt','torch_tensorrt','modelopt','polygraphy','onnx','onnxruntime')];print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -401,7 +401,7 @@ def test_accepts_is_false_outside_every_profile():
                                              "none, so it never runs there")
 @pytest.mark.gpu
 def test_tensorrt_builds_and_matches_eager_c27(tmp_path):  # pragma: no cover - never runs here
-    from aitune.torch.correctness import OutputComparator, Tolerance
+    from aitune.torch.check.correctness import OutputComparator, Tolerance
 
     net = Net().cuda().eval()
     graph = record_graphs(net, [((torch.randn(b, 3, 64, 64, device="cuda"),), {}) for b in (1, 8, 16)])[0]

@@ -19,8 +19,8 @@ from aitune.torch.backend.tensorrt.quantization import (  # noqa: E402
     quantize_onnx,
     write_calibration_data,
 )
-from aitune.torch.correctness import OutputComparator, Tolerance  # noqa: E402
-from aitune.torch.samples import record_graphs  # noqa: E402
+from aitune.torch.check.correctness import OutputComparator, Tolerance  # noqa: E402
+from aitune.torch.record.samples import record_graphs  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -84,7 +84,7 @@ def test_autocast_fp16_matches_eager_at_fp16_tolerance(exported, keep_io_types):
 def test_autocast_runs_in_the_isolated_child_like_the_backend(exported):
     """The backend runs autocast through run_isolated; the same step works in a fresh interpreter."""
     from aitune.torch.backend.tensorrt import TensorRTBackend
-    from aitune.torch.isolation import run_isolated
+    from aitune.torch.backend.isolation import run_isolated
 
     module, graph, export, samples, directory = exported
     calibration = write_calibration_data(samples, export.input_names, directory / "calibration_child")

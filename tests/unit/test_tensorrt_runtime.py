@@ -20,7 +20,7 @@ import torch
 from aitune.errors import BackendRuntimeError
 from aitune.torch.backend.flat import FlatIO
 from aitune.torch.backend.tensorrt.runtime import TensorRTRunner
-from aitune.torch.samples import record_graphs
+from aitune.torch.record.samples import record_graphs
 from fake_tensorrt import FakeDataType, FakeTensorRTEngine, fake_trt
 
 

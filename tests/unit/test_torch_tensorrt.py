@@ -17,8 +17,8 @@ from aitune.torch.backend.torch_tensorrt import (
     export_flat_module,
 )
 from aitune.torch.backend import TorchTensorRTConfig
-from aitune.torch.correctness import OutputComparator
-from aitune.torch.samples import record_graphs
+from aitune.torch.check.correctness import OutputComparator
+from aitune.torch.record.samples import record_graphs
 
 HAS_TORCH_TENSORRT = importlib.util.find_spec("torch_tensorrt") is not None
 NEEDS_TORCH_TENSORRT = pytest.mark.skipif(

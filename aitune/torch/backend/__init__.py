@@ -4,7 +4,7 @@ Optional heavy packages (onnxruntime, torchao, tensorrt, torch_tensorrt, modelop
 imported only inside backend methods, never here.
 """
 
-from aitune.torch.compat.legacy_names import resolve as _resolve_legacy_name
+from aitune.torch.common.legacy_names import resolve as _resolve_legacy_name
 from aitune.torch.backend.base import (
     Backend,
     BackendConfig,

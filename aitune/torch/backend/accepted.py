@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from aitune.torch.dtypes import dtype_name
+from aitune.torch.common.dtypes import dtype_name
 
 
 @dataclasses.dataclass
@@ -137,7 +137,7 @@ class AcceptedInputs:
 def batch_axes(graph) -> list[tuple[int, int, int]]:
     """``(tensor spec position, axis, multiplier)`` of every batch axis of a graph (multiplier: the axis' size
     per batch item, 1 for a plain batch axis)."""
-    from aitune.torch.samples import BATCH
+    from aitune.torch.record.samples import BATCH
 
     axes = []
     for position, spec in enumerate(graph.tensor_specs):

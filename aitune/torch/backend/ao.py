@@ -21,7 +21,7 @@ from aitune.torch.backend.base import (
     Requirement,
     _to_jsonable,
 )
-from aitune.torch.requirements import validate_flags
+from aitune.torch.common.requirements import validate_flags
 from aitune.torch.backend.inductor_jit import (
     COMPILE_MODES,
     allow_many_variants,

@@ -31,10 +31,10 @@ from aitune.errors import (
     UnknownBackendError,
     one_line,
 )
-from aitune.torch.arguments import KnownFields
-from aitune.torch.build_log import into_build_log
-from aitune.torch.dtypes import dtype_from_name, dtype_name
-from aitune.torch.requirements import (  # noqa: F401 - re-exported for backends written against base
+from aitune.torch.common.arguments import KnownFields
+from aitune.torch.backend.build_log import into_build_log
+from aitune.torch.common.dtypes import dtype_from_name, dtype_name
+from aitune.torch.common.requirements import (  # noqa: F401 - re-exported for backends written against base
     Check,
     Requirement,
     check_requirements,
@@ -403,7 +403,7 @@ class Backend:
 
     def finish_build(self) -> "Backend":
         """Wait for a build step started in the background (NOTE [background builds] in
-        :mod:`aitune.torch.isolation`) and complete the build: BUILDING -> ACTIVE. No-op in other states.
+        :mod:`aitune.torch.backend.isolation`) and complete the build: BUILDING -> ACTIVE. No-op in other states.
 
         Raises:
             BackendBuildError: when the background step failed (the cause chained, build.log appended).
@@ -451,7 +451,7 @@ class Backend:
     @property
     def builds_in_background(self) -> bool:
         """True when this backend's heavy build step runs in a child process and can be started while other
-        candidates are evaluated (NOTE [background builds] in :mod:`aitune.torch.isolation`)."""
+        candidates are evaluated (NOTE [background builds] in :mod:`aitune.torch.backend.isolation`)."""
         return False
 
     _tier = 0  # set on search-space variants (see search_tier)
@@ -469,7 +469,7 @@ class Backend:
     def search_tier(self) -> int:
         """How much a search may spend on this candidate: 0 = always tried; 1 = an extra variant, tried only
         with an explicit time budget and >= 60 s of it left; 2 = expensive (max-autotune: minutes of kernel
-        benchmarking), tried only with >= 300 s left (see ``aitune.torch.evaluation.TIER_MIN_S``). A
+        benchmarking), tried only with >= 300 s left (see ``aitune.torch.search.evaluation.TIER_MIN_S``). A
         ``search_space`` marks its extra variants by setting ``_tier`` on them."""
         return self._tier
 
@@ -494,7 +494,7 @@ class Backend:
     def bakes_weights(self) -> bool:
         """True when the built artifact holds a copy of the module's weights (AOT artifacts, quantized copies,
         engines, Inductor ``freezing``): weights changed after tuning make it stale, so ``ait.Module`` runs
-        such calls eagerly once it notices (:class:`aitune.torch.guard.StateWatch`). JIT backends that read
+        such calls eagerly once it notices (:class:`aitune.torch.check.guard.StateWatch`). JIT backends that read
         the module's own parameters at every call return False."""
         return self.build_mode is BuildMode.AOT
 
@@ -592,7 +592,7 @@ class Backend:
             metadata: the JSON-able dict :meth:`save` returned.
             module: the user's module — needed by JIT backends (they recompile it; its weights are used), and
                 None when an AOT artifact is loaded on its own (the round-trip check of tuning).
-            graph: the :class:`~aitune.torch.samples.GraphSpec` restored with its samples (JIT backends
+            graph: the :class:`~aitune.torch.record.samples.GraphSpec` restored with its samples (JIT backends
                 recompile from them; ``graph.signature`` normalises calls).
             device: where to run (``"cpu"``, ``"cuda:0"``).
 

@@ -10,7 +10,7 @@ import torch
 
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
-from aitune.torch.pytree import tree_flatten, tree_unflatten
+from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -21,7 +21,7 @@ class TorchEagerBackendConfig(BackendConfig):
         autocast_enabled: run under ``torch.autocast`` on the module's device type.
         autocast_dtype: autocast dtype (``torch.float16``/``torch.bfloat16``); None = autocast's default.
         use_cuda_graphs: capture each input shape into a CUDA graph and replay it
-            (:class:`aitune.torch.cuda_graphs.CUDAGraphRunner`, up to 8 graphs, LRU); CUDA only.
+            (:class:`aitune.torch.backend.cuda_graphs.CUDAGraphRunner`, up to 8 graphs, LRU); CUDA only.
     """
 
     autocast_enabled: bool = False
@@ -107,7 +107,7 @@ class TorchEagerBackend(AutocastMixin, Backend):
         self._probe_output_dtypes(module, graph)
         self._graphs = None
         if self.config.use_cuda_graphs:
-            from aitune.torch.cuda_graphs import CUDAGraphRunner
+            from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
 
             self._graphs = CUDAGraphRunner(self._run, name=self.name)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from aitune.torch.pytree import TreeSpec, leaf_paths, path_to_name, tree_flatten, tree_unflatten
+from aitune.torch.record.pytree import TreeSpec, leaf_paths, path_to_name, tree_flatten, tree_unflatten
 
 
 class FlatModule(torch.nn.Module):
@@ -22,7 +22,7 @@ class FlatModule(torch.nn.Module):
 
     Args:
         module: the user's module (not copied; shares its parameters).
-        graph: the :class:`~aitune.torch.samples.GraphSpec` whose structure and constants are fixed.
+        graph: the :class:`~aitune.torch.record.samples.GraphSpec` whose structure and constants are fixed.
         output_spec: eager's output structure (non-tensor output leaves are kept as constants).
     """
 

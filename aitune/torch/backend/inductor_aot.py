@@ -1,14 +1,14 @@
 """TorchInductorAotBackend: ``torch.export`` + AOTInductor, a self-contained ``model.pt2`` package.
 
 Build steps (the backend contract: :mod:`aitune.torch.backend.base`; child processes:
-:mod:`aitune.torch.isolation`; reference: ``torch._inductor.aoti_compile_and_package`` /
+:mod:`aitune.torch.backend.isolation`; reference: ``torch._inductor.aoti_compile_and_package`` /
 ``aoti_load_package``, PyTorch "AOTInductor" tutorial):
 
 1. Parent: ``torch.export.export`` of the graph's :class:`~aitune.torch.backend.flat.FlatModule` with one
    shared ``Dim("batch")`` for every batch axis (derived ``k * batch`` for axes of size ``k * batch``),
-   named ``Dim``s for user-declared :class:`~aitune.torch.samples.DynamicDim` axes and bounded ``Dim.AUTO``
+   named ``Dim``s for user-declared :class:`~aitune.torch.record.samples.DynamicDim` axes and bounded ``Dim.AUTO``
    for other recorded dynamic axes. The ExportedProgram is saved with ``torch.export.save``.
-2. Child process (:func:`aitune.torch.isolation.run_isolated`): load it, ``aoti_compile_and_package`` to
+2. Child process (:func:`aitune.torch.backend.isolation.run_isolated`): load it, ``aoti_compile_and_package`` to
    ``model.pt2``, load the package and run it once on a sample saved as safetensors, compare the output
    shapes and dtypes with eager. A segfault, abort or hang there fails the build with its reason.
 3. Parent: only then loads the package itself.
@@ -37,12 +37,12 @@ import torch
 
 from aitune.errors import BackendBuildError, CheckpointError, ConfigError, IsolatedStepError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check
-from aitune.torch.requirements import torch_version_at_least
+from aitune.torch.common.requirements import torch_version_at_least
 from aitune.torch.backend.accepted import AcceptedInputs, batch_axes
 from aitune.torch.backend.flat import FlatIO, eager_output
-from aitune.torch.dtypes import dtype_name
-from aitune.torch.samples import BATCH, STATIC
-from aitune.torch.serialization import output_template_from_json, outputs_to_json
+from aitune.torch.common.dtypes import dtype_name
+from aitune.torch.record.samples import BATCH, STATIC
+from aitune.torch.record.serialization import output_template_from_json, outputs_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def compile_and_check_package(exported_path: str, package_path: str, sample_path
                               expected_outputs: list[dict], inductor_configs: dict | None, device: str) -> dict:
     """Compile an ExportedProgram with AOTInductor, load the package and run it once (the isolated step).
 
-    Runs in a child process started by :func:`aitune.torch.isolation.run_isolated`, and exchanges only files.
+    Runs in a child process started by :func:`aitune.torch.backend.isolation.run_isolated`, and exchanges only files.
 
     Args:
         exported_path: file written by ``torch.export.save``.
@@ -166,7 +166,7 @@ def loads_here(device: str, folder: Path) -> None:
     (a SIGSEGV in ``aoti_load_package``, for CPU and CUDA packages alike, even for a one-op
     model), after a compile that takes a minute for a real model. The child step therefore first compiles and
     loads a one-op package on ``device``: if this environment crashes, it crashes here, early, and the crash is
-    remembered (:mod:`aitune.torch.crashes`). Once a canary loaded on a device in this environment (a marker file
+    remembered (:mod:`aitune.torch.search.crashes`). Once a canary loaded on a device in this environment (a marker file
     in the user's cache), later builds skip it. A CPU canary ahead of a CUDA one was tried and dropped: the
     first C++ compile on a fresh machine can take a minute even for one op (later ones seconds;
     ``benchmarks/aoti_canary_time.py`` measures it), so it made the crash come later, not sooner.
@@ -180,7 +180,7 @@ def loads_here(device: str, folder: Path) -> None:
 def _canary(device: str, folder: Path) -> None:
     import os
 
-    from aitune.torch.crashes import CrashRegistry
+    from aitune.torch.search.crashes import CrashRegistry
 
     # A fact about the environment, not about a tune: kept in the user's cache, whatever AITUNE_CACHE_DIR says.
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
@@ -382,7 +382,7 @@ class TorchInductorAotBackend(Backend):
     Dynamic shapes: one shared batch ``Dim`` plus ``Dim.AUTO``/named dims for other dynamic axes, exported
     at batch >= 2 (NOTE [batch 1 and export] in this module). :meth:`accepts` takes only shapes
     inside the recorded/declared ranges that export kept; the caller runs eager for the others.
-    Compile and the first load+run happen in a child process with ``build_timeout_s`` (:mod:`aitune.torch.isolation`);
+    Compile and the first load+run happen in a child process with ``build_timeout_s`` (:mod:`aitune.torch.backend.isolation`);
     the child's output is in ``<workdir>/aoti_compile.log``.
     Inputs are made contiguous before each call (pytorch/pytorch#122784).
     Checkpoints hold ``model.pt2`` and the output structure only: loading needs neither the module nor
@@ -472,7 +472,7 @@ class TorchInductorAotBackend(Backend):
         self._io = flat_io
         self._package_path = package_path
         if self.config.isolate:
-            from aitune.torch.isolation import submit_isolated
+            from aitune.torch.backend.isolation import submit_isolated
 
             # NOTE [background builds]: with an executor set, the child compile runs while other candidates
             # are evaluated; finish_build() waits for it.
@@ -481,12 +481,12 @@ class TorchInductorAotBackend(Backend):
             if self._pending is None:
                 self._finish_compile(lambda: self._run_compile_step(step_kwargs))
         else:
-            from aitune.torch.isolation import resolve_target
+            from aitune.torch.backend.isolation import resolve_target
 
             self._finish_compile(lambda: resolve_target(self.compile_step)(**step_kwargs))
 
     def _run_compile_step(self, step_kwargs: dict) -> dict:
-        from aitune.torch.isolation import run_isolated
+        from aitune.torch.backend.isolation import run_isolated
 
         return run_isolated(self.compile_step, step_kwargs, timeout_s=self.config.build_timeout_s,
                             log_path=self.workdir / CHILD_LOG_FILE)

@@ -12,11 +12,11 @@ import torch
 
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
-from aitune.torch.requirements import validate_flags
+from aitune.torch.common.requirements import validate_flags
 from aitune.torch.backend.eager import AutocastMixin
-from aitune.torch.dtypes import is_fp32_model
-from aitune.torch.environment import native_bf16
-from aitune.torch.pytree import tree_flatten, tree_unflatten
+from aitune.torch.common.dtypes import is_fp32_model
+from aitune.torch.common.environment import native_bf16
+from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger(__name__)
 

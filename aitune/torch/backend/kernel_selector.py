@@ -206,7 +206,7 @@ class KernelSelectorBackend(Backend):
     # ---- build
     def _optimizer(self):
         from aitune.torch.kernel_forge import KernelOptimizer
-        from aitune.torch.profiling import ProfilingConfig
+        from aitune.torch.measure.profiling import ProfilingConfig
 
         config = self.config
         profiling = ProfilingConfig(warmup_rounds=config.warmup_rounds, min_rounds=5, max_rounds=200,

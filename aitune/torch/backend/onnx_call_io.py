@@ -16,12 +16,12 @@ import torch
 
 from aitune.errors import CheckpointError, ConfigError
 from aitune.torch.backend.accepted import AcceptedInput, AcceptedInputs, batch_axes
-from aitune.torch.dtypes import dtype_from_name, dtype_name
-from aitune.torch.pytree import LEAF, TreeSpec, hashable_constant, tree_flatten, tree_unflatten
-from aitune.torch.samples import CallSignature
-from aitune.torch.serialization import output_template_from_json, outputs_to_json
-from aitune.torch.serialization import tree_spec_from_json as spec_from_json
-from aitune.torch.serialization import tree_spec_to_json as spec_to_json
+from aitune.torch.common.dtypes import dtype_from_name, dtype_name
+from aitune.torch.record.pytree import LEAF, TreeSpec, hashable_constant, tree_flatten, tree_unflatten
+from aitune.torch.record.samples import CallSignature
+from aitune.torch.record.serialization import output_template_from_json, outputs_to_json
+from aitune.torch.record.serialization import tree_spec_from_json as spec_from_json
+from aitune.torch.record.serialization import tree_spec_to_json as spec_to_json
 
 if TYPE_CHECKING:
     from aitune.torch.backend.onnx_export import OnnxExport
@@ -54,7 +54,7 @@ class OnnxCallIO:
             slots). output_is_tensor: which output leaves are tensors (a None output leaf is a constant).
         accepted_shapes: when not None, the only flat input shapes the graph may run (shape-specialized).
         parameters: ``[name, kind, has_default]`` per parameter of the module's ``forward``, so a loaded
-            graph normalises calls like :class:`~aitune.torch.samples.CallSignature` without the module.
+            graph normalises calls like :class:`~aitune.torch.record.samples.CallSignature` without the module.
     """
 
     input_spec: TreeSpec
@@ -118,7 +118,7 @@ class OnnxCallIO:
         """Input leaves of a call, in the graph's order.
 
         Args:
-            args / kwargs: the call. signature: a :class:`~aitune.torch.samples.CallSignature` of the
+            args / kwargs: the call. signature: a :class:`~aitune.torch.record.samples.CallSignature` of the
                 module's ``forward`` to normalise the call first; default: the one stored at build.
 
         Raises:

@@ -30,8 +30,8 @@ import torch
 from aitune.errors import ConfigError
 from aitune.torch.backend.flat import FlatIO
 from aitune.torch.backend.onnx_graph import external_data_files, match_io, specialized_axes
-from aitune.torch.pytree import tree_flatten, tree_unflatten
-from aitune.torch.samples import BATCH, STATIC
+from aitune.torch.record.pytree import tree_flatten, tree_unflatten
+from aitune.torch.record.samples import BATCH, STATIC
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def export_onnx(module: torch.nn.Module, graph, path: Path | str, *, use_dynamo:
 
     Args:
         module: the user's module, in eval mode; not modified (parameters, buffers, training flags).
-        graph: a :class:`~aitune.torch.samples.GraphSpec` with at least one recorded sample.
+        graph: a :class:`~aitune.torch.record.samples.GraphSpec` with at least one recorded sample.
         path: the ``.onnx`` file to write (its folder is created); external data goes beside it, and the
             exporters' output, warnings and tracebacks go to ``<stem>_export.log`` beside it.
         use_dynamo: try the dynamo exporter first (True) or use only the TorchScript exporter (False).

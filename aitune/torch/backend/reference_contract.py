@@ -9,8 +9,8 @@ is adapted when its class is created (:func:`adapt`):
 
 * ``is_jit`` → ``build_mode`` (JIT / AOT); ``_devices`` → ``device_types``; registered under its class name;
 * aitune's ``build(module, graph, device, workdir)`` calls ``_build(module, graph, graph.samples, workdir)``
-  (``graph`` is aitune's :class:`~aitune.torch.samples.GraphSpec`: ``samples``, ``tensor_specs``,
-  ``input_names``, ``signature``; each :class:`~aitune.torch.samples.Sample` has ``args`` and ``kwargs``);
+  (``graph`` is aitune's :class:`~aitune.torch.record.samples.GraphSpec`: ``samples``, ``tensor_specs``,
+  ``input_names``, ``signature``; each :class:`~aitune.torch.record.samples.Sample` has ``args`` and ``kwargs``);
   ``run(args, kwargs)`` calls ``_infer(*args, **kwargs)``;
 * ``save(directory)`` stores ``to_dict()``: every :class:`ArtifactPath` is copied into the checkpoint,
   tensors go to a safetensors file, ``Path``/``torch.dtype``/``torch.device``/tuples are tagged, the rest must
@@ -46,7 +46,7 @@ from aitune.torch.backend.base import (
     BuildMode,
     register_subclass_hook,
 )
-from aitune.torch.dtypes import dtype_from_name, dtype_name
+from aitune.torch.common.dtypes import dtype_from_name, dtype_name
 
 logger = logging.getLogger(__name__)
 

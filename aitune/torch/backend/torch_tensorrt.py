@@ -32,11 +32,11 @@ from aitune.torch.backend.base import (
     Requirement,
     parse_dtype,
 )
-from aitune.torch.requirements import validate_flags
+from aitune.torch.common.requirements import validate_flags
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.backend.flat import FlatIO, eager_output
-from aitune.torch.dtypes import dtype_from_name, dtype_name
-from aitune.torch.samples import BATCH
+from aitune.torch.common.dtypes import dtype_from_name, dtype_name
+from aitune.torch.record.samples import BATCH
 
 logger = logging.getLogger(__name__)
 
@@ -457,7 +457,7 @@ class TorchTensorRTAotBackend(Backend):
 
     Wraps: Torch-TensorRT's AOT path. Extra: ``pip install 'aitune[torch-tensorrt]'``. Devices: CUDA only.
     The export runs in this process (it is plain ``torch.export``); compile, save and one load+run of the
-    artifact run in a child process with ``build_timeout_s`` (:mod:`aitune.torch.isolation`), logging to
+    artifact run in a child process with ``build_timeout_s`` (:mod:`aitune.torch.backend.isolation`), logging to
     ``<workdir>/torch_tensorrt_compile.log``. Checkpoints hold ``exported_model.pt`` and the output
     structure; loading needs neither the module nor its weights. Calls outside the recorded/declared shape
     range are refused by :meth:`accepts` (the Module runs eager).
@@ -489,7 +489,7 @@ class TorchTensorRTAotBackend(Backend):
         return Check(True)
 
     def _build(self, module, graph, device, workdir: Path) -> None:
-        from aitune.torch.isolation import run_isolated
+        from aitune.torch.backend.isolation import run_isolated
 
         settings = self.config.compile_config.settings(accepted_settings())
         exported, flat_io, example, inputs = export_flat_module(module, graph, device)
@@ -540,7 +540,7 @@ class TorchTensorRTAotBackend(Backend):
         self._compiled = None
 
     def _save(self, directory: Path) -> dict:
-        from aitune.torch.serialization import outputs_to_json
+        from aitune.torch.record.serialization import outputs_to_json
 
         target = directory / ARTIFACT_FILE
         if self._artifact.resolve() != target.resolve():
@@ -553,7 +553,7 @@ class TorchTensorRTAotBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        from aitune.torch.serialization import output_template_from_json
+        from aitune.torch.record.serialization import output_template_from_json
         from aitune.torch.backend.tensorrt.backend import StoredGraph, StoredTensorSpec
 
         from aitune.torch.checkpoint.archive import checkpoint_path

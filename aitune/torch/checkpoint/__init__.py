@@ -33,7 +33,7 @@ does not know are refused (``BackendConfig.from_dict``). Nothing is unpickled: t
 safetensors, everything else from JSON. Python types named by a checkpoint (user dataclasses, namedtuples,
 ``transformers`` ``ModelOutput`` classes in input/output structures) are looked up only among modules
 already imported in this process (``sys.modules``) and the few library modules of
-:data:`aitune.torch.serialization.IMPORTABLE_MODULES`, which may be imported; no other import happens.
+:data:`aitune.torch.record.serialization.IMPORTABLE_MODULES`, which may be imported; no other import happens.
 What this does not give: the SHA-256 digests are stored in and beside the archive, so they detect
 corruption and accidental changes (integrity), not tampering — whoever can rewrite the archive can rewrite
 its sums file too (NOTE [what the digests prove] in :mod:`.archive`). And an Inductor AOT artifact
@@ -57,7 +57,7 @@ from aitune.torch.checkpoint.load import ExtractedFiles, load
 from aitune.torch.checkpoint.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST
 from aitune.torch.checkpoint.save import save
 from aitune.torch.checkpoint.wrappers import WrapperEntry, find_wrappers
-from aitune.torch.serialization import tree_spec_from_json, tree_spec_to_json
+from aitune.torch.record.serialization import tree_spec_from_json, tree_spec_to_json
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "SUMS", "ExtractedFiles", "WrapperEntry",
            "describe_checkpoint", "find_wrappers", "load", "save", "sums_path", "tree_spec_from_json",

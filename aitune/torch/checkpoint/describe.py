@@ -9,7 +9,7 @@ from typing import Any
 
 from aitune.torch.checkpoint.archive import member_sizes, sums_path
 from aitune.torch.checkpoint.manifest import read_manifest
-from aitune.torch.report_html.page import speedup_text
+from aitune.torch.report.html.page import speedup_text
 
 
 def describe_checkpoint(path: str | os.PathLike, verify: bool = True) -> str:

@@ -19,13 +19,13 @@ from aitune.torch.checkpoint.archive import checkpoint_path, forget_extraction
 from aitune.torch.checkpoint.manifest import read_manifest, weights_digest
 from aitune.torch.checkpoint.plan import ModulePlan, plan_module, warn_differences
 from aitune.torch.checkpoint.wrappers import replace_at, resolve_path
-from aitune.torch.correctness import comparator_for
-from aitune.torch.guard import guard_for, signature
+from aitune.torch.check.correctness import comparator_for
+from aitune.torch.check.guard import guard_for, signature
 from aitune.torch.module import Module
-from aitune.torch.pytree import tree_unflatten
-from aitune.torch.samples import GraphSpec, Sample, clone_tree
-from aitune.torch.serialization import constant_from_json, tree_spec_from_json
-from aitune.torch.signature import CallSignature
+from aitune.torch.record.pytree import tree_unflatten
+from aitune.torch.record.samples import GraphSpec, Sample, clone_tree
+from aitune.torch.record.serialization import constant_from_json, tree_spec_from_json
+from aitune.torch.record.signature import CallSignature
 
 logger = logging.getLogger(__name__)
 

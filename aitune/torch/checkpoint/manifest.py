@@ -3,7 +3,7 @@
 Per tuned module: its path in the saved object, name, class, ``max_samples``, strategy, ``training``, weights
 file and tied-weight aliases, or, for a module whose weights are not stored (AOT-only), the digest of the
 weights its artifacts carry (``"weights_sha256"``, :func:`weights_digest`; None when it could not be taken).
-Per graph: :meth:`GraphSpec.to_json <aitune.torch.samples.GraphSpec.to_json>`
+Per graph: :meth:`GraphSpec.to_json <aitune.torch.record.samples.GraphSpec.to_json>`
 plus the backend (name, class, build mode, config, description, metadata), device and device facts,
 package versions, artifacts, output structure, samples file, the chosen backend's tune-report row and the
 tolerance it was compared with eager under (``"tolerance"``, a ``Tolerance.to_dict``; absent before it was
@@ -26,11 +26,11 @@ from aitune import __version__
 from aitune.errors import AITuneError, CheckpointError, CheckpointIntegrityError, CheckpointVersionError
 from aitune.torch.backend.base import BuildMode
 from aitune.torch.checkpoint.archive import read_unverified, read_verified
-from aitune.torch.correctness import Tolerance
-from aitune.torch.dtypes import dtype_name
-from aitune.torch.environment import device_facts, environment
-from aitune.torch.jsonsafe import json_safe
-from aitune.torch.serialization import tree_spec_to_json
+from aitune.torch.check.correctness import Tolerance
+from aitune.torch.common.dtypes import dtype_name
+from aitune.torch.common.environment import device_facts, environment
+from aitune.torch.common.jsonsafe import json_safe
+from aitune.torch.record.serialization import tree_spec_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def weights_digest(module: torch.nn.Module) -> str | None:
         bytes (a sparse tensor, a tensor subclass): ``ait.load`` then compares outputs instead (NOTE [eager
         fallback after load] in :mod:`aitune.torch.checkpoint.load`).
     """
-    from aitune.torch.cache import hash_tensor
+    from aitune.torch.search.cache import hash_tensor
 
     hasher = hashlib.sha256()
     for name, value in module.state_dict().items():
@@ -153,7 +153,7 @@ def graph_entry(graph, backend, module_name: str, *, base: str, metadata: dict, 
     """The manifest entry of one tuned graph (see the module docstring).
 
     Args:
-        graph: the :class:`~aitune.torch.samples.GraphSpec`. backend: its chosen backend.
+        graph: the :class:`~aitune.torch.record.samples.GraphSpec`. backend: its chosen backend.
         module_name: for error messages. base: the graph's folder in the archive (``modules/<m>/graphs/<g>``).
         metadata: what ``backend.save`` returned (plain JSON). artifacts: the files it wrote, relative posix.
         samples: the samples file entry (``{"file", "count", "batch_sizes"}``). tune_row: the chosen

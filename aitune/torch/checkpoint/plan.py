@@ -17,8 +17,8 @@ from aitune.torch.backend.base import BuildMode, get_backend_class
 from aitune.torch.checkpoint.archive import check_member_name
 from aitune.torch.checkpoint.manifest import check_state, graph_tolerance
 from aitune.torch.checkpoint.wrappers import path_text, resolve_path
-from aitune.torch.correctness import Tolerance
-from aitune.torch.environment import device_facts
+from aitune.torch.check.correctness import Tolerance
+from aitune.torch.common.environment import device_facts
 from aitune.torch.module import Module
 
 logger = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from aitune.torch.checkpoint.manifest import (
     weights_digest,
 )
 from aitune.torch.checkpoint.wrappers import WrapperEntry, find_wrappers, path_text
-from aitune.torch.jsonsafe import json_safe
-from aitune.torch.module_arguments import check_unique_names
+from aitune.torch.common.jsonsafe import json_safe
+from aitune.torch.record.module_arguments import check_unique_names
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Where the tuned wrappers of a saved object sit, as JSON paths (walked by :mod:`aitune.torch.locate`).
+"""Where the tuned wrappers of a saved object sit, as JSON paths (walked by :mod:`aitune.torch.record.locate`).
 
 A path is a list of ``[kind, key]`` steps: ``["module", name]`` (an ``nn.Module`` child), ``["attr", name]``
 (an object attribute), ``["key", key]`` (a dict entry, str or int keys only), ``["index", i]`` (a list/tuple
@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from aitune.errors import CheckpointError
-from aitune.torch.locate import ATTR, KEY, MODULE, PathNotFound, Step, resolve, set_child, walk
+from aitune.torch.record.locate import ATTR, KEY, MODULE, PathNotFound, Step, resolve, set_child, walk
 from aitune.torch.module import Module
 
 

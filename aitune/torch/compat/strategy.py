@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import Backend
-from aitune.torch.checks import check_against_eager
-from aitune.torch.correctness import comparator_for
-from aitune.torch.report import SELECTED, CandidateResult
+from aitune.torch.check.checks import check_against_eager
+from aitune.torch.check.correctness import comparator_for
+from aitune.torch.report.rows import SELECTED, CandidateResult
 
 if TYPE_CHECKING:
-    from aitune.torch.evaluation import GraphContext
+    from aitune.torch.search.evaluation import GraphContext
     from aitune.torch.tune_strategy.base import TuneStrategy
 
 

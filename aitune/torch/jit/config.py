@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from aitune.errors import ConfigError
-from aitune.torch.guard import GuardConfig
+from aitune.torch.check.guard import GuardConfig
 from aitune.torch.tune_strategy import FirstWinsStrategy, TuneStrategy
 from aitune.torch.tuning import cache_dir
 

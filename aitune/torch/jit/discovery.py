@@ -26,7 +26,7 @@ import wrapt
 from aitune.torch.jit import inspection, patching, state
 from aitune.torch.jit.config import JITMode, jit_config
 from aitune.torch.jit.patched_module import JitState, PatchedModule, track
-from aitune.torch.locate import MODULE, walk
+from aitune.torch.record.locate import MODULE, walk
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def prepare_for_jit_tuning() -> Iterator[None]:
 
 def add_candidates(obj: Any) -> None:
     """The modules ``obj`` holds (a model, a pipeline object, a tuple or dict of them; see
-    :mod:`aitune.torch.locate`) become candidates. Modules are not walked into: their top-level calls are
+    :mod:`aitune.torch.record.locate`) become candidates. Modules are not walked into: their top-level calls are
     what discovery sees."""
     for node in walk(obj, 4, follow=lambda step: step.kind != MODULE):
         value = node.value.__wrapped__ if isinstance(node.value, wrapt.ObjectProxy) else node.value

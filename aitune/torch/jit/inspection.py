@@ -2,7 +2,7 @@
 
 Switched on by ``import aitune.torch.jit.enable_inspection as inspection`` (or calling it with settings);
 ``inspection.save_report(path, model_name)`` writes the "Model Inspector" page
-(:func:`aitune.torch.report_html.render_jit_inspection`), and a run that never saved one writes
+(:func:`aitune.torch.report.html.render_jit_inspection`), and a run that never saved one writes
 ``jit_inspect_<timestamp>.html`` at exit. ``aitune.torch.jit.disable()`` puts every class back.
 
 Discovery is the tuning mode's (NOTE [discovery by global hooks]): a top-level call makes aitune look at its
@@ -49,13 +49,13 @@ from typing import Any
 
 import torch
 
-from aitune.torch.dtypes import dtype_name
+from aitune.torch.common.dtypes import dtype_name
 from aitune.torch.jit import patching, state
 from aitune.torch.jit.config import jit_config
 from aitune.torch.jit.patched_module import child_modules, exclusion
-from aitune.torch.pytree import tree_flatten
-from aitune.torch.samples import BATCH, GraphSpec, Sample, infer_batch_size
-from aitune.torch.signature import CallSignature, positional_parameter_names
+from aitune.torch.record.pytree import tree_flatten
+from aitune.torch.record.samples import BATCH, GraphSpec, Sample, infer_batch_size
+from aitune.torch.record.signature import CallSignature, positional_parameter_names
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class TypeSignatures:
 
     A signature is a call's structure plus, per leaf, a tensor's dtype, rank and device or another value's
     type (values themselves do not split signatures: a Python float timestep is one signature). Shapes are
-    kept as ranges and their axes classified by :class:`aitune.torch.samples.GraphSpec`, which is given no
+    kept as ranges and their axes classified by :class:`aitune.torch.record.samples.GraphSpec`, which is given no
     room for samples (``max_samples=0``): it keeps shapes, not tensors.
     """
 
@@ -519,7 +519,7 @@ def to_dict(model_name: str | None = None) -> dict:
         "overhead_s" (bookkeeping of inspected calls made inside others, s), "settings", "modules" (one
         :meth:`InspectModule.to_dict` tree per top-level module), "environment"}``.
     """
-    from aitune.torch.environment import environment
+    from aitune.torch.common.environment import environment
 
     nodes = modules()
     with _record_lock:
@@ -557,7 +557,7 @@ def describe() -> str:
 
 def save_report(path: str | os.PathLike | None = None, model_name: str | None = None) -> Path:
     """Write the "Model Inspector" page: one self-contained HTML file (NOTE [self-contained pages] in
-    :mod:`aitune.torch.report_html`): summary, a figure of the modules' time shares (with matplotlib), the
+    :mod:`aitune.torch.report.html`): summary, a figure of the modules' time shares (with matplotlib), the
     collapsible module tree, and every module's times, calls, parameters, input/output types and batch axes.
 
     Args:
@@ -572,7 +572,7 @@ def save_report(path: str | os.PathLike | None = None, model_name: str | None = 
     Raises:
         OSError: the file cannot be written.
     """
-    from aitune.torch.report_html import render_jit_inspection
+    from aitune.torch.report.html import render_jit_inspection
 
     target = _report_path(path)
     page = render_jit_inspection(to_dict(model_name))

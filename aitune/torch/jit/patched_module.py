@@ -20,8 +20,8 @@ from aitune.errors import AITuneError
 from aitune.torch.jit import patching, state
 from aitune.torch.jit.config import JITMode, jit_config
 from aitune.torch.module import Module, ModuleState, registered_modules, unregister
-from aitune.torch.pytree import tree_flatten
-from aitune.torch.samples import make_graph_key
+from aitune.torch.record.pytree import tree_flatten
+from aitune.torch.record.samples import make_graph_key
 from aitune.torch.tuning import tune_modules
 
 logger = logging.getLogger(__name__)

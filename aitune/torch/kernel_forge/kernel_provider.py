@@ -26,7 +26,7 @@ import torch
 import torch.nn.attention
 
 from aitune.errors import ConfigError
-from aitune.torch.requirements import Check, Requirement, check_requirements
+from aitune.torch.common.requirements import Check, Requirement, check_requirements
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ How a plan is made (:meth:`KernelOptimizer.make_plan`):
   3. Calls are dispatched at run time by *family*: every argument property except batch size and
      sequence lengths (:data:`~aitune.torch.kernel_forge.kernel_provider.FAMILY_FIELDS`). Per family every
      provider correct on all the family's examples is timed over those examples in alternation with the
-     original SDPA (:func:`aitune.torch.profiling.measure_pair`: a round of one, a round of the other, so
+     original SDPA (:func:`aitune.torch.measure.profiling.measure_pair`: a round of one, a round of the other, so
      a drifting machine does not favour whichever ran second; CUDA events on GPU, ``perf_counter_ns`` on
      CPU). The fastest provider is kept only if it beats the original by more than the measured noise
-     (:func:`aitune.torch.profiling.beats`). A plan may be empty.
+     (:func:`aitune.torch.measure.profiling.beats`). A plan may be empty.
 
 How calls are timed on a CUDA device (``timing="auto"``, the default): each example's call is captured
 :data:`CALLS_PER_GRAPH` times in one CUDA graph, and the graph's replays are timed with CUDA events, so a
@@ -49,10 +49,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from aitune.errors import ConfigError, CorrectnessError, ToleranceExceededError, one_line
-from aitune.torch.correctness import OutputComparator, Tolerance, cosine_similarity
+from aitune.torch.check.correctness import OutputComparator, Tolerance, cosine_similarity
 from aitune.torch.kernel_forge.kernel_provider import ORIGINAL_SDPA, KernelProvider, SDPACall, family_to_dict
 from aitune.torch.kernel_forge.plan import KernelChoice, KernelOptimizationPlan
-from aitune.torch.profiling import Measurement, ProfilingConfig, beats, measure, measure_pair
+from aitune.torch.measure.profiling import Measurement, ProfilingConfig, beats, measure, measure_pair
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class KernelOptimizer:
         atol / rtol: elementwise tolerance against the original SDPA output (default 2e-2 / 2e-2, an
             fp16 attention tolerance).
         min_cosine: cosine-similarity floor per call (default 0.999).
-        profiling: timing rules (:class:`aitune.torch.profiling.ProfilingConfig`); default 3 warm-up
+        profiling: timing rules (:class:`aitune.torch.measure.profiling.ProfilingConfig`); default 3 warm-up
             rounds and a 0.5 s budget per provider and family (shared with the original SDPA, timed in alternation).
         max_examples: distinct (call site, shape) examples kept (default 64); further ones run but are
             not examined.
@@ -206,7 +206,7 @@ class KernelOptimizer:
     # ---- step 1
     def find_calls(self, module: torch.nn.Module, samples: Any) -> list[RecordedCall]:
         """Run ``module`` on every sample (cloned, ``no_grad``) and return its SDPA calls by site and shape."""
-        from aitune.torch.samples import clone_tree
+        from aitune.torch.record.samples import clone_tree
 
         names = {id(sub): name or f"<root {type(sub).__name__}>" for name, sub in module.named_modules()}
         recorder = _RecordingMode(names, self.max_examples)
@@ -226,8 +226,8 @@ class KernelOptimizer:
 
         Args:
             module: the module (not changed; run eagerly under ``no_grad``).
-            samples: a list of ``(args, kwargs)``, of :class:`~aitune.torch.samples.Sample`, or a
-                :class:`~aitune.torch.samples.GraphSpec`.
+            samples: a list of ``(args, kwargs)``, of :class:`~aitune.torch.record.samples.Sample`, or a
+                :class:`~aitune.torch.record.samples.GraphSpec`.
             device: where the calls run (decides the timer); default: the first call's device.
 
         Returns:
@@ -390,12 +390,12 @@ class TimedCalls:
     calls_per_item: int = 1
 
     def measure(self, profiling: ProfilingConfig) -> Measurement:
-        """These calls alone (:func:`aitune.torch.profiling.measure`), ms per call."""
+        """These calls alone (:func:`aitune.torch.measure.profiling.measure`), ms per call."""
         return _per_call(measure(self.run, self.items, [1] * len(self.items), self.device, profiling),
                          self.calls_per_item)
 
     def measure_pair(self, other: "TimedCalls", profiling: ProfilingConfig) -> tuple[Measurement, Measurement]:
-        """These calls and ``other`` in alternation (:func:`aitune.torch.profiling.measure_pair`), ms per call."""
+        """These calls and ``other`` in alternation (:func:`aitune.torch.measure.profiling.measure_pair`), ms per call."""
         mine, theirs = measure_pair(self.run, self.items, other.run, other.items, [1] * len(self.items), self.device,
                                     profiling)
         return _per_call(mine, self.calls_per_item), _per_call(theirs, other.calls_per_item)

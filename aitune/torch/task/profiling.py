@@ -1,7 +1,7 @@
 """``aitune.torch.task.profiling``: the reference system's profiling configuration, on aitune's measurement.
 
 ``ProfilingConfig(batch_sizes=[...], measurement_stop_strategy=..., ...)`` is accepted wherever a strategy
-takes a ``profiling_config`` (it is an :class:`aitune.torch.profiling.ProfilingConfig`). How it maps:
+takes a ``profiling_config`` (it is an :class:`aitune.torch.measure.profiling.ProfilingConfig`). How it maps:
 
 * the *measurement stop strategy* decides how long each candidate is measured:
   :class:`NumStepsMeasuringStopStrategy` → ``warmup_samples`` warm-up rounds, then exactly ``num_steps``
@@ -24,7 +24,7 @@ import math
 from typing import Any, Iterable
 
 from aitune.errors import ConfigError
-from aitune.torch.profiling import ProfilingConfig as _MeasurementConfig
+from aitune.torch.measure.profiling import ProfilingConfig as _MeasurementConfig
 
 __all__ = ["AllSamplesProfilingStopStrategy", "ModelExecutionTimeMeasuringStrategy", "NumStepsMeasuringStopStrategy",
            "ProfilingConfig", "StableWindowMeasuringStopStrategy", "ThroughputSaturatedProfilingStopStrategy",
@@ -33,7 +33,7 @@ __all__ = ["AllSamplesProfilingStopStrategy", "ModelExecutionTimeMeasuringStrate
 
 @dataclasses.dataclass
 class ModelExecutionTimeMeasuringStrategy:
-    """Time each call (CUDA-synchronised wall time): what aitune's timer does (:class:`aitune.torch.profiling.Timer`)."""
+    """Time each call (CUDA-synchronised wall time): what aitune's timer does (:class:`aitune.torch.measure.profiling.Timer`)."""
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """Tune strategies: how candidates are chosen for each graph."""
 
-from aitune.torch.compat.legacy_names import resolve as _resolve_legacy_name
+from aitune.torch.common.legacy_names import resolve as _resolve_legacy_name
 from aitune.torch.tune_strategy.base import TuneStrategy
 from aitune.torch.tune_strategy.first_wins import FirstWinsStrategy
 from aitune.torch.tune_strategy.latency_budget import LatencyBudgetStrategy

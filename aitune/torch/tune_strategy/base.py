@@ -1,7 +1,7 @@
 """The strategy base: configuration shared by every strategy and the rules for choosing among candidates.
 
 Strategies only choose. Evaluating one candidate (availability → supports → build → check against eager →
-round trip → measure) is :func:`aitune.torch.evaluation.evaluate`, the same path for every strategy; a
+round trip → measure) is :func:`aitune.torch.search.evaluation.evaluate`, the same path for every strategy; a
 failing candidate never stops tuning (except in :class:`OneBackendStrategy`, which by design re-raises the
 original error): it becomes a report row with a one-line reason naming the real cause and its log path.
 """
@@ -17,11 +17,11 @@ from typing import Callable, Iterable
 import torch
 
 from aitune.errors import AITuneError, ConfigError
-from aitune.torch.arguments import init_keywords, reject_unknown_keywords
+from aitune.torch.common.arguments import init_keywords, reject_unknown_keywords
 from aitune.torch.backend.base import Backend, BuildMode
 from aitune.torch.compat import strategy as reference_strategy
-from aitune.torch.correctness import Tolerance
-from aitune.torch.evaluation import (
+from aitune.torch.check.correctness import Tolerance
+from aitune.torch.search.evaluation import (
     Candidate,
     Evaluation,
     EvaluationSettings,
@@ -33,12 +33,12 @@ from aitune.torch.evaluation import (
     start,
     unsupported,
 )
-from aitune.torch.max_batch_size import MaxBatchSizeSearch
-from aitune.torch.memory import DeviceSection
-from aitune.torch.probes import ProbeConfig
-from aitune.torch.profiling import ProfilingConfig, reaches_speedup
-from aitune.torch.rankings import candidate_key, reused
-from aitune.torch.report import PASSED, SELECTED, SKIPPED, CandidateResult
+from aitune.torch.search.max_batch_size import MaxBatchSizeSearch
+from aitune.torch.measure.memory import DeviceSection
+from aitune.torch.check.probes import ProbeConfig
+from aitune.torch.measure.profiling import ProfilingConfig, reaches_speedup
+from aitune.torch.search.rankings import candidate_key, reused
+from aitune.torch.report.rows import PASSED, SELECTED, SKIPPED, CandidateResult
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +82,10 @@ class TuneStrategy:
 
     Args:
         backends: candidate backends (blueprints, copied before each build); None = :func:`default_backends`.
-        profiling_config: how to measure (:class:`~aitune.torch.profiling.ProfilingConfig`).
-        tolerance: thresholds of the comparison with eager (:class:`~aitune.torch.correctness.Tolerance`).
+        profiling_config: how to measure (:class:`~aitune.torch.measure.profiling.ProfilingConfig`).
+        tolerance: thresholds of the comparison with eager (:class:`~aitune.torch.check.correctness.Tolerance`).
         probe_config: inputs beyond the recorded samples that every candidate is also checked on
-            (:class:`~aitune.torch.probes.ProbeConfig`; default: up to 12 probes, 10 s per candidate).
+            (:class:`~aitune.torch.check.probes.ProbeConfig`; default: up to 12 probes, 10 s per candidate).
         allow_quantization: may a quantizing candidate (TorchAO, TensorRT with int8/fp8) be *selected*? They
             are always measured and shown. None (default) = only when you listed the backends yourself;
             with the default candidates a quantizing one is shown as "would be N x at SQNR ..." but not used.
@@ -118,9 +118,9 @@ class TuneStrategy:
                     raise ConfigError(f"{type(self).__name__}: {backend!r} is not an aitune backend; pass "
                                       "instances such as TorchInductorJitBackend()")
         if profiling_config is not None and not isinstance(profiling_config, ProfilingConfig):
-            raise ConfigError("profiling_config must be an aitune.torch.profiling.ProfilingConfig")
+            raise ConfigError("profiling_config must be an aitune.torch.measure.profiling.ProfilingConfig")
         if tolerance is not None and not isinstance(tolerance, Tolerance):
-            raise ConfigError("tolerance must be an aitune.torch.correctness.Tolerance")
+            raise ConfigError("tolerance must be an aitune.torch.check.correctness.Tolerance")
         if probe_config is not None and not isinstance(probe_config, ProbeConfig):
             raise ConfigError("probe_config must be an aitune.torch.ProbeConfig")
         if allow_quantization is not None and not isinstance(allow_quantization, bool):
@@ -145,12 +145,12 @@ class TuneStrategy:
         """Turn the comparison with eager on/off; optionally set its tolerance. Returns self.
 
         Raises:
-            ConfigError: when ``tolerance`` is not an :class:`~aitune.torch.correctness.Tolerance`.
+            ConfigError: when ``tolerance`` is not an :class:`~aitune.torch.check.correctness.Tolerance`.
         """
         self.correctness_check = bool(enabled)
         if tolerance is not None:
             if not isinstance(tolerance, Tolerance):
-                raise ConfigError("tolerance must be an aitune.torch.correctness.Tolerance")
+                raise ConfigError("tolerance must be an aitune.torch.check.correctness.Tolerance")
             self.tolerance = tolerance
         return self
 
@@ -176,7 +176,7 @@ class TuneStrategy:
                                    max_memory_bytes: int | None = None, latency_limit_ms: float | None = None,
                                    memory_fraction: float = 0.5) -> "TuneStrategy":
         """Before tuning each graph, search the largest batch that fits memory (and ``latency_limit_ms``) and
-        tune for the range up to it (:mod:`aitune.torch.max_batch_size`; reported as the graph's
+        tune for the range up to it (:mod:`aitune.torch.search.max_batch_size`; reported as the graph's
         ``max_batch_size`` entry). Off by default. Returns self.
 
         Args:
@@ -314,7 +314,7 @@ class TuneStrategy:
 
     def evaluate(self, blueprint: Backend, context: GraphContext, *, measure_it: bool = True,
                  raise_errors: bool = False) -> Candidate:
-        """One candidate through :func:`aitune.torch.evaluation.evaluate` with this strategy's settings."""
+        """One candidate through :func:`aitune.torch.search.evaluation.evaluate` with this strategy's settings."""
         return evaluate(blueprint, context, self.settings(measure=measure_it), raise_errors=raise_errors)
 
     finalists = 3  # candidates measured at full length after the quick round (successive halving)
@@ -413,12 +413,12 @@ class TuneStrategy:
         _explain_finalists(finalists, [c for c in measured if c not in finalists])
         return candidates
 
-    # ---- earlier rankings (aitune/torch/rankings.py)
+    # ---- earlier rankings (aitune/torch/search/rankings.py)
     reuse_rankings = True
 
     def enable_ranking_reuse(self, enabled: bool = True) -> "TuneStrategy":
         """Re-tunes of the same graph in the same environment build only the earlier winners (default on;
-        see :mod:`aitune.torch.rankings`). ``False``: every tune searches all candidates. Returns self."""
+        see :mod:`aitune.torch.search.rankings`). ``False``: every tune searches all candidates. Returns self."""
         self.reuse_rankings = bool(enabled)
         return self
 
@@ -446,7 +446,7 @@ class TuneStrategy:
 
     def _search_again(self, context: GraphContext, blueprints: list[Backend],
                       record: dict) -> tuple[list[Candidate] | None, dict[int, Candidate]]:
-        """Evaluate only the earlier winners (:func:`aitune.torch.rankings.reused`); the other candidates get
+        """Evaluate only the earlier winners (:func:`aitune.torch.search.rankings.reused`); the other candidates get
         ``skipped`` rows. Returns ``(candidates, {})``, or ``(None, evaluated)`` when no earlier winner passes now:
         the caller then searches in full, reusing ``evaluated`` (blueprint index -> candidate)."""
         wanted = set(reused(record))
@@ -570,7 +570,7 @@ def quick_profiling(config: ProfilingConfig) -> ProfilingConfig:
 def _score(by_latency: bool) -> Callable[[Candidate], float]:
     """Higher is better. By latency: the inverse of the smallest batch's median latency. By throughput: the
     row's speed-up over eager (eager's own row: 1.0), which for a candidate timed in alternation with eager is
-    the paired median (NOTE [paired speed-up] in aitune/torch/profiling.py): every candidate is then compared
+    the paired median (NOTE [paired speed-up] in aitune/torch/measure/profiling.py): every candidate is then compared
     with eager under the conditions of its own rounds, so load that comes and goes between one candidate's
     measurement and another's (or eager's) does not decide the choice. Without a speed-up: the raw throughput
     relative to nothing, i.e. 0 (never preferred)."""

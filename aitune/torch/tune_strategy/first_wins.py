@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aitune.torch.report import REJECTED_PERFORMANCE, SKIPPED, CandidateResult
+from aitune.torch.report.rows import REJECTED_PERFORMANCE, SKIPPED, CandidateResult
 from aitune.torch.tune_strategy.base import TuneStrategy
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from aitune.errors import ConfigError, TuningError
-from aitune.torch.report import REJECTED_PERFORMANCE
+from aitune.torch.report.rows import REJECTED_PERFORMANCE
 from aitune.torch.tune_strategy.base import Candidate, TuneStrategy
 
 

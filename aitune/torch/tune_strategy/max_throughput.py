@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from aitune.torch.report import REJECTED_PERFORMANCE
+from aitune.torch.report.rows import REJECTED_PERFORMANCE
 from aitune.torch.tune_strategy.base import TuneStrategy
 
 
 class MaxThroughputStrategy(TuneStrategy):
     """Evaluate every backend; choose the highest throughput over the recorded samples (all batch sizes), judged
     by each candidate's paired speed-up over eager (timed in alternation with it, NOTE [paired speed-up] in
-    :mod:`aitune.torch.profiling`), so load that comes and goes between measurements does not decide.
+    :mod:`aitune.torch.measure.profiling`), so load that comes and goes between measurements does not decide.
 
     Eager is measured in the same run and competes (unless performance validation is off). A candidate
     must beat the best by more than the measured noise; within the noise the simpler one wins (eager,

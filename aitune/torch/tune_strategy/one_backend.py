@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import Backend
-from aitune.torch.report import REJECTED_PERFORMANCE
+from aitune.torch.report.rows import REJECTED_PERFORMANCE
 from aitune.torch.tune_strategy.base import TuneStrategy
 
 

@@ -10,7 +10,7 @@ import torch
 
 from aitune.errors import BackendRuntimeError, CheckpointError, ConfigError
 from aitune.torch.backend.base import Backend, BuildMode, Check, Requirement
-from aitune.torch.requirements import probe_requirement
+from aitune.torch.common.requirements import probe_requirement
 from aitune.torch.backend.flat import FlatIO
 from aitune.torch.backend.tensorrt import profiles as profile_rules
 from aitune.torch.backend.tensorrt.config import (
@@ -20,7 +20,7 @@ from aitune.torch.backend.tensorrt.config import (
     TorchQuantizationConfig,
 )
 from aitune.torch.backend.tensorrt.quantization import MODELOPT_REQUIREMENT
-from aitune.torch.dtypes import dtype_name
+from aitune.torch.common.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class TensorRTBackend(Backend):
     :class:`BackendRuntimeError` naming the input and the profile ranges. int64 inputs are bound as int64
     (TensorRT >= 10) or converted to int32 when the engine asks for it (values outside int32 are an error);
     float64/complex inputs are refused before building (TensorRT has no such tensors).
-    With ``use_cuda_graphs`` runs are captured per input shape (:mod:`aitune.torch.cuda_graphs`).
+    With ``use_cuda_graphs`` runs are captured per input shape (:mod:`aitune.torch.backend.cuda_graphs`).
 
     Known limitations: engines load only with the TensorRT version and GPU model they were built for
     (see ``compatibility_level``); ``enable_tf32=True`` (default) makes fp32 results TF32-accurate; in-place
@@ -154,7 +154,7 @@ class TensorRTBackend(Backend):
     # ---- build
     def _build(self, module, graph, device, workdir: Path) -> None:
         from aitune.torch.backend.onnx_export import export_onnx
-        from aitune.torch.isolation import run_isolated
+        from aitune.torch.backend.isolation import run_isolated
 
         config = self.config
         onnx_dir, trt_dir = workdir / "onnx", workdir / "tensorrt"
@@ -258,7 +258,7 @@ class TensorRTBackend(Backend):
                                       output_dtypes=self._io.output_dtypes, input_paths=self._paths)
         self._graphs = None
         if self.config.use_cuda_graphs:
-            from aitune.torch.cuda_graphs import CUDAGraphRunner
+            from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
 
             self._graphs = CUDAGraphRunner(self._run_engine, max_graphs=self.config.max_cuda_graphs, name=self.name,
                                            before_replay=self._restore_shapes)
@@ -321,7 +321,7 @@ class TensorRTBackend(Backend):
 
     # ---- checkpoints
     def _save(self, directory: Path) -> dict:
-        from aitune.torch.serialization import outputs_to_json
+        from aitune.torch.record.serialization import outputs_to_json
 
         target = directory / ENGINE_FILE
         if self._engine_path.resolve() != target.resolve():
@@ -340,7 +340,7 @@ class TensorRTBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        from aitune.torch.serialization import output_template_from_json
+        from aitune.torch.record.serialization import output_template_from_json
 
         from aitune.torch.checkpoint.archive import checkpoint_path
 

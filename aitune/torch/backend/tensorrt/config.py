@@ -18,7 +18,7 @@ import torch
 
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import BackendConfig
-from aitune.torch.pytree import path_to_str
+from aitune.torch.record.pytree import path_to_str
 
 #: Builder optimization levels TensorRT accepts (``IBuilderConfig.builder_optimization_level``; TRT default 3).
 OPTIMIZATION_LEVELS = range(0, 6)

@@ -1,4 +1,4 @@
-"""ONNX -> TensorRT engine build, run in a child process by :func:`aitune.torch.isolation.run_isolated`.
+"""ONNX -> TensorRT engine build, run in a child process by :func:`aitune.torch.backend.isolation.run_isolated`.
 
 An engine build can crash or hang the interpreter, so :func:`build_engine` is a
 file-to-file step: it reads the ONNX file, writes the serialized engine (``.plan``), then deserializes the

@@ -1,7 +1,7 @@
 """TensorRT optimization profiles: derived from recorded shapes, checked, and selected at run time.
 
 A *profile* here is ``{engine input name: (min, opt, max)}`` with shapes as tuples of ints. These are
-pure functions of a :class:`~aitune.torch.samples.GraphSpec` and shapes, so they are tested without
+pure functions of a :class:`~aitune.torch.record.samples.GraphSpec` and shapes, so they are tested without
 TensorRT. TensorRT's rule (``IOptimizationProfile``): a call runs under a profile when, for every input,
 ``min[i] <= shape[i] <= max[i]`` on every axis; opt is the shape kernels are tuned for.
 """

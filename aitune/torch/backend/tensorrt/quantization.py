@@ -8,7 +8,7 @@
   deep copy of the module, before the ONNX export.
 
 The two ONNX steps are file-to-file with JSON-able arguments so the backend runs them in a child process
-(:func:`aitune.torch.isolation.run_isolated`). Calibration data travels as ``.npz`` files, one per
+(:func:`aitune.torch.backend.isolation.run_isolated`). Calibration data travels as ``.npz`` files, one per
 recorded sample, keyed by ONNX input name (the format ModelOpt's autocast reads from a directory).
 """
 
@@ -151,7 +151,7 @@ def quantize_torch(module: torch.nn.Module, samples: Sequence, preset: str) -> t
 
     Args:
         module: the user's module (eval mode).
-        samples: recorded :class:`~aitune.torch.samples.Sample` s run as the calibration forward loop.
+        samples: recorded :class:`~aitune.torch.record.samples.Sample` s run as the calibration forward loop.
         preset: name of a ModelOpt config (``"FP8_DEFAULT_CFG"``, ``"INT8_DEFAULT_CFG"``, ...).
 
     Raises:

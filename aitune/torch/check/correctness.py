@@ -1,0 +1,639 @@
+"""Compare a candidate's outputs with eager PyTorch, leaf by leaf, by value.
+
+Rules, per output leaf:
+  1. Same structure (container types, keys, number of leaves), shape, dtype, device and memory format
+     (a channels-last output where eager returns a contiguous one, or the reverse, is a mismatch).
+     Library objects registered with PyTorch's pytree (transformers' key/value caches) are opened and their
+     tensors compared leaf by leaf (pytorch/pytorch#148748).
+  2. Finite where eager is finite; NaN/Inf only where eager has the same NaN/Inf (pytorch/pytorch PR#159973:
+     an exported SDPA gave NaN for fully masked rows where eager does not).
+  3. Float leaves: ``|candidate - eager| <= atol + rtol * |eager|`` (the rule of ``torch.isclose``) with
+     per-dtype defaults: fp32/fp64 ``atol=1e-4, rtol=1e-3``; fp16/bf16 ``atol=rtol=1e-2``.
+     Quantizing backends instead need SQNR >= ``min_sqnr_db`` (torchao's tests use 20 dB) and cosine
+     similarity >= ``min_cosine`` (Torch-TensorRT's tests use 0.99).
+  4. Integer/bool leaves and constants must be equal.
+  5. fp16/bf16 leaves that miss rule 3 get a second chance against an fp32 run of the same module: the
+     candidate passes if its RMSE from the fp32 result is at most ``fp32_parity_multiplier`` (2) times eager
+     fp16's own RMSE from it, plus the leaf dtype's ``atol / 10`` — "no less accurate than eager at this
+     precision". The rule and numbers follow PyTorch's own accuracy check for compiled models
+     (``torch._dynamo.utils.same`` with an fp64 reference: ``res_error <= multiplier * ref_error + tol / 10``,
+     multiplier 2). The report says when a leaf passed this way. The fp32 run has TF32 off
+     (:func:`exact_fp32`). On CUDA with TF32 allowed (:func:`tf32_allowed`; PyTorch's default lets cuDNN
+     convolutions use TF32) fp32 leaves get the same second chance: eager itself is then only TF32-accurate
+     (on a convnet, correct compiled candidates can sit around 1e-3 off eager's logits), so a candidate is
+     judged against eager's own distance from the exact fp32 result.
+  6. On probes that scale float inputs (x10, x0.1, :mod:`aitune.torch.check.probes`), a leaf that misses rules 3 and
+     5 gets a third chance. A leaf that rule 5 applies to (fp16/bf16 leaves, fp32 leaves of a TF32 eager):
+     rule 5 with a multiplier of 4 instead of 2, and then its worst element too must stay within 4x eager's
+     worst element (both against the exact fp32 run). An fp32 leaf of an exact eager, for a reduced-precision
+     candidate (autocast, TF32): rule 3 with ``atol`` times the growth of that output's magnitude from the
+     samples to the probe (clamped to [1, the probe's factor]). See NOTE [judging probes at other magnitudes].
+
+NOTE [judging probes at other magnitudes]: rules 3 and 5 fix their thresholds for the magnitudes the user's
+samples produce. A probe that multiplies the float inputs by 10 sends magnitudes the user never sent; in
+fp16/bf16 (or TF32) rounding errors grow with the values, and a transformation that reorders floating-point
+work (BatchNorm folded into a convolution, fused or re-tiled reductions) grows them differently from eager:
+fp16 ResNet-50 with folded BatchNorm, the folding TensorRT and ONNX Runtime apply by default, was rejected on
+such a probe at 2.3x eager's own RMSE from an exact fp32 run. Those probes exist to find faults that depend on
+values (a branch or a clamp baked in at trace time, a value range another kernel handles, a saturating
+accumulator). So on a scaled probe "no less accurate than eager" allows 4x instead of 2x; a leaf that needs
+that allowance must also keep its worst element within 4x eager's worst, so a fault in a few elements is not
+averaged away by the RMSE. Where eager itself is the exact result (fp32 on the CPU) and the candidate computes
+in reduced precision, its rounding is judged by rule 3, whose ``atol`` is an error allowed at the magnitudes
+the samples' outputs had: it grows with the output's own magnitude on the probe (an output that saturates,
+such as a softmax, keeps ``atol`` as it is). The limits, stated plainly: a fault smaller than 4x eager's own
+worst rounding error on that output, at that magnitude, or within the grown ``atol``, cannot be told from
+rounding and passes the probe (the run-time guard still compares real calls by rules 3 and 5). Exact-fp32
+candidates on exact-fp32 leaves (rounding near 1e-7 of the values, well inside ``rtol``) and quantized
+candidates get no third chance; samples, size probes and probes at the user's magnitudes keep rules 3 and 5
+as they are.
+
+NOTE [chunked comparison]: leaves are compared a chunk at a time (:data:`~aitune.torch.check.references.CHUNK_ELEMENTS`,
+2^20 elements) on the candidate output's device, in float32 for fp32/fp16/bf16 values and float64 for float64
+ones; maxima, counts and the SQNR/cosine sums run across chunks (sums of squares scaled by each chunk's largest
+magnitude, accumulated in float64 scalars). An fp16 output of 2^31 elements used to need ~10 full copies
+(CPU, then float64, differences, masks); now the check holds one chunk's temporaries. Results equal the
+float64 ones within float32 rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any, Iterator
+
+import torch
+
+from aitune.errors import ConfigError, ShapeMismatchError, ToleranceExceededError
+from aitune.torch.common.arguments import KnownFields
+from aitune.torch.record.pytree import leaf_paths, path_to_str, tree_flatten
+from aitune.torch.check.references import (
+    CHUNK_ELEMENTS,
+    StoredTensor,
+    chunk_plan,
+    flat_piece,
+    piece_of,
+    flatten_outputs,
+    memory_format,
+)
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# rule 5's multiplier on scaled probes, for the RMSE and the worst element (NOTE [judging probes at other magnitudes])
+SCALED_PROBE_PARITY_MULTIPLIER = 4.0
+
+
+def tf32_allowed() -> bool:
+    """May CUDA fp32 work run in TF32 (or lower) under the current settings: cuDNN convolutions
+    (``torch.backends.cudnn.allow_tf32``, True by default) or matmuls (``torch.get_float32_matmul_precision()``
+    other than ``"highest"``)? Settings that mix PyTorch's legacy and new TF32 APIs cannot be read: True."""
+    try:
+        return bool(torch.backends.cudnn.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:
+        return True
+
+
+@contextlib.contextmanager
+def exact_fp32() -> Iterator[None]:
+    """CUDA fp32 convolutions and matmuls in full fp32 (TF32 off) for a reference run; the user's settings are
+    restored after. The settings are process-wide: another thread's CUDA work during the reference run runs
+    without TF32 too (slower, never less accurate)."""
+    try:
+        matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    except RuntimeError:  # mixed legacy/new TF32 settings: leave them alone
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+@dataclasses.dataclass(kw_only=True)
+class Tolerance(KnownFields):
+    """Thresholds used to compare with eager.
+
+    Args:
+        atol / rtol: for fp32/fp64 leaves (defaults 1e-4 / 1e-3).
+        low_precision_atol / low_precision_rtol: for fp16/bf16 leaves (and TF32 paths) (defaults 1e-2 / 1e-2).
+        min_sqnr_db: quantized candidates' floor of signal-to-quantization-noise ratio, dB (default 20).
+        min_cosine: quantized candidates' floor of cosine similarity of each leaf (default 0.99).
+
+    Raises:
+        ConfigError: on a negative or non-finite tolerance, or a cosine floor outside [-1, 1].
+    """
+
+    atol: float = 1e-4
+    rtol: float = 1e-3
+    low_precision_atol: float = 1e-2
+    low_precision_rtol: float = 1e-2
+    min_sqnr_db: float = 20.0
+    min_cosine: float = 0.99
+    fp32_parity: bool = True
+    fp32_parity_multiplier: float = 2.0
+
+    def __post_init__(self):
+        for name in ("atol", "rtol", "low_precision_atol", "low_precision_rtol"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"Tolerance.{name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.min_sqnr_db, (int, float)) or math.isnan(self.min_sqnr_db):
+            raise ConfigError(f"Tolerance.min_sqnr_db must be a number (dB), got {self.min_sqnr_db!r}")
+        if not isinstance(self.min_cosine, (int, float)) or not -1.0 <= self.min_cosine <= 1.0:
+            raise ConfigError(f"Tolerance.min_cosine must lie in [-1, 1], got {self.min_cosine!r}")
+        if not isinstance(self.fp32_parity, bool):
+            raise ConfigError(f"Tolerance.fp32_parity must be a bool, got {self.fp32_parity!r}")
+        if not isinstance(self.fp32_parity_multiplier, (int, float)) or not self.fp32_parity_multiplier >= 1.0:
+            raise ConfigError(f"Tolerance.fp32_parity_multiplier must be a number >= 1, got "
+                              f"{self.fp32_parity_multiplier!r}")
+
+    def for_dtype(self, dtype: torch.dtype) -> tuple[float, float]:
+        if dtype in LOW_PRECISION:
+            return self.low_precision_atol, self.low_precision_rtol
+        return self.atol, self.rtol
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict | None, strict: bool = False) -> "Tolerance":
+        """The inverse of :meth:`to_dict`; missing fields take their defaults, unknown ones are ignored
+        (refused with ``strict``).
+
+        Args:
+            data: a :meth:`to_dict` result (e.g. from a checkpoint manifest), or None for the defaults.
+            strict: refuse unknown fields (checkpoints read them so: a threshold this aitune does not know
+                would silently not be applied).
+
+        Raises:
+            ConfigError: when ``data`` is not a dict, a value is invalid (see the class), or with ``strict`` a
+                field is unknown.
+        """
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"a Tolerance is read from a dict, got {type(data).__name__}")
+        names = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(key for key in (data or {}) if key not in names)
+        if strict and unknown:
+            raise ConfigError(f"Tolerance has no field {', '.join(repr(key) for key in unknown)} (fields: "
+                              f"{sorted(names)})")
+        return cls(**{key: value for key, value in (data or {}).items() if key in names})
+
+
+@dataclasses.dataclass
+class LeafError:
+    """Measured error of one output leaf: max abs/rel error, and for quantized checks SQNR and cosine."""
+
+    path: str
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0  # max |candidate - eager| / max |eager| over the leaf: meaningful near zero too
+    sqnr_db: float | None = None
+    cosine: float | None = None
+    fp32_parity: dict | None = None  # {"candidate_rmse", "eager_rmse"} when rule 5 decided the leaf
+    atol: float | None = None  # the atol / rtol of rule 3 this leaf was held to (its dtype's, or fp16's for
+    rtol: float | None = None  # a reduced-precision candidate); None for integer leaves and SQNR/cosine checks
+
+
+@dataclasses.dataclass
+class ComparisonResult:
+    """Outcome of comparing all samples: the worst error per leaf and the thresholds used."""
+
+    leaves: list[LeafError]
+    metric: str  # "allclose" or "sqnr+cosine"
+    tolerance: dict
+
+    @property
+    def max_abs_error(self) -> float:
+        return max((leaf.max_abs_error for leaf in self.leaves), default=0.0)
+
+    @property
+    def max_rel_error(self) -> float:
+        return max((leaf.max_rel_error for leaf in self.leaves), default=0.0)
+
+    @property
+    def min_sqnr_db(self) -> float | None:
+        values = [leaf.sqnr_db for leaf in self.leaves if leaf.sqnr_db is not None]
+        return min(values) if values else None
+
+    @property
+    def min_cosine(self) -> float | None:
+        values = [leaf.cosine for leaf in self.leaves if leaf.cosine is not None]
+        return min(values) if values else None
+
+    def to_dict(self) -> dict:
+        return {"metric": self.metric, "tolerance": self.tolerance, "max_abs_error": self.max_abs_error,
+                "max_rel_error": self.max_rel_error, "min_sqnr_db": self.min_sqnr_db, "min_cosine": self.min_cosine,
+                "leaves": [dataclasses.asdict(leaf) for leaf in self.leaves]}
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype values of ``dtype`` are compared in: float64 stays float64, other floating types (fp16, bf16,
+    fp8) become float32, complex types their real counterpart at the same rule (compared as real and
+    imaginary parts); integers and bools float64 (only the public SQNR/cosine helpers compare those)."""
+    if dtype in (torch.float64, torch.complex128) or not (dtype.is_floating_point or dtype.is_complex):
+        return torch.float64
+    return torch.float32
+
+
+def _pieces(leaves: list, device: torch.device, chunk_elements: int) -> Iterator[list[torch.Tensor]]:
+    """For leaves of one shape (tensors or :class:`StoredTensor`), the same flattened piece of each, on
+    ``device``, as real values of their :func:`compute_dtype` (a complex piece as its real and imaginary parts)."""
+    for index, start, stop in chunk_plan(leaves[0].shape, chunk_elements):
+        pieces = []
+        for leaf in leaves:
+            piece = piece_of(leaf, index, start, stop)
+            piece = piece.detach().to(device)
+            if piece.is_complex():
+                piece = torch.view_as_real(piece.resolve_conj()).reshape(-1)
+            pieces.append(piece.to(compute_dtype(leaf.dtype)))
+        yield pieces
+
+
+def _sum_of_squares(values: torch.Tensor) -> torch.Tensor:
+    """``sum(values ** 2)`` as a float64 scalar on ``values``' device, computed in ``values``' dtype scaled by
+    its largest magnitude (no overflow of float32 squares above 1.8e19, no underflow of tiny ones)."""
+    if values.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=values.device)
+    scale = values.abs().max()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (values / scale).square().sum().double() * scale.double().square()
+
+
+def _dot(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``sum(first * second)`` as a float64 scalar, scaled like :func:`_sum_of_squares`."""
+    if first.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=first.device)
+    scales = [values.abs().max() for values in (first, second)]
+    scales = [torch.where(scale > 0, scale, torch.ones_like(scale)) for scale in scales]
+    return ((first / scales[0]) * (second / scales[1])).sum().double() * scales[0].double() * scales[1].double()
+
+
+class _Norms:
+    """Running sums for SQNR and cosine over chunks: ||ref||², ||ref - cand||², ||cand||², <ref, cand>, and
+    whether ref == cand everywhere (float64 scalars on the device)."""
+
+    def __init__(self, device: torch.device):
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.signal, self.noise, self.candidate, self.dot = zero, zero.clone(), zero.clone(), zero.clone()
+        self.unequal = torch.zeros((), dtype=torch.int64, device=device)
+
+    def add(self, reference: torch.Tensor, candidate: torch.Tensor) -> None:
+        self.signal = self.signal + _sum_of_squares(reference)
+        self.noise = self.noise + _sum_of_squares(reference - candidate)
+        self.candidate = self.candidate + _sum_of_squares(candidate)
+        self.dot = self.dot + _dot(reference, candidate)
+        self.unequal = self.unequal + (reference != candidate).sum()
+
+    def sqnr_db(self) -> float:
+        """``20 * log10(||ref|| / ||ref - cand||)``: inf without noise, -inf without signal."""
+        noise, signal = float(self.noise), float(self.signal)
+        if noise == 0:
+            return math.inf
+        if signal == 0:
+            return -math.inf
+        return 10 * math.log10(signal / noise)
+
+    def cosine(self) -> float:
+        """``<ref, cand> / (||ref|| ||cand||)``; with a zero norm, 1.0 when both are equal, else 0.0."""
+        norms = math.sqrt(float(self.signal)) * math.sqrt(float(self.candidate))
+        if norms == 0:
+            return 1.0 if int(self.unequal) == 0 else 0.0
+        return float(self.dot) / norms
+
+
+def _norms(reference: torch.Tensor, candidate: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> _Norms:
+    reference, candidate = reference.detach().flatten(), candidate.detach().flatten()
+    norms = _Norms(reference.device)
+    for pieces in _pieces([reference, candidate], reference.device, chunk_elements):
+        norms.add(*pieces)
+    return norms
+
+
+def sqnr_db(reference: torch.Tensor, candidate: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: ``20 * log10(||ref|| / ||ref - cand||)`` (torchao's definition).
+
+    Computed in chunks, in float32 for fp32/fp16/bf16 values (float64 sums of scaled squares)."""
+    return _norms(reference, candidate).sqnr_db()
+
+
+def cosine_similarity(reference: torch.Tensor, candidate: torch.Tensor) -> float:
+    """Cosine similarity of the flattened tensors (1.0 when both are all-zero)."""
+    return _norms(reference, candidate).cosine()
+
+
+class _LeafErrors:
+    """What one float leaf's comparison accumulates over its chunks (scalars on the device until the end)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, *, record_norms: bool, count_excess: bool):
+        count = lambda: torch.zeros((), dtype=torch.int64, device=device)  # noqa: E731
+        self.non_finite, self.extra_finite, self.sign, self.excess, self.finite = (count() for _ in range(5))
+        self.max_abs = torch.zeros((), dtype=dtype, device=device)
+        self.max_expected = torch.zeros((), dtype=dtype, device=device)
+        self.norms = _Norms(device) if record_norms else None
+        self.count_excess = count_excess
+
+    def add(self, expected: torch.Tensor, actual: torch.Tensor, atol: float, rtol: float) -> None:
+        # Few chunk-sized temporaries, reused in place: they are what a check holds beyond the two outputs.
+        expected_finite, actual_finite = torch.isfinite(expected), torch.isfinite(actual)
+        both = expected_finite & actual_finite
+        finite = both.sum()
+        self.non_finite += expected_finite.sum() - finite
+        self.extra_finite += actual_finite.sum() - finite
+        del expected_finite, actual_finite
+        if not bool(finite == both.numel()):
+            neither = ~(torch.isfinite(expected) | torch.isfinite(actual))
+            self.sign += (expected[neither].nan_to_num() != actual[neither].nan_to_num()).sum()
+            expected, actual = expected[both], actual[both]
+        del both
+        if expected.numel() == 0:
+            return
+        self.finite += expected.numel()
+        difference = actual - expected
+        difference.abs_()
+        magnitude = expected.abs()
+        self.max_abs = torch.maximum(self.max_abs, difference.max())
+        self.max_expected = torch.maximum(self.max_expected, magnitude.max())
+        if self.count_excess:
+            self.excess += (difference > magnitude.mul_(rtol).add_(atol)).sum()  # |a - e| > atol + rtol * |e|
+        del difference, magnitude
+        if self.norms is not None:
+            self.norms.add(expected, actual)
+
+
+def _leaf_facts(leaf: torch.Tensor | StoredTensor) -> tuple[torch.Size, torch.dtype, torch.device, str]:
+    layout = leaf.memory_format if isinstance(leaf, StoredTensor) else memory_format(leaf)
+    return leaf.shape, leaf.dtype, leaf.device, layout
+
+
+def _dense(leaf: Any) -> Any:
+    """Sparse/other layouts are compared as dense tensors (the chunked path needs strided ones)."""
+    return leaf.to_dense() if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided else leaf
+
+
+class OutputComparator:
+    """Accumulates per-leaf errors over samples; raises on the first violation.
+
+    Leaves are compared in chunks of ``chunk_elements`` on the candidate output's device, fp16/bf16 upcast to
+    float32 (never fp32 to float64): the check holds one chunk of temporaries, whatever the output's size.
+    The reference side may be a :class:`~aitune.torch.check.references.StoredOutputs` (host memory or a spilled
+    file, read chunk by chunk).
+
+    Args:
+        tolerance: thresholds. quantized: use SQNR/cosine floors for float leaves instead of atol/rtol.
+        low_precision: the candidate computes fp32 outputs in reduced precision (TF32, autocast): fp32 leaves
+            get the fp16/bf16 tolerances (``atol=rtol=1e-2``, rule 3 of this module).
+        tf32_eager: did eager's fp32 leaves come from TF32 math (rule 5 then applies to them)? None (default):
+            when the candidate's output is on CUDA and :func:`tf32_allowed`.
+        chunk_elements: elements compared at a time (default :data:`~aitune.torch.check.references.CHUNK_ELEMENTS`).
+        parity_worst_element: rule 6: a leaf that needs more than ``base_parity_multiplier`` (default: the
+            tolerance's own rule-5 multiplier) must also keep its worst element within the multiplier.
+        atol_scales: rule 6: per output leaf, a factor on ``atol`` for a reduced-precision candidate's fp32 leaves
+            of an exact eager (see :meth:`for_scaled_probe`).
+    """
+
+    def __init__(self, tolerance: Tolerance | None = None, quantized: bool = False, low_precision: bool = False,
+                 *, tf32_eager: bool | None = None, chunk_elements: int = CHUNK_ELEMENTS,
+                 parity_worst_element: bool = False, base_parity_multiplier: float | None = None,
+                 atol_scales: list[float | None] | None = None):
+        self.tolerance = tolerance or Tolerance()
+        self.quantized = quantized
+        self.low_precision = low_precision  # computes fp32 in reduced precision (TF32, autocast): fp16 tolerances
+        self.tf32_eager = tf32_eager
+        self.chunk_elements = chunk_elements
+        self.parity_worst_element = parity_worst_element
+        self._base_multiplier = base_parity_multiplier or self.tolerance.fp32_parity_multiplier
+        self._atol_scales = list(atol_scales or [])
+        self._errors: dict[str, LeafError] = {}
+
+    def for_scaled_probe(self, atol_scales: list[float | None] | None = None) -> "OutputComparator":
+        """The comparator of correctness rule 6, for a probe that scaled the float inputs: rule 5's multiplier
+        at least :data:`SCALED_PROBE_PARITY_MULTIPLIER` (a leaf that needs more than this comparator's own
+        multiplier must also keep its worst element within it) and, for a reduced-precision candidate's fp32
+        leaves of an exact eager, ``atol`` times ``atol_scales[i]`` for leaf ``i`` (the growth of its magnitude).
+        Its errors are its own: what it measures does not enter this comparator's :meth:`result`."""
+        tolerance = dataclasses.replace(
+            self.tolerance,
+            fp32_parity_multiplier=max(self.tolerance.fp32_parity_multiplier, SCALED_PROBE_PARITY_MULTIPLIER))
+        return OutputComparator(tolerance, self.quantized, self.low_precision, tf32_eager=self.tf32_eager,
+                                chunk_elements=self.chunk_elements, parity_worst_element=True,
+                                base_parity_multiplier=self.tolerance.fp32_parity_multiplier, atol_scales=atol_scales)
+
+    def compare(self, reference: Any, candidate: Any, reference_fp32: Any = None) -> None:
+        """Compare one sample's outputs. Raises ShapeMismatchError or ToleranceExceededError.
+
+        ``reference`` (and ``reference_fp32``) may be kept outputs (:class:`~aitune.torch.check.references.StoredOutputs`).
+        ``reference_fp32``: the same call run in exact float32 (same structure); enables rule 5 for fp16/bf16
+        leaves, and for fp32 leaves that eager computed in TF32.
+        """
+        reference_leaves, reference_spec = flatten_outputs(reference)
+        candidate_leaves, candidate_spec = tree_flatten(candidate)
+        if _structure(reference_spec) != _structure(candidate_spec):
+            raise ShapeMismatchError(f"output structure differs from eager: expected {_describe(reference_spec)}, "
+                                     f"got {_describe(candidate_spec)}")
+        fp32_leaves = flatten_outputs(reference_fp32)[0] if reference_fp32 is not None else \
+            [None] * len(reference_leaves)
+        if len(fp32_leaves) != len(reference_leaves):
+            fp32_leaves = [None] * len(reference_leaves)
+        for position, (path, expected, actual, expected32) in enumerate(zip(
+                leaf_paths(reference_spec), reference_leaves, candidate_leaves, fp32_leaves)):
+            expected, actual = _dense(expected), _dense(actual)
+            scale = self._atol_scales[position] if position < len(self._atol_scales) else None
+            try:
+                self._compare_leaf(path_to_str(path), expected, actual, atol_scale=scale or 1.0)
+            except ToleranceExceededError as exc:
+                # whether an exact fp32 run could still rescue this leaf: callers compute one only then
+                exc.fp32_parity_possible = self._parity_applies(exc, expected, actual)
+                if not self._parity_rescues(path_to_str(path), exc, expected, actual, _dense(expected32)):
+                    raise
+
+    def snapshot(self) -> dict[str, LeafError]:
+        """The errors recorded so far (a copy), for :meth:`restore`."""
+        return {path: dataclasses.replace(leaf) for path, leaf in self._errors.items()}
+
+    def restore(self, errors: dict[str, LeafError]) -> None:
+        """Forget what was recorded since :meth:`snapshot` returned ``errors``."""
+        self._errors = errors
+
+    def eager_in_tf32(self, actual) -> bool:
+        """Were eager's fp32 results computed in TF32 (see ``tf32_eager``)?"""
+        if self.tf32_eager is not None:
+            return self.tf32_eager
+        return isinstance(actual, torch.Tensor) and actual.is_cuda and tf32_allowed()
+
+    def _parity_applies(self, exc: ToleranceExceededError, expected, actual) -> bool:
+        """Could rule 5 rescue this leaf: an fp16/bf16 leaf, or an fp32 leaf of a TF32 eager, that missed
+        atol/rtol (not a quantized check, not a NaN or shape failure), with rule 5 turned on?"""
+        if self.quantized or not self.tolerance.fp32_parity or not _is_tensor(expected) \
+                or not exc.tolerance.startswith("atol="):
+            return False
+        return expected.dtype in LOW_PRECISION or (expected.dtype == torch.float32 and self.eager_in_tf32(actual))
+
+    def _parity_rescues(self, path: str, exc: ToleranceExceededError, expected, actual, expected32) -> bool:
+        """Rule 5: a fp16/bf16 leaf, or an fp32 leaf of a TF32 eager, as close to the exact fp32 result as
+        eager's own (see the module docstring)."""
+        if not exc.fp32_parity_possible or not _is_tensor(expected32) or expected32.shape != expected.shape:
+            return False
+        candidate_sum = eager_sum = torch.zeros((), dtype=torch.float64, device=actual.device)
+        candidate_worst = eager_worst = torch.zeros((), dtype=torch.float32, device=actual.device)
+        count = 0
+        for reference, eager, candidate in _pieces([expected32, expected, actual], actual.device,
+                                                   self.chunk_elements):
+            finite = torch.isfinite(reference) & torch.isfinite(eager)
+            if not bool(finite.all()):
+                reference, eager, candidate = reference[finite], eager[finite], candidate[finite]
+            candidate_sum = candidate_sum + _sum_of_squares(candidate - reference)
+            eager_sum = eager_sum + _sum_of_squares(eager - reference)
+            if self.parity_worst_element and reference.numel():
+                candidate_worst = torch.maximum(candidate_worst, (candidate - reference).abs().max().float())
+                eager_worst = torch.maximum(eager_worst, (eager - reference).abs().max().float())
+            count += reference.numel()
+        candidate_rmse = math.sqrt(float(candidate_sum) / count) if count else 0.0
+        eager_rmse = math.sqrt(float(eager_sum) / count) if count else 0.0
+        multiplier = self.tolerance.fp32_parity_multiplier
+        slack = self.tolerance.for_dtype(expected.dtype)[0] / 10
+        if candidate_rmse > multiplier * eager_rmse + slack:
+            exc.args = (f"{exc.args[0]}; and vs an exact fp32 run its RMSE {candidate_rmse:.3g} exceeds "
+                        f"{multiplier:g} x eager's {eager_rmse:.3g} + {slack:g}",)
+            return False
+        needs_allowance = candidate_rmse > self._base_multiplier * eager_rmse + slack
+        if self.parity_worst_element and needs_allowance and \
+                float(candidate_worst) > multiplier * float(eager_worst) + slack:
+            exc.args = (f"{exc.args[0]}; and vs an exact fp32 run its worst element is off by "
+                        f"{float(candidate_worst):.3g}, over {multiplier:g} x eager's worst {float(eager_worst):.3g} "
+                        f"+ {slack:g}",)
+            return False
+        record = self._errors.setdefault(path, LeafError(path))
+        record.fp32_parity = {"candidate_rmse": candidate_rmse, "eager_rmse": eager_rmse}
+        return True
+
+    def result(self) -> ComparisonResult:
+        metric = "sqnr+cosine" if self.quantized else "allclose"
+        if any(leaf.fp32_parity for leaf in self._errors.values()):
+            metric = "allclose+fp32-parity"
+        return ComparisonResult(list(self._errors.values()), metric, self.tolerance.to_dict())
+
+    def _compare_leaf(self, path: str, expected: Any, actual: Any, atol_scale: float = 1.0) -> None:
+        if not _is_tensor(expected):
+            if isinstance(actual, torch.Tensor):
+                raise ShapeMismatchError(f"output {path}: expected a {type(expected).__name__}, got a tensor")
+            if type(expected) is not type(actual):
+                raise ShapeMismatchError(f"output {path}: expected a {type(expected).__name__}, got a "
+                                         f"{type(actual).__name__}")
+            if not _constants_equal(expected, actual):
+                raise ShapeMismatchError(f"output {path}: {type(expected).__name__} value differs from eager's: "
+                                         f"{_short(actual)} != {_short(expected)}")
+            return
+        if not isinstance(actual, torch.Tensor):
+            raise ShapeMismatchError(f"output {path}: expected a tensor, got {type(actual).__name__}")
+        shape, dtype, device, expected_layout = _leaf_facts(expected)
+        if shape != actual.shape:
+            raise ShapeMismatchError(f"output {path}: shape {tuple(actual.shape)} != eager {tuple(shape)}")
+        if dtype != actual.dtype:
+            raise ShapeMismatchError(f"output {path}: dtype {actual.dtype} != eager {dtype}")
+        if device.type != actual.device.type:
+            raise ShapeMismatchError(f"output {path}: device {actual.device} != eager {device}")
+        actual_layout = memory_format(actual)
+        if expected_layout != actual_layout and "channels_last" in expected_layout + actual_layout:
+            raise ShapeMismatchError(f"output {path}: memory format {actual_layout} != eager {expected_layout}")
+        record = self._errors.setdefault(path, LeafError(path))
+        numel = actual.numel()
+        if not (dtype.is_floating_point or dtype.is_complex):
+            mismatches = torch.zeros((), dtype=torch.int64, device=actual.device)
+            for index, start, stop in chunk_plan(shape, self.chunk_elements):
+                piece = piece_of(expected, index, start, stop)
+                mismatches += (piece.to(actual.device) != flat_piece(actual, index)).sum()
+            if int(mismatches):
+                raise ToleranceExceededError(f"output {path}: {int(mismatches)} of {numel} integer/bool "
+                                             "elements differ from eager", leaf=path, tolerance="exact")
+            return
+        atol, rtol = self.tolerance.for_dtype(torch.float16 if self.low_precision else dtype)
+        if self.low_precision and dtype not in LOW_PRECISION and not self.eager_in_tf32(actual):
+            atol *= atol_scale  # rule 6: a reduced-precision candidate's fp32 leaf of an exact eager
+        # Every float leaf is judged by value: atol/rtol (the fp16/bf16 ones for a reduced-precision candidate),
+        # or SQNR/cosine for a quantized one. SQNR and cosine are also recorded for reduced-precision candidates:
+        # the report quotes them beside the atol/rtol verdict.
+        errors = _LeafErrors(actual.device, compute_dtype(dtype), record_norms=self.quantized or self.low_precision,
+                             count_excess=not self.quantized)
+        for expected_piece, actual_piece in _pieces([expected, actual], actual.device, self.chunk_elements):
+            errors.add(expected_piece, actual_piece, atol, rtol)
+        bad, extra = int(errors.non_finite), int(errors.extra_finite)
+        if bad or extra:
+            raise ToleranceExceededError(
+                f"output {path}: {bad} non-finite values where eager is finite"
+                + (f", {extra} finite where eager is NaN/Inf" if extra else ""), leaf=path, tolerance="finite")
+        if int(errors.sign):
+            raise ToleranceExceededError(f"output {path}: infinities of a different sign than eager", leaf=path,
+                                         tolerance="finite")
+        finite = int(errors.finite)
+        if finite == 0:
+            return
+        max_abs = float(errors.max_abs)
+        # Relative to the leaf's scale, not element-wise: |a-b|/|b| explodes where eager is near zero.
+        max_rel = max_abs / max(float(errors.max_expected), 1e-12)
+        record.max_abs_error = max(record.max_abs_error, max_abs)
+        record.max_rel_error = max(record.max_rel_error, max_rel)
+        if errors.norms is not None:
+            sqnr, cosine = errors.norms.sqnr_db(), errors.norms.cosine()
+            record.sqnr_db = sqnr if record.sqnr_db is None else min(record.sqnr_db, sqnr)
+            record.cosine = cosine if record.cosine is None else min(record.cosine, cosine)
+        if not self.quantized:
+            record.atol, record.rtol = atol, rtol
+        if self.quantized:
+            if sqnr < self.tolerance.min_sqnr_db or cosine < self.tolerance.min_cosine:
+                raise ToleranceExceededError(
+                    f"output {path}: SQNR {sqnr:.1f} dB (floor {self.tolerance.min_sqnr_db} dB), cosine "
+                    f"{cosine:.4f} (floor {self.tolerance.min_cosine})", leaf=path, max_abs_error=max_abs,
+                    max_rel_error=max_rel, tolerance=f"sqnr>={self.tolerance.min_sqnr_db}dB,"
+                                                     f"cosine>={self.tolerance.min_cosine}")
+            return
+        count = int(errors.excess)
+        if count:
+            raise ToleranceExceededError(
+                f"output {path}: {count} of {finite} values off by more than atol={atol:g} + "
+                f"rtol={rtol:g}*|eager| (max abs error {max_abs:.3g}, max rel error {max_rel:.3g})",
+                leaf=path, max_abs_error=max_abs, max_rel_error=max_rel, tolerance=f"atol={atol:g},rtol={rtol:g}")
+
+
+def _is_tensor(leaf: Any) -> bool:
+    return isinstance(leaf, (torch.Tensor, StoredTensor))
+
+
+def _constants_equal(expected: Any, actual: Any) -> bool:
+    """Equal by ``==`` (NaN equals NaN); objects that only compare by identity (no ``__eq__`` of their own,
+    not opened as a pytree node) or cannot compare are equal when their reprs are."""
+    if type(expected).__eq__ is object.__eq__:
+        return expected is actual or repr(expected) == repr(actual)
+    try:
+        return bool(expected == actual) or (expected != expected and actual != actual)
+    except Exception:  # noqa: BLE001 - uncomparable constants
+        return repr(expected) == repr(actual)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _structure(spec) -> tuple:
+    return (spec.kind, spec.node_type, spec.context, tuple(_structure(child) for child in spec.children))
+
+
+def _describe(spec) -> str:
+    if spec.kind == "leaf":
+        return "leaf"
+    name = spec.node_type.__name__ if spec.node_type is not None else spec.kind
+    inner = ", ".join(
+        f"{key}: {_describe(child)}" if spec.context else _describe(child)
+        for key, child in zip(spec.context or range(len(spec.children)), spec.children))
+    return f"{name}({inner})"
+
+
+def comparator_for(backend, tolerance: Tolerance) -> OutputComparator:
+    """The comparator a backend (:class:`aitune.torch.backend.Backend`) is judged with: SQNR/cosine when it
+    quantizes (``backend.is_quantizing``), fp16 tolerances for TF32/autocast (``backend.low_precision``)."""
+    return OutputComparator(tolerance, quantized=backend.is_quantizing,
+                            low_precision=bool(getattr(backend, "low_precision", False)))

@@ -1,0 +1,1 @@
+"""Measure: latency and throughput (paired with eager), peak memory, CUDA kernels per module."""
