@@ -70,3 +70,10 @@ def test_the_example_backend_tunes_answers_like_eager_and_round_trips_a_checkpoi
     reloaded = ait.load(copy.deepcopy(model), again)
     torch.testing.assert_close(reloaded(x), _eager(model, x), atol=1e-5, rtol=1e-4)
     assert reloaded.backend_calls == 1
+
+
+def test_the_guide_shows_the_example_as_it_is():
+    """docs/adding_a_backend.md walks through the file line by line: its code block must be the file's code."""
+    code = EXAMPLE.read_text().split('"""', 2)[2].strip()  # after the module docstring
+    guide = (EXAMPLE.parents[1] / "adding_a_backend.md").read_text()
+    assert f"```python\n{code}\n```" in guide
