@@ -2,5 +2,5 @@
 
 :mod:`.strategy` runs a strategy that overrides ``_tune(module, name, graph_spec, data, device, cache_dir)``;
 :mod:`aitune.torch.backend.reference_contract` adapts backends written with ``to_dict``/``from_dict``/
-``is_jit``/``_deploy``; :mod:`.legacy_names` resolves names the reference's examples still use.
+``is_jit``/``_deploy``; :mod:`aitune.torch.common.legacy_names` resolves names the reference's examples still use.
 """
