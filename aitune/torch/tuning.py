@@ -23,11 +23,11 @@ from aitune.torch.search.max_batch_size import search_for_graph
 from aitune.torch.measure.memory import PeakMemory, available_memory_bytes
 from aitune.torch.module import Module, ModuleState, registered_modules, set_recording_batch_size
 from aitune.torch.record.module_arguments import check_unique_names
-from aitune.torch.check.references import ReferenceStore, spill_bytes_from_env
 from aitune.torch.report.rows import GraphReport, TuneReport
 from aitune.torch.record.samples import clone_tree
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
-from aitune.torch.search.evaluation import GraphContext
+from aitune.torch.check.context import GraphContext
+from aitune.torch.compat import strategy as _reference_strategy  # noqa: F401 - installs the reference contract
 from aitune.torch.check.guard import guard_for
 from aitune.torch.planning import plan_modules
 from aitune.torch.report.progress import TuneProgress
@@ -278,8 +278,9 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
             # The max-batch-size search grows batches until memory runs out: not part of the peak reported.
             with peak_memory.paused() if peak_memory is not None else contextlib.nullcontext():
                 search = search_for_graph(strategy, module.__wrapped__, graph, target_device, snapshot.restore)
-            context = _graph_context(module, graph, target_device, root, cache,
-                                     snapshot.restore if graph.stateful else None)
+            context = GraphContext.from_eager(module.__wrapped__, module.name, graph, target_device,
+                                              root / _safe(module.name) / graph.name, cache=cache,
+                                              restore_state=snapshot.restore if graph.stateful else None)
             entry = GraphReport(module=module.name, graph=graph.name, spec=graph.describe(),
                                 strategy=strategy.describe(), max_batch_size=search)
             report.graphs.append(entry)
@@ -319,35 +320,6 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
             raise
     finally:
         snapshot.restore()
-
-
-def _graph_context(module: Module, graph, device: torch.device, root: Path, cache, restore_state=None,
-                   spill_bytes: int | None = None) -> GraphContext:
-    """Eager reference outputs per sample, computed once on cloned inputs under no_grad, in order (for a
-    stateful graph from the module's starting state, which ``restore_state`` puts back).
-
-    The outputs — and, for a graph that changes its inputs in place, the inputs after the call — are kept by
-    a :class:`~aitune.torch.check.references.ReferenceStore`: on the host, spilled to a temporary file in the
-    graph's workdir once they pass ``spill_bytes`` (default ``$AITUNE_REFERENCE_SPILL_BYTES`` or 256 MiB).
-    One sample's inputs and outputs are alive at a time.
-    """
-    original = module.__wrapped__
-    workdir = root / _safe(module.name) / graph.name
-    store = ReferenceStore(workdir, module=original,
-                           spill_bytes=spill_bytes_from_env() if spill_bytes is None else spill_bytes)
-    outputs, inputs_after = [], [] if graph.mutated_inputs else None
-    if restore_state is not None:
-        restore_state()
-    with torch.no_grad():
-        for sample in graph.samples:
-            inputs = sample.clone()
-            outputs.append(store.keep(original(*inputs.args, **inputs.kwargs)))
-            if inputs_after is not None:
-                inputs_after.append(store.keep(inputs.leaves()))
-            del inputs
-    return GraphContext(module=original, module_name=module.name, graph=graph, device=device, workdir=workdir,
-                        reference_outputs=outputs, reference_inputs_after=inputs_after, cache=cache,
-                        restore_state=restore_state, references=store)
 
 
 def _safe(name: str) -> str:

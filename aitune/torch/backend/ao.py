@@ -287,6 +287,7 @@ class TorchAOBackend(Backend):
     build_mode = BuildMode.JIT
     is_quantizing = True
     rank = 40
+    default_search_position = 50  # in the default search (Backend.default_search_position)
     requirements = (Requirement("torchao", ("torchao",), "torchao", "0.12"),)
     _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
 

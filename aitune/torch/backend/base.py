@@ -209,6 +209,7 @@ class BackendConfig(KnownFields):
 # --------------------------------------------------------------------------------------------- registry
 
 _REGISTRY: dict[str, type["Backend"]] = {}
+_DEFAULT_CANDIDATES: list[type["Backend"]] = []  # classes that set their own default_search_position
 _SUBCLASS_HOOKS: list = []
 
 
@@ -224,6 +225,13 @@ def registered_backends() -> dict[str, type["Backend"]]:
     import aitune.torch.backend  # noqa: F401 - registers the built-in backends
 
     return dict(_REGISTRY)
+
+
+def default_candidate_classes() -> list[type["Backend"]]:
+    """The backend classes of the default search (those that set :attr:`Backend.default_search_position`),
+    in that order; the built-in backends are registered first."""
+    registered_backends()
+    return sorted(_DEFAULT_CANDIDATES, key=lambda cls: cls.default_search_position)
 
 
 def get_backend_class(name: str) -> type["Backend"]:
@@ -258,6 +266,9 @@ class Backend:
         device_types: device types it can run on (``{"cpu", "cuda"}``).
         is_quantizing: judged by SQNR/cosine instead of atol/rtol.
         rank: tie-break order (lower = simpler/cheaper); eager is 0.
+        default_search_position: where the class's candidates (:meth:`default_candidates`) come in the
+            search of a strategy given no backends, lower first; None (default): not in it. Read only from
+            the class that sets it, so a subclass joins the default search only by setting its own.
     """
 
     name: ClassVar[str] = ""
@@ -267,6 +278,7 @@ class Backend:
     device_types: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     is_quantizing: ClassVar[bool] = False
     rank: ClassVar[int] = 50
+    default_search_position: ClassVar[int | None] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -274,6 +286,14 @@ class Backend:
             hook(cls)
         if isinstance(cls.__dict__.get("name"), str) and cls.name:  # only classes that declare their name register
             _REGISTRY[cls.name] = cls
+        if cls.__dict__.get("default_search_position") is not None:
+            _DEFAULT_CANDIDATES.append(cls)
+
+    @classmethod
+    def default_candidates(cls, device: torch.device) -> list["Backend"]:
+        """The blueprints this class adds to the default search on ``device``, each then expanded by
+        :meth:`search_space`. Default: one with the default config."""
+        return [cls()]
 
     def __new__(cls, *args, **kwargs):
         """Settings passed as keywords (``TorchInductorJitBackend(freezing=True)``) raise a ConfigError that shows

@@ -89,7 +89,14 @@ class TorchEagerBackend(AutocastMixin, Backend):
     config_class = TorchEagerBackendConfig
     build_mode = BuildMode.JIT
     rank = 0
+    default_search_position = 20  # in the default search (Backend.default_search_position), on CUDA only
     _graphs = None  # CUDAGraphRunner when use_cuda_graphs
+
+    @classmethod
+    def default_candidates(cls, device: torch.device) -> list[Backend]:
+        """On CUDA, eager replayed from CUDA graphs (plain eager is the baseline every search measures anyway):
+        eager at batch 1 is launch-bound there (``benchmarks/cuda_graphs_eager.py``). None on other devices."""
+        return [cls(TorchEagerBackendConfig(use_cuda_graphs=True))] if torch.device(device).type == "cuda" else []
 
     @property
     def passthrough(self) -> bool:

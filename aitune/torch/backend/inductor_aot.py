@@ -397,6 +397,7 @@ class TorchInductorAotBackend(Backend):
     config_class = TorchInductorAotBackendConfig
     build_mode = BuildMode.AOT
     rank = 30
+    default_search_position = 30  # in the default search (Backend.default_search_position)
     # The isolated compile step; a class attribute so tests can point it at a step that crashes for real.
     compile_step: ClassVar[str] = f"{__name__}:compile_and_check_package"
 

@@ -233,6 +233,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     config_class = TorchInductorJitBackendConfig
     build_mode = BuildMode.JIT
     rank = 20
+    default_search_position = 10  # in the default search (Backend.default_search_position)
 
     @property
     def bakes_weights(self) -> bool:

@@ -187,6 +187,7 @@ class ONNXRuntimeBackend(Backend):
     )
     device_types = frozenset({"cpu", "cuda"})
     rank = 35
+    default_search_position = 40  # in the default search (Backend.default_search_position)
 
     def __init__(self, config: ONNXRuntimeBackendConfig | None = None):
         super().__init__(config)

@@ -297,6 +297,7 @@ class TorchTensorRTJitBackend(AutocastMixin, Backend):
     requirements = (TORCH_TENSORRT_REQUIREMENT,)
     device_types = frozenset({"cuda"})
     rank = 45
+    default_search_position = 70  # in the default search (Backend.default_search_position)
 
     @property
     def bakes_weights(self) -> bool:
@@ -472,6 +473,7 @@ class TorchTensorRTAotBackend(Backend):
     requirements = (TORCH_TENSORRT_REQUIREMENT,)
     device_types = frozenset({"cuda"})
     rank = 42
+    default_search_position = 80  # in the default search (Backend.default_search_position)
     compile_step: ClassVar[str] = f"{__name__}:compile_exported_program"
 
     def __init__(self, config: TorchTensorRTAotBackendConfig | None = None):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aitune.errors import CorrectnessError, ShapeMismatchError, ToleranceExceededError
+from aitune.torch.check.context import EvaluationSettings, GraphContext
 from aitune.torch.check.correctness import ComparisonResult, OutputComparator, Tolerance, comparator_for
 from aitune.torch.check.probes import SCALED_KINDS, Probe, run_probes
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
@@ -21,7 +22,6 @@ from aitune.torch.check.references import leaf_magnitudes
 
 if TYPE_CHECKING:
     from aitune.torch.backend.base import Backend
-    from aitune.torch.search.evaluation import EvaluationSettings, GraphContext
 
 
 def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tolerance,

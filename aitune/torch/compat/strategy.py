@@ -3,7 +3,8 @@
 The reference's ``TuneStrategy.tune`` calls ``_pre_tune``, then ``_tune(module, name, graph_spec, data,
 device, cache_dir)``, then ``_post_tune``; ``_tune`` builds (deep copies of) backends itself and returns the
 chosen one, active. aitune's ``TuneStrategy.tune(context)`` runs that sequence for such a subclass
-(:func:`run_reference_tune`) and then applies its own contract to the result: the returned backend is
+(:func:`run_reference_tune`, installed into :mod:`aitune.torch.tune_strategy.base` when this module is imported:
+NOTE [reference strategies] there) and then applies its own contract to the result: the returned backend is
 compared with eager on every recorded sample (unless ``enable_correctness_check(False)``), becomes the graph's
 report row, and is what the module dispatches to. ``self.check_correctness(backend, name, graph_spec, data)``
 is available inside ``_tune`` as in the reference.
@@ -12,20 +13,17 @@ is available inside ``_tune`` as in the reference.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import Backend
 from aitune.torch.check.checks import check_against_eager
 from aitune.torch.check.correctness import comparator_for
+from aitune.torch.check.context import GraphContext
 from aitune.torch.report.rows import SELECTED, CandidateResult
-
-if TYPE_CHECKING:
-    from aitune.torch.search.evaluation import GraphContext
-    from aitune.torch.tune_strategy.base import TuneStrategy
+from aitune.torch.tune_strategy.base import TuneStrategy, install_reference_contract
 
 
-def run_reference_tune(strategy: "TuneStrategy", context: "GraphContext") -> tuple[Backend, list, str]:
+def run_reference_tune(strategy: TuneStrategy, context: GraphContext) -> tuple[Backend, list, str]:
     """``_pre_tune`` → ``_tune`` → ``_post_tune``, then aitune's check against eager; see the module docstring.
 
     Returns:
@@ -58,7 +56,7 @@ def run_reference_tune(strategy: "TuneStrategy", context: "GraphContext") -> tup
     return backend, [row], f"chosen by {type(strategy).__name__}._tune"
 
 
-def check_correctness(strategy: "TuneStrategy", backend: Backend) -> None:
+def check_correctness(strategy: TuneStrategy, backend: Backend) -> None:
     """The reference's ``check_correctness`` inside ``_tune``: aitune's comparison with eager on every sample.
 
     Raises:
@@ -70,3 +68,6 @@ def check_correctness(strategy: "TuneStrategy", backend: Backend) -> None:
         raise ConfigError("check_correctness() compares with eager's outputs of the graph being tuned; call it "
                           "inside _tune")
     check_against_eager(backend, context, strategy.tolerance, comparator_for(backend, strategy.tolerance))
+
+
+install_reference_contract(run_reference_tune, check_correctness)

@@ -1,6 +1,7 @@
 """The strategy base: configuration shared by every strategy and the rules for choosing among candidates.
 
-Strategies only choose. Evaluating one candidate (availability → supports → build → check against eager →
+Strategies only choose. The search they share (default candidates, successive halving, background builds,
+device-memory sections, ranking reuse) is :func:`aitune.torch.search.engine.search`. Evaluating one candidate (availability → supports → build → check against eager →
 round trip → measure) is :func:`aitune.torch.search.evaluation.evaluate`, the same path for every strategy; a
 failing candidate never stops tuning (except in :class:`OneBackendStrategy`, which by design re-raises the
 original error): it becomes a report row with a one-line reason naming the real cause and its log path.
@@ -9,36 +10,24 @@ original error): it becomes a report row with a one-line reason naming the real 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 import torch
 
 from aitune.errors import AITuneError, ConfigError
-from aitune.torch.common.arguments import init_keywords, reject_unknown_keywords
 from aitune.torch.backend.base import Backend, BuildMode
-from aitune.torch.compat import strategy as reference_strategy
+from aitune.torch.check.context import EvaluationSettings, GraphContext
 from aitune.torch.check.correctness import Tolerance
-from aitune.torch.search.evaluation import (
-    Candidate,
-    Evaluation,
-    EvaluationSettings,
-    GraphContext,
-    complete,
-    eager_candidate,
-    evaluate,
-    measure_candidate,
-    start,
-    unsupported,
-)
-from aitune.torch.search.max_batch_size import MaxBatchSizeSearch
-from aitune.torch.measure.memory import DeviceSection
 from aitune.torch.check.probes import ProbeConfig
+from aitune.torch.common.arguments import init_keywords, reject_unknown_keywords
 from aitune.torch.measure.profiling import ProfilingConfig, reaches_speedup
-from aitune.torch.search.rankings import candidate_key, reused
-from aitune.torch.report.rows import PASSED, SELECTED, SKIPPED, CandidateResult
+from aitune.torch.report.rows import SELECTED, CandidateResult
+from aitune.torch.search import engine
+from aitune.torch.search.engine import default_backends, relative_noise, score_for
+from aitune.torch.search.engine import explain_finalists as _explain_finalists  # noqa: F401 - its old import path
+from aitune.torch.search.evaluation import Candidate, eager_candidate, evaluate
+from aitune.torch.search.max_batch_size import MaxBatchSizeSearch
 
 logger = logging.getLogger(__name__)
 
@@ -46,35 +35,31 @@ QUANTIZATION_NOTE = "quantization is not used unless allowed: allow_quantization
 REDUCED_PRECISION_NOTE = ("reduced precision (bf16/fp16 autocast of an fp32 model) is not used unless allowed: "
                           "allow_reduced_precision=True (or allow_quantization=True) on the strategy")
 
-__all__ = ["Candidate", "GraphContext", "TuneStrategy", "default_backends"]
+__all__ = ["Candidate", "GraphContext", "TuneStrategy", "default_backends", "install_reference_contract"]
+
+# NOTE [reference strategies]: a strategy written for the reference system overrides ``_tune(module, name,
+# graph_spec, data, device, cache_dir)`` instead of ``tune(context)``. The adapter that runs it,
+# :mod:`aitune.torch.compat.strategy`, sits in a layer above this one and installs itself here when imported
+# (``ait.tune`` imports it): this module never imports it.
+_REFERENCE_CONTRACT: dict[str, Callable] = {}
 
 
-def default_backends(device: torch.device | str, module: torch.nn.Module | None = None,
-                     graph=None) -> list[Backend]:
-    """Candidates tried when a strategy is given none: every built-in backend's search space
-    (:meth:`Backend.search_space`: e.g. Inductor with and without freezing, CUDA graphs on a GPU, channels-last
-    for convnets), cheapest and most promising first.
+def install_reference_contract(run: Callable, check_correctness: Callable) -> None:
+    """Install the adapter of the reference system's strategy contract (NOTE [reference strategies]).
 
-    Unavailable ones still get a report row saying why. On CUDA, eager replayed from CUDA graphs
-    is added: eager at batch 1 is launch-bound there (``benchmarks/cuda_graphs_eager.py``).
+    Args:
+        run: ``run(strategy, context) -> (backend, rows, why)``: ``_pre_tune`` → ``_tune`` → ``_post_tune`` and
+            the check of the returned backend, for :meth:`TuneStrategy.tune` of a strategy that overrides ``_tune``.
+        check_correctness: ``check_correctness(strategy, backend)``: :meth:`TuneStrategy.check_correctness`.
     """
-    from aitune.torch import backend as backends
+    _REFERENCE_CONTRACT.update(run=run, check_correctness=check_correctness)
 
-    blueprints: list[Backend] = [backends.TorchInductorJitBackend()]
-    if torch.device(device).type == "cuda":
-        blueprints.append(backends.TorchEagerBackend(backends.TorchEagerBackendConfig(use_cuda_graphs=True)))
-    for name in ("TorchInductorAotBackend", "ONNXRuntimeBackend", "TorchAOBackend", "TensorRTBackend",
-                 "TorchTensorRTJitBackend", "TorchTensorRTAotBackend"):
-        backend_class = getattr(backends, name)
-        if isinstance(backend_class, type) and issubclass(backend_class, Backend):
-            blueprints.append(backend_class())
-    candidates: list[Backend] = []
-    for blueprint in blueprints:
-        try:
-            candidates.extend(blueprint.search_space(module, graph, device))
-        except Exception:  # noqa: BLE001 - a search space that cannot be derived: the default configuration
-            candidates.append(blueprint)
-    return candidates
+
+def _reference_contract(name: str) -> Callable:
+    if name not in _REFERENCE_CONTRACT:
+        raise AITuneError("strategies that override _tune run through aitune.torch.compat.strategy: import "
+                          "aitune.torch (or aitune.torch.compat.strategy) before tuning with one")
+    return _REFERENCE_CONTRACT[name]
 
 
 class TuneStrategy:
@@ -283,11 +268,11 @@ class TuneStrategy:
             The original build/correctness error in OneBackendStrategy.
         """
         if type(self)._tune is not TuneStrategy._tune:  # written for the reference system: it overrides _tune
-            return reference_strategy.run_reference_tune(self, context)
+            return _reference_contract("run")(self, context)
         raise NotImplementedError(f"{type(self).__name__} must override tune(context) or _tune(module, name, "
                                   "graph_spec, data, device, cache_dir)")
 
-    # ---- the reference system's strategy contract (see aitune.torch.compat.strategy)
+    # ---- the reference system's strategy contract (NOTE [reference strategies])
     def _tune(self, module, name, graph_spec, data, device, cache_dir) -> Backend:
         """Reference contract: build, check and return the chosen backend (active) for one graph."""
         raise NotImplementedError
@@ -304,7 +289,7 @@ class TuneStrategy:
         Raises:
             CorrectnessError: on the first disagreement. ConfigError: outside ``_tune``.
         """
-        reference_strategy.check_correctness(self, backend)
+        _reference_contract("check_correctness")(self, backend)
 
     def settings(self, *, measure: bool = True) -> EvaluationSettings:
         """This strategy's evaluation settings (tolerance, profiling, which checks run)."""
@@ -320,169 +305,37 @@ class TuneStrategy:
     finalists = 3  # candidates measured at full length after the quick round (successive halving)
 
     def search(self, context: GraphContext, *, by_latency: bool = False) -> list[Candidate]:
-        """Evaluate every candidate, one at a time, releasing each (device memory) before the next builds.
+        """Evaluate every candidate with :func:`aitune.torch.search.engine.search`: one at a time, each released
+        (device memory) before the next builds; an earlier search's ranking reused (:meth:`enable_ranking_reuse`).
 
         With more candidates than :attr:`finalists`, successive halving: every candidate is measured briefly
-        (:func:`quick_profiling`), then the best :attr:`finalists` selectable ones are measured again with the
-        strategy's full :class:`ProfilingConfig`; the others keep their quick figures, are marked
-        ``details["finalist"] = False`` and cannot be chosen (their rows say so).
+        (:func:`~aitune.torch.search.engine.quick_profiling`), then the best :attr:`finalists` selectable ones are
+        measured again with the strategy's full :class:`ProfilingConfig`; the others keep their quick figures, are
+        marked ``details["finalist"] = False`` and cannot be chosen (their rows say so).
 
         Returns:
             The evaluated candidates, in order.
         """
-        blueprints = self.candidates_for(context)
-        key = self._ranking_key(context, blueprints, by_latency)
-        record = context.rankings.lookup(key) if key is not None else None
-        done: dict[int, Candidate] = {}
-        if record is not None:
-            candidates, done = self._search_again(context, blueprints, record)
-            if candidates is not None:
-                return candidates
-        candidates = self._search_all(context, blueprints, by_latency, done)
-        if key is not None:
-            self._remember(context, key, candidates, by_latency)
-        return candidates
+        return engine.search(context, self.candidates_for(context), self.search_settings(), by_latency=by_latency)
 
-    def _search_all(self, context: GraphContext, blueprints: list[Backend], by_latency: bool,
-                    done: dict[int, Candidate] | None = None) -> list[Candidate]:
-        """Evaluate every blueprint; ``done`` holds candidates already evaluated in this tune, by blueprint index
-        (earlier winners that failed their re-check: not built a second time)."""
-        done = done or {}
-        background = [blueprint.builds_in_background and index not in done
-                      for index, blueprint in enumerate(blueprints)]
-        halving = (len(blueprints) > self.finalists or any(background)) and self.performance_validation
-        settings = self.settings()
-        if halving:
-            settings.profiling = quick_profiling(self.profiling_config)
-        results: list = [done.get(index) for index in range(len(blueprints))]
-        executor = ThreadPoolExecutor(max_workers=min(4, sum(background))) if any(background) else None
-        # NOTE [no CPU timing beside a background build]: on a CPU device a background compile takes the cores
-        # the measurement runs on. On a machine with few cores, candidates timed while the AOTInductor
-        # child compiles can look many times slower than when timed alone, which misranks them for the finalists
-        # and misreports the others. There, candidates are built and
-        # checked while the child runs, and measured once it has finished. On CUDA the kernels are timed on the
-        # device, the finalists are measured again at the end, and the overlap is kept.
-        measure_later = executor is not None and context.device.type == "cpu" and settings.measure
-        first_round = settings.profiling
-        if measure_later:
-            settings = dataclasses.replace(settings, measure=False)
-        try:
-            # NOTE [background builds]: child-process build steps start first and run while the other
-            # candidates are built and checked; their first-round figures only rank them, and the finalists
-            # are measured again once nothing runs in the background.
-            for index, blueprint in enumerate(blueprints):
-                if background[index]:
-                    results[index] = start(blueprint, context, settings, background=executor)
-            for index, blueprint in enumerate(blueprints):
-                if index in done:
-                    continue
-                with DeviceSection(context.device) as section:
-                    if results[index] is None:
-                        results[index] = evaluate(_promote_fallback(blueprint, blueprints[:index], results[:index]),
-                                                  context, settings)
-                    elif isinstance(results[index], Evaluation):
-                        results[index] = complete(results[index], context)
-                    if results[index].backend is not None:
-                        results[index].backend.deactivate()
-                if section.peak_bytes is not None:  # which candidate needed / keeps the memory
-                    results[index].row.details["device_peak_bytes"] = section.peak_bytes
-                    results[index].row.details["device_retained_bytes"] = section.retained_bytes
-        finally:
-            if executor is not None:
-                executor.shutdown(wait=True)
-        candidates = results
-        if measure_later:
-            candidates = [measure_candidate(c, context, first_round) if c.passed and index not in done else c
-                          for index, c in enumerate(candidates)]
-        if not halving:
-            return candidates
-        measured = [c for c in candidates if c.measurement is not None and self.selectable(c)]
-        score = _score(by_latency)
-        finalists = sorted(measured, key=score, reverse=True)[:self.finalists]
-        for candidate in measured:
-            candidate.row.details["finalist"] = candidate in finalists
-            candidate.row.details["quick_speedup"] = candidate.row.speedup
-            if candidate not in finalists:
-                candidate.row.reason = "; ".join(filter(None, [
-                    f"quick measurement only: not among the {self.finalists} finalists", candidate.row.reason]))
-                continue
-            measure_candidate(candidate, context, self.profiling_config)
-            if candidate.row.speedup is not None and candidate.row.status == PASSED:
-                logger.info("  %-28s finalist, measured again: %.2fx eager", candidate.row.description,
-                            candidate.row.speedup)
-        _explain_finalists(finalists, [c for c in measured if c not in finalists])
-        return candidates
+    def search_settings(self) -> engine.SearchSettings:
+        """What the search engine needs from this strategy (:class:`aitune.torch.search.engine.SearchSettings`)."""
+        facts = {"strategy": type(self).__qualname__, "tolerance": self.tolerance,
+                 "profiling": self.profiling_config, "probes": self.probe_config,
+                 "quantization": self.quantization_allowed, "reduced_precision": self.reduced_precision_allowed,
+                 "correctness": self.correctness_check,
+                 "performance_validation": self.performance_validation, "min_speedup": self.min_speedup_ratio}
+        return engine.SearchSettings(evaluation=self.settings(), selectable=self.selectable, finalists=self.finalists,
+                                     halving=self.performance_validation, reuse_rankings=self.reuse_rankings,
+                                     ranking_facts=facts, description=self.describe())
 
-    # ---- earlier rankings (aitune/torch/search/rankings.py)
-    reuse_rankings = True
+    reuse_rankings = True  # see enable_ranking_reuse
 
     def enable_ranking_reuse(self, enabled: bool = True) -> "TuneStrategy":
         """Re-tunes of the same graph in the same environment build only the earlier winners (default on;
         see :mod:`aitune.torch.search.rankings`). ``False``: every tune searches all candidates. Returns self."""
         self.reuse_rankings = bool(enabled)
         return self
-
-    def _ranking_key(self, context: GraphContext, blueprints: list[Backend], by_latency: bool) -> str | None:
-        if not self.reuse_rankings or context.rankings is None or context.deadline is not None:
-            return None  # a time budget asks for a search
-        facts = {"strategy": type(self).__qualname__, "by_latency": by_latency, "tolerance": self.tolerance,
-                 "profiling": self.profiling_config, "probes": self.probe_config,
-                 "quantization": self.quantization_allowed, "reduced_precision": self.reduced_precision_allowed,
-                 "correctness": self.correctness_check,
-                 "performance_validation": self.performance_validation, "min_speedup": self.min_speedup_ratio,
-                 "finalists": self.finalists}
-        return context.rankings.key(context, blueprints, facts)
-
-    def _remember(self, context: GraphContext, key: str, candidates: list[Candidate], by_latency: bool) -> None:
-        """Record the ranking of a full search: the passing, measured, selectable finalists, best first."""
-        score = _score(by_latency)
-        ranked = sorted((c for c in candidates if c.passed and c.measurement is not None and self.selectable(c)
-                         and c.row.details.get("finalist", True)), key=score, reverse=True)
-        if ranked:
-            context.rankings.record(key, context, [
-                {"candidate": candidate_key(c.backend), "description": c.row.description, "score": score(c),
-                 "noise": c.measurement.noise if by_latency else _noise(c, self.profiling_config.min_noise),
-                 "speedup": c.row.speedup} for c in ranked], strategy=self.describe())
-
-    def _search_again(self, context: GraphContext, blueprints: list[Backend],
-                      record: dict) -> tuple[list[Candidate] | None, dict[int, Candidate]]:
-        """Evaluate only the earlier winners (:func:`aitune.torch.search.rankings.reused`); the other candidates get
-        ``skipped`` rows. Returns ``(candidates, {})``, or ``(None, evaluated)`` when no earlier winner passes now:
-        the caller then searches in full, reusing ``evaluated`` (blueprint index -> candidate)."""
-        wanted = set(reused(record))
-        top = record["ranked"][0]
-        earlier = f"in an earlier tune of this module, graph, candidates and environment ({record.get('when')})"
-        settings = self.settings()
-        candidates, evaluated, skipped = [], {}, 0
-        for index, blueprint in enumerate(blueprints):
-            if candidate_key(blueprint) in wanted:
-                candidate = evaluate(blueprint, context, settings)
-                evaluated[index] = candidate
-                if candidate.backend is not None:
-                    candidate.backend.deactivate()
-                if candidate.row.status == PASSED:
-                    candidate.row.reason = "; ".join(filter(None, [f"rebuilt: among the winners {earlier}",
-                                                                   candidate.row.reason]))
-            else:
-                candidate = unsupported(blueprint, context)  # unavailable / unsupported rows stay what they are
-                if candidate is None:
-                    row = CandidateResult(module=context.module_name, graph=context.graph.name,
-                                          backend=blueprint.name, description=blueprint.describe(), status=SKIPPED)
-                    row.reason = (f"not rebuilt: {top['description']} ranked first {earlier}; "
-                                  "strategy.enable_ranking_reuse(False) searches all candidates again")
-                    candidate = Candidate(None, row)
-                skipped += 1
-            candidates.append(candidate)
-        if not any(c.passed and self.selectable(c) for c in candidates):
-            logger.info("  the earlier winners of %s/%s did not pass this time: searching all candidates",
-                        context.module_name, context.graph.name)
-            return None, evaluated
-        if context.progress is not None:  # counted here, once: a full search after a failure counts them itself
-            for _ in range(skipped):
-                context.progress.candidate_done()
-        logger.info("  %s/%s: rebuilt the earlier winner%s only (ranking of %s)", context.module_name,
-                    context.graph.name, "s" if len(wanted) > 1 else "", record.get("when"))
-        return candidates, {}
 
     def eager_candidate(self, context: GraphContext) -> Candidate:
         """The eager baseline (measured once per graph, in the same run as the candidates)."""
@@ -517,7 +370,7 @@ class TuneStrategy:
         Args:
             candidates: evaluated candidates (those not passing or not measured are ignored).
             by_latency: rank by the smallest batch's median latency instead of throughput (by default each
-                candidate's throughput is judged by its paired speed-up over eager, see :func:`_score`).
+                candidate's throughput is judged by its paired speed-up over eager, see :func:`~aitune.torch.search.engine.score_for`).
             score: rank by this (higher is better, > 0) instead; e.g. throughput within a latency budget.
 
         The tie rule is the same for every strategy: a candidate ties with the top one unless the top one
@@ -532,21 +385,21 @@ class TuneStrategy:
         if not passing:
             raise AITuneError("no candidate passed")
         paired_scores = score is None and not by_latency
-        score = score or _score(by_latency)
+        score = score or score_for(by_latency)
         top = max(passing, key=score)
-        noise = _noise(top, self.profiling_config.min_noise) if paired_scores else top.measurement.noise
+        noise = relative_noise(top, self.profiling_config.min_noise) if paired_scores else top.measurement.noise
         tied = [c for c in passing if not score(top) > score(c) * (1 + noise)]
         return min(tied, key=lambda c: (_simplicity(c.backend), c.row.build_s or 0.0))
 
     def rank(self, candidates: list[Candidate], *, by_latency: bool = False) -> list[Backend]:
         """The passing, measured candidates' backends, best first (by paired speed-up or latency)."""
         passing = [c for c in candidates if c.passed and c.measurement is not None]
-        return [c.backend for c in sorted(passing, key=_score(by_latency), reverse=True)]
+        return [c.backend for c in sorted(passing, key=score_for(by_latency), reverse=True)]
 
     def pick_fastest(self, candidates: list[Candidate], *, by_latency: bool = False) -> Candidate:
         """The passing candidate with the best raw figure (no tie rule)."""
         passing = [c for c in candidates if c.passed and c.measurement is not None]
-        return max(passing, key=_score(by_latency))
+        return max(passing, key=score_for(by_latency))
 
     @staticmethod
     def finish(chosen: Candidate, candidates: list[Candidate]) -> None:
@@ -557,65 +410,9 @@ class TuneStrategy:
                 candidate.backend.deactivate()
 
 
-def quick_profiling(config: ProfilingConfig) -> ProfilingConfig:
-    """The short measurement of the first round of successive halving (a tenth of a second or so per
-    candidate; its figures only rank candidates)."""
-    return ProfilingConfig(warmup_rounds=min(config.warmup_rounds, 2), warmup_s=min(config.warmup_s, 0.1),
-                           min_rounds=min(config.min_rounds, 3), max_rounds=min(config.max_rounds, 30),
-                           time_budget_s=min(config.time_budget_s, 0.3), stable_rel_error=max(config.stable_rel_error,
-                                                                                             0.03),
-                           min_noise=config.min_noise)
-
-
-def _score(by_latency: bool) -> Callable[[Candidate], float]:
-    """Higher is better. By latency: the inverse of the smallest batch's median latency. By throughput: the
-    row's speed-up over eager (eager's own row: 1.0), which for a candidate timed in alternation with eager is
-    the paired median (NOTE [paired speed-up] in aitune/torch/measure/profiling.py): every candidate is then compared
-    with eager under the conditions of its own rounds, so load that comes and goes between one candidate's
-    measurement and another's (or eager's) does not decide the choice. Without a speed-up: the raw throughput
-    relative to nothing, i.e. 0 (never preferred)."""
-    if by_latency:
-        return lambda c: 1.0 / max(c.measurement.min_batch_latency_ms, 1e-9)
-    return lambda c: c.row.speedup if c.row.speedup is not None else 0.0
-
-
-def _noise(candidate: Candidate, min_noise: float) -> float:
-    """The relative uncertainty of a candidate's paired speed-up: the spread of its per-round ratios (half the
-    inter-quartile range over the median), at least ``min_noise``; without a paired figure, its own timing
-    noise."""
-    paired = candidate.measurement.paired if candidate.measurement is not None else None
-    if paired is None:
-        return candidate.measurement.noise
-    return max(paired.spread, min_noise)
-
-
 def _simplicity(backend: Backend) -> tuple[int, int]:
     # Plain eager first; then AOT over JIT (deployable without the original module); then the class's rank.
     # Eager with CUDA graphs or autocast is a JIT candidate like any other.
     if getattr(backend, "passthrough", False):
         return (0, 0)
     return (1 if backend.build_mode is BuildMode.AOT else 2, backend.rank)
-
-
-def _promote_fallback(blueprint: Backend, earlier: list[Backend], results: list) -> Backend:
-    """A fallback variant (``Backend.search_fallback``) as a first-tier candidate when no earlier variant of its
-    backend class passed its checks in this tune; otherwise (and for any other blueprint) ``blueprint`` itself."""
-    if not blueprint.search_fallback or any(
-            type(other) is type(blueprint) and result is not None and result.passed
-            for other, result in zip(earlier, results)):
-        return blueprint
-    return blueprint.copy()  # a fresh copy: first tier, no longer marked as a fallback
-
-
-def _explain_finalists(finalists: list[Candidate], others: list[Candidate]) -> None:
-    """A finalist whose full measurement came out below a non-finalist's quick figure would look misranked in the
-    table (the two rows show figures of different rounds): its row says which quick figure made it a finalist."""
-    quick = [c.row.speedup for c in others if c.row.speedup is not None]
-    if not quick:
-        return
-    for candidate in finalists:
-        full, first = candidate.row.speedup, candidate.row.details.get("quick_speedup")
-        if full is not None and first is not None and full < max(quick):
-            candidate.row.reason = "; ".join(filter(None, [
-                f"finalist on its quick measurement ({first:.2f}x eager); the figures shown are the full one",
-                candidate.row.reason]))

@@ -86,6 +86,7 @@ class TensorRTBackend(Backend):
     requirements = (TENSORRT_REQUIREMENT, POLYGRAPHY_REQUIREMENT, ONNX_REQUIREMENT)
     device_types = frozenset({"cuda"})
     rank = 40
+    default_search_position = 60  # in the default search (Backend.default_search_position)
     #: The isolated steps; class attributes so tests can point them elsewhere.
     build_step = "aitune.torch.backend.tensorrt.engine_build:build_engine"
     autocast_step = "aitune.torch.backend.tensorrt.quantization:autocast_onnx"

@@ -1,0 +1,260 @@
+"""What the checks of one graph need: the graph, the user's module, eager's references, and how candidates are
+judged.
+
+:class:`GraphContext` is made once per graph by ``ait.tune`` and passed to every check
+(:mod:`aitune.torch.check.checks`) and to the search (:mod:`aitune.torch.search`), which fills in the figures it
+measures; :class:`EvaluationSettings` are a strategy's settings for judging one candidate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from aitune.torch.check.correctness import Tolerance, exact_fp32
+from aitune.torch.check.guard import signature
+from aitune.torch.check.probes import ProbeConfig, ProbeSet, make_probes
+from aitune.torch.check.references import ReferenceStore, leaf_magnitudes, spill_bytes_from_env
+from aitune.torch.common.dtypes import is_fp32_model
+from aitune.torch.measure.profiling import Measurement, ProfilingConfig
+from aitune.torch.record.pytree import tree_flatten, tree_unflatten
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class GraphContext:
+    """What evaluating candidates for one graph of one module needs.
+
+    Attributes:
+        module: the user's module (never modified). module_name: report name.
+        graph: the :class:`~aitune.torch.record.samples.GraphSpec` with recorded samples.
+        device: where to build and run. workdir: ``<cache>/<module>/<graph>``.
+        reference_outputs: eager outputs per sample (computed once on cloned inputs under no_grad), as kept by
+            ``references`` (:class:`~aitune.torch.check.references.StoredOutputs`).
+        reference_inputs_after: per sample, the input leaves after the eager call (for in-place ops; None when
+            the graph changes no input).
+        references: where eager's outputs on samples, probes and rule 5's fp32 runs are kept — host memory,
+            spilled to a file in the workdir once large (:mod:`aitune.torch.check.references`); :meth:`release`
+            removes its files.
+        cache: optional build cache (see :mod:`aitune.torch.search.cache`).
+        eager_measurement: eager's figures, measured once per graph (set by
+            :func:`aitune.torch.search.evaluation.eager_candidate`).
+        eager_runner: plain eager as a built backend, made once per graph by
+            :func:`aitune.torch.search.evaluation.eager_runner`: what every candidate is timed against.
+        restore_state: for a module that changes its own parameters/buffers in ``forward`` (a stateful
+            graph), puts them back to where tuning started; eager's references and every candidate's check
+            start from that state. None for stateless graphs.
+        progress: where phases are shown (:class:`~aitune.torch.report.progress.TuneProgress`), or None.
+        crashes: candidates that crashed this environment before (:class:`~aitune.torch.search.crashes.CrashRegistry`).
+        rankings: earlier searches' rankings (:class:`~aitune.torch.search.rankings.RankingStore`).
+        deadline: ``time.perf_counter()`` by which this graph should be done (from the time budget), or None.
+    """
+
+    def remaining_s(self) -> float | None:
+        """Seconds left of this graph's time budget (None: no budget)."""
+        return None if self.deadline is None else self.deadline - time.perf_counter()
+
+    def show(self, candidate: str, phase: str) -> None:
+        """Tell the progress display which candidate is in which phase."""
+        if self.progress is not None:
+            self.progress.phase(candidate, phase)
+
+    module: torch.nn.Module
+    module_name: str
+    graph: Any
+    device: torch.device
+    workdir: Path
+    reference_outputs: list
+    reference_inputs_after: list | None = None
+    cache: Any = None
+    eager_measurement: Measurement | None = None
+    restore_state: Any = None
+    progress: Any = None  # a TuneProgress (aitune/torch/report/progress.py); None: nothing shown
+    crashes: Any = None  # a CrashRegistry (aitune/torch/search/crashes.py); None: crashes are not remembered
+    rankings: Any = None  # a RankingStore (aitune/torch/search/rankings.py); None: every tune searches in full
+    deadline: float | None = None  # perf_counter() by which this graph's evaluations should end (time budget)
+    references: ReferenceStore = dataclasses.field(default_factory=ReferenceStore)
+    eager_runner: Any = None  # plain eager, built once per graph by the search: what candidates are timed against
+    _output_magnitudes: list | None = None  # per output leaf, eager's largest |x| over the samples
+    _probes: dict = dataclasses.field(default_factory=dict)
+    _fp32_outputs: dict = dataclasses.field(default_factory=dict)
+    _fp32_unavailable: bool = False
+
+    @classmethod
+    def from_eager(cls, module: torch.nn.Module, module_name: str, graph, device: torch.device, workdir: Path, *,
+                   cache=None, restore_state=None, spill_bytes: int | None = None) -> "GraphContext":
+        """The context of ``graph`` with eager's reference outputs per sample, computed once on cloned inputs
+        under no_grad, in order (for a stateful graph from the module's starting state, which ``restore_state``
+        puts back).
+
+        The outputs — and, for a graph that changes its inputs in place, the inputs after the call — are kept by
+        a :class:`~aitune.torch.check.references.ReferenceStore`: on the host, spilled to a temporary file in
+        ``workdir`` once they pass ``spill_bytes`` (default ``$AITUNE_REFERENCE_SPILL_BYTES`` or 256 MiB).
+        One sample's inputs and outputs are alive at a time.
+        """
+        store = ReferenceStore(workdir, module=module,
+                               spill_bytes=spill_bytes_from_env() if spill_bytes is None else spill_bytes)
+        outputs, inputs_after = [], [] if graph.mutated_inputs else None
+        if restore_state is not None:
+            restore_state()
+        with torch.no_grad():
+            for sample in graph.samples:
+                inputs = sample.clone()
+                outputs.append(store.keep(module(*inputs.args, **inputs.kwargs)))
+                if inputs_after is not None:
+                    inputs_after.append(store.keep(inputs.leaves()))
+                del inputs
+        return cls(module=module, module_name=module_name, graph=graph, device=device, workdir=workdir,
+                   reference_outputs=outputs, reference_inputs_after=inputs_after, cache=cache,
+                   restore_state=restore_state, references=store)
+
+    def run_eager(self, sample) -> Any:
+        """Eager's outputs on a clone of ``sample``, under no_grad, from the starting state (as returned: pass
+        them to ``references.keep`` to hold on to them)."""
+        if self.restore_state is not None:
+            self.restore_state()
+        inputs = sample.clone()
+        with torch.no_grad():
+            return self.module(*inputs.args, **inputs.kwargs)
+
+    def output_magnitudes(self) -> list[float | None]:
+        """Per output leaf, eager's largest finite ``|x|`` over the recorded samples (None for leaves that are
+        not float tensors); read once per graph (:func:`aitune.torch.check.references.leaf_magnitudes`)."""
+        if self._output_magnitudes is None:
+            largest: list[float | None] = []
+            for outputs in self.reference_outputs:
+                for position, magnitude in enumerate(leaf_magnitudes(outputs)):
+                    if position == len(largest):
+                        largest.append(magnitude)
+                    elif magnitude is not None and largest[position] is not None:
+                        largest[position] = max(largest[position], magnitude)
+            self._output_magnitudes = largest
+        return self._output_magnitudes
+
+    def probes(self, config: ProbeConfig) -> ProbeSet:
+        """The graph's probes with eager's outputs (derived once per graph and config, shared by candidates)."""
+        if not config.enabled:
+            return ProbeSet([])
+        key = (config.max_probes, config.seed, config.max_reference_bytes)
+        if key not in self._probes:
+            with one_off_calls():  # probes have shapes and values the user may never run
+                self._probes[key] = make_probes(self.graph, self.run_eager, config, self.reference_outputs,
+                                                keep=self.references.keep)
+            if self.restore_state is not None:
+                self.restore_state()
+        return self._probes[key]
+
+    def checked_signatures(self) -> set:
+        """Input signatures (tensor shapes) every candidate was checked on: the samples and the probes."""
+        probes = [probe for probe_set in self._probes.values() for probe in probe_set.probes]
+        return {signature(s.leaves()) for s in self.graph.samples} | {signature(p.sample.leaves()) for p in probes}
+
+    def release(self) -> None:
+        """Drop the references (probes', rule 5's) and remove spilled files once the graph is tuned."""
+        self._probes.clear()
+        self._fp32_outputs.clear()
+        self._output_magnitudes = None
+        if self.eager_runner is not None:
+            self.eager_runner.deactivate()
+            self.eager_runner = None
+        self.reference_outputs = []
+        self.reference_inputs_after = None
+        self.references.close()
+
+    def fp32_reference(self, index: int) -> Any:
+        """Outputs of a float32 copy of the module on sample ``index`` (fp16/bf16 inputs upcast), or None; TF32
+        off (:func:`~aitune.torch.check.correctness.exact_fp32`). An fp32 module is run itself, not copied.
+
+        Computed lazily, only when a candidate misses the plain tolerance on an fp16/bf16 leaf, or on an fp32
+        leaf that eager computed in TF32 (correctness rule 5),
+        and kept like eager's references (``references``); the copy is dropped right after. None when the copy
+        or the call fails (e.g. out of memory).
+        """
+        if self._fp32_unavailable:
+            return None
+        if index not in self._fp32_outputs:
+            try:
+                module32 = _float32(self.module)
+                with torch.no_grad(), one_off_calls(), exact_fp32():
+                    for position, sample in enumerate(self.graph.samples):
+                        args, kwargs = _upcast(sample.clone())
+                        self._fp32_outputs[position] = self.references.keep(module32(*args, **kwargs))
+                del module32
+            except Exception:  # noqa: BLE001 - rule 5 is a second chance, never a new failure
+                logger.debug("no fp32 reference for %s/%s", self.module_name, self.graph.name, exc_info=True)
+                self._fp32_unavailable = True
+                return None
+        return self._fp32_outputs.get(index)
+
+    def fp32_reference_for(self, sample) -> Any:
+        """Outputs of a float32 copy of the module on ``sample`` (a probe), or None; the copy is dropped after."""
+        if self._fp32_unavailable:
+            return None
+        try:
+            if self.restore_state is not None:
+                self.restore_state()
+            module32 = _float32(self.module)
+            with torch.no_grad(), one_off_calls(), exact_fp32():
+                args, kwargs = _upcast(sample.clone())
+                return module32(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - rule 5 is a second chance, never a new failure
+            logger.debug("no fp32 reference for a probe of %s/%s", self.module_name, self.graph.name, exc_info=True)
+            return None
+
+
+def _float32(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` when it is float32 throughout (:func:`~aitune.torch.common.dtypes.is_fp32_model`), else a float32 copy."""
+    return module if is_fp32_model(module) else copy.deepcopy(module).float()
+
+
+@contextlib.contextmanager
+def one_off_calls() -> Iterator[None]:
+    """Eager calls whose results are references, not the user's inference: cuDNN's autotuner off.
+
+    NOTE [no cuDNN autotuning for references]: with ``torch.backends.cudnn.benchmark = True`` (the user's
+    setting, common for convnets) the first convolution of each new shape, dtype or format times every cuDNN
+    algorithm, allocating each one's workspace. The float32 copy that correctness rule 5 runs on a probe is
+    such a first call: for a ResNet-50 at batch 1 its workspaces can take gigabytes, many times what eager
+    inference needs (``benchmarks/gpu_memory_trace.py`` shows where a tune's peak goes). A reference
+    is computed once, so cuDNN's heuristic choice costs nothing in speed there; the user's setting is restored
+    after.
+    """
+    benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+
+
+def _upcast(sample) -> tuple[tuple, dict]:
+    leaves, spec = tree_flatten((sample.args, sample.kwargs))
+    leaves = [leaf.float() if isinstance(leaf, torch.Tensor) and leaf.dtype in (torch.float16, torch.bfloat16)
+              else leaf for leaf in leaves]
+    return tree_unflatten(spec, leaves)
+
+
+@dataclasses.dataclass(kw_only=True)
+class EvaluationSettings:
+    """How candidates are judged (a strategy's settings).
+
+    Attributes:
+        tolerance: thresholds of the comparison with eager (also used for the round trip of AOT artifacts).
+        profiling: how to measure. correctness_check: compare with eager (default True).
+        probes: inputs beyond the recorded samples every candidate is checked on (:mod:`aitune.torch.check.probes`).
+        measure: measure passing candidates (default True).
+    """
+
+    tolerance: Tolerance = dataclasses.field(default_factory=Tolerance)
+    profiling: ProfilingConfig = dataclasses.field(default_factory=ProfilingConfig)
+    probes: ProbeConfig = dataclasses.field(default_factory=ProbeConfig)
+    correctness_check: bool = True
+    measure: bool = True
