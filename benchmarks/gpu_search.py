@@ -218,7 +218,7 @@ def main(argv=None) -> int:
         result["eager_p50_ms"] = min(eager_ms, p50_ms(lambda: model(**inputs)))
 
     if args.diagnose:  # the tuner's own runners-up, timed directly after tuning (vs their in-tuner figures)
-        for index, graph_guard in enumerate(wrapped._self_guards.values()):
+        for index, graph_guard in enumerate(wrapped._self_dispatch.guards().values()):
             for position, runner_up in enumerate(graph_guard.fallbacks):
                 with torch.no_grad():
                     result[f"diag_runner_up{position}_{runner_up.describe()}_p50_ms"] = p50_ms(

@@ -82,11 +82,11 @@ def main(argv=None) -> int:
     no_watch = modules["module_guard_off"]
 
     def module_no_watch():  # the guard-off module with its stale-weight watch detached for the call
-        watch, no_watch._self_watch = no_watch._self_watch, None
+        watch, no_watch._self_dispatch.watch = no_watch._self_dispatch.watch, None
         try:
             return no_watch(**inputs)
         finally:
-            no_watch._self_watch = watch
+            no_watch._self_dispatch.watch = watch
 
     calls = {"module": lambda: modules["module"](**inputs),
              "module_guard_off": lambda: no_watch(**inputs),

@@ -29,6 +29,10 @@ from aitune.torch.tune_strategy import (
 )
 from aitune.torch.tuning import cache_dir as aitune_cache_dir
 from aitune.torch.tuning import tune
+from aitune.torch import module as _module
+from aitune.torch import tuning as _tuning
+
+_module.set_orchestrator(_tuning)  # Module.tune runs the orchestrator, which sits above it (NOTE [Module.tune])
 
 # Last: just-in-time tuning builds on everything above. Importing it enables nothing.
 from aitune.torch.jit import PatchedModule, jit_config, patch_for_jit_tuning  # noqa: E402

@@ -1,0 +1,316 @@
+"""How a tuned :class:`~aitune.torch.module.Module` answers a call: which backend serves it, or why eager does.
+
+:class:`Dispatch` owns everything a TUNED wrapper needs per call — its :class:`TunedGraph` per graph (backend,
+run-time guard), the routes from a call's shape to a graph (the fast path), the weight watch, the counters
+of :attr:`Module.stats`. ``Module`` makes a new one whenever its backends change as a whole (tuning,
+loading, re-recording), so what one caches lives and dies with it; a single graph's backend or guard
+changes through :meth:`TunedGraph.set_backend` / :attr:`TunedGraph.guard`, which the routes read through.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aitune.errors import BackendRuntimeError
+from aitune.torch.backend.base import Backend
+from aitune.torch.backend.eager import TorchEagerBackend
+from aitune.torch.check.guard import StateWatch
+from aitune.torch.record.pytree import tree_flatten, tree_unflatten
+from aitune.torch.record.samples import make_graph_key
+
+logger = logging.getLogger(__name__)
+
+
+class TunedGraph:
+    """One tuned graph, the backend that serves it and its run-time guard, with what the per-call path needs
+    to know about them computed once (:meth:`set_backend`).
+
+    Args:
+        graph: the tuned :class:`~aitune.torch.record.samples.GraphSpec`.
+        backend: the backend built (or restored) for it.
+    """
+
+    __slots__ = ("graph", "backend", "guard", "passthrough", "bakes_weights", "training", "checks_inputs")
+
+    def __init__(self, graph, backend) -> None:
+        self.graph = graph
+        self.guard = None  # a RuntimeGuard (aitune.torch.check.guard), or None: no checks against eager
+        self.training = bool(graph.training)
+        self.set_backend(backend)
+
+    def set_backend(self, backend) -> None:
+        """Serve the graph with ``backend`` from the next call on."""
+        self.backend = backend
+        self.passthrough = bool(getattr(backend, "passthrough", False))  # plain eager: nothing to route around
+        self.bakes_weights = bool(backend.bakes_weights)
+        # Backend.rejects accepts everything; only a backend that overrides it is asked per call.
+        self.checks_inputs = getattr(backend.rejects, "__func__", None) is not Backend.rejects
+
+    def refusal(self, module: torch.nn.Module) -> tuple[Any, str] | None:
+        """Why this graph's artifact may not serve a call of ``module`` now, as ``(fallback key, message)``, or
+        None when it may. Every call routed here asks, before the inputs are looked at: what the artifact baked
+        in at build time and the module may have changed since belongs here (today: the training flag).
+
+        Args:
+            module: the wrapped (original) module.
+        """
+        if module.training != self.training:
+            return "training", (f"module.training is {module.training} but it was tuned with {self.training}: "
+                                "eager runs")
+        return None
+
+
+class Dispatch:
+    """A tuned module's calls: routes each to its graph's backend (or eager, saying why), with the guard,
+    the weight watch and the run-time counters.
+
+    Args:
+        module: the wrapped (original) module: eager runs it.
+        name: the wrapper's name (for messages).
+        signature: the recorder's :class:`~aitune.torch.record.signature.CallSignature` (normalises calls).
+        entries: ``(GraphSpec, Backend)`` per tuned graph; empty for a module that is not tuned.
+        eager_fallback_error: when set, calls the backends do not take raise
+            :class:`~aitune.errors.BackendRuntimeError` with this reason instead of running eagerly.
+    """
+
+    __slots__ = ("module", "name", "signature", "graphs", "_by_key", "_by_flat_key", "_by_id", "_routes", "watch",
+                 "fallbacks", "backend_calls", "_warned", "eager_fallback_error")
+
+    def __init__(self, module: torch.nn.Module, name: str, signature, entries=(),
+                 eager_fallback_error: str | None = None) -> None:
+        self.module = module
+        self.name = name
+        self.signature = signature
+        self.graphs: list[TunedGraph] = [TunedGraph(graph, backend) for graph, backend in entries]
+        self._by_key = {tuned.graph.key: tuned for tuned in self.graphs}
+        self._by_id = {id(tuned.graph): tuned for tuned in self.graphs}
+        self._by_flat_key = {}  # flat key of a graph's first sample -> TunedGraph (no flattening for such calls)
+        for tuned in self.graphs:
+            if tuned.graph.samples:
+                sample = tuned.graph.samples[0]
+                key = flat_call_key(sample.args, sample.kwargs)
+                if key is not None:
+                    self._by_flat_key[key] = tuned
+        self._routes: dict = {}  # raw call key -> (TunedGraph, CallSignature.plan) (NOTE [dispatch fast path])
+        self.watch: StateWatch | None = None  # set by watch_state when a backend bakes the weights in
+        self.fallbacks: dict[str, int] = {}  # reason kind -> calls that ran eager for it
+        self.backend_calls = 0  # calls answered by a tuned (non-eager) backend
+        self._warned: set = set()
+        self.eager_fallback_error = eager_fallback_error
+
+    # ---- the tuned graphs
+    def find(self, graph) -> TunedGraph | None:
+        """The entry of ``graph`` (the GraphSpec object itself), or None when it is not tuned here."""
+        return self._by_id.get(id(graph))
+
+    def backends(self) -> list[tuple[Any, Any]]:
+        """``(GraphSpec, Backend)`` per tuned graph, in the order given."""
+        return [(tuned.graph, tuned.backend) for tuned in self.graphs]
+
+    def guards(self) -> dict[str, Any]:
+        """The armed run-time guards by graph name."""
+        return {tuned.graph.name: tuned.guard for tuned in self.graphs if tuned.guard is not None}
+
+    def watch_state(self, stale: str | None = None) -> None:
+        """Watch the module's weights when a tuned backend baked them in (``stale``: they already differ, for
+        this reason); a watch already stale stays stale."""
+        bakes = any(tuned.backend.bakes_weights and not tuned.graph.stateful for tuned in self.graphs)
+        previous = self.watch.reason if self.watch is not None else None
+        self.watch = StateWatch(self.module) if bakes or stale else None
+        if self.watch is not None:
+            self.watch.reason = stale or previous
+
+    def release(self) -> None:
+        """Release every backend (device memory, CUDA graphs); releasing never raises."""
+        for tuned in self.graphs:
+            try:
+                tuned.backend.deactivate()
+            except Exception:  # noqa: BLE001 - releasing must not fail the new state
+                logger.debug("deactivating %s failed", tuned.backend, exc_info=True)
+
+    def replace_backend(self, tuned: TunedGraph, replacement) -> None:
+        """Serve ``tuned``'s graph with ``replacement`` (None: eager) from now on; the retired backend is released."""
+        graph = tuned.graph
+        if replacement is None:
+            replacement = TorchEagerBackend.from_checkpoint(Path(tempfile.gettempdir()), TorchEagerBackend.config_class(),
+                                                            {}, self.module, graph, graph_device(graph))
+        tuned.backend.deactivate()
+        tuned.set_backend(replacement)
+        replacement.activate()
+
+    # ---- calls
+    def call(self, args: tuple, kwargs: dict):
+        """Answer one call of the tuned module (its arguments as given)."""
+        # NOTE [dispatch fast path]: a call whose arguments are all tensors or plain constants (no nesting) is keyed
+        # as given, before normalisation, by dtype/rank/device and constant values; the key finds the TunedGraph
+        # (whose per-call facts were computed once) and the normalising plan made from the first such call. The
+        # host work before the backend's launch is then a few µs, which counts in the GPU latency of every call
+        # (the wrapped module should stay within 3 % of the backend called directly: benchmarks/gpu_wrapper_cost.py).
+        raw_key = flat_call_key(args, kwargs)
+        route = self._routes.get(raw_key) if raw_key is not None else None
+        if route is not None:
+            tuned, normalize = route
+            args, kwargs = normalize(args, kwargs)
+            flat = True
+        else:
+            raw_args, raw_kwargs = args, kwargs
+            args, kwargs = self.signature.normalize(args, kwargs)
+            tuned, flat = self._route(raw_key, args, kwargs, raw_args, raw_kwargs)
+            if tuned is None:
+                return self.eager(args, kwargs, "graph", "a call whose input structure, constants or dtypes were "
+                                                         "never recorded runs eager")
+        backend = tuned.backend
+        if tuned.passthrough:
+            return backend.run(args, kwargs)
+        watch = self.watch if tuned.bakes_weights else None
+        if watch is not None and watch.reason is not None:
+            return self._stale(args, kwargs, backend)
+        refusal = tuned.refusal(self.module)
+        if refusal is not None:
+            return self.eager(args, kwargs, *refusal)
+        leaves = [*args, *kwargs.values()] if flat else tree_flatten((args, kwargs))[0]
+        graph = tuned.graph
+        contiguous = True
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                if leaf.numel() == 0:
+                    # NOTE [zero-size inputs]: compiled kernels and exported graphs mishandle empty batches and
+                    # empty spatial dims (microsoft/onnxruntime#13626, pytorch/pytorch#197095); eager gives the
+                    # right empty result or the right error.
+                    return self.eager(args, kwargs, "empty", "zero-size inputs run eager")
+                if contiguous and not leaf.is_contiguous():
+                    contiguous = False
+        if tuned.checks_inputs:
+            rejection = backend.rejects(leaves)
+            if rejection is not None:
+                return self.eager(args, kwargs, ("range", graph.name), f"{graph.name}: {rejection} ({backend.name}'s "
+                                                                       "accepted inputs); such calls run eager")
+        if not contiguous:
+            # NOTE [non-contiguous inputs]: some artifacts assume contiguous strides (pytorch/pytorch#122784).
+            if graph.mutated_inputs:
+                return self.eager(args, kwargs, "strides", "non-contiguous inputs to a module that mutates "
+                                                           "its inputs run eager")
+            args, kwargs = _contiguous((args, kwargs))
+        guard = tuned.guard
+        try:
+            if guard is not None and guard.due(leaves):
+                if watch is not None and watch.changed() is not None:
+                    return self._stale(args, kwargs, backend)
+                return self._guarded_call(tuned, guard, args, kwargs, leaves)
+            output = backend.run(args, kwargs, accepted=True)
+        except Exception as exc:  # noqa: BLE001 - a crashing backend never takes the caller down
+            if watch is not None and watch.changed() is not None:
+                return self._stale(args, kwargs, backend)
+            return self.eager(args, kwargs, ("error", graph.name),
+                              f"backend {backend.name} raised {type(exc).__name__}: {exc}; running eager instead")
+        # NOTE [stale check after launch]: a backend that bakes the weights in never reads the user's tensors, so
+        # whether they changed since tuning (StateWatch: tens of ns per parameter/buffer, tens of µs for a
+        # ResNet-50) is checked after the backend was called: on a GPU that host work then overlaps the
+        # kernels just launched instead of delaying them (benchmarks/gpu_wrapper_cost.py). A stale call's output is
+        # discarded and eager's returned: the same result as checking first, at the cost of one wasted call.
+        if watch is not None and watch.changed() is not None:
+            return self._stale(args, kwargs, backend)
+        self.backend_calls += 1
+        return output
+
+    def _route(self, raw_key, args, kwargs, raw_args, raw_kwargs) -> tuple[TunedGraph | None, bool]:
+        """The graph of a normalised call (None: no tuned graph takes it) and whether the call's leaves are its
+        canonical args and kwargs values in order (flat). A flat call's route is kept under ``raw_key``, so the
+        next call shaped the same way finds it without flattening, and normalises it with the plan made from
+        this call (``raw_args``/``raw_kwargs``: the call as given)."""
+        fast_key = flat_call_key(args, kwargs)
+        tuned = self._by_flat_key.get(fast_key) if fast_key is not None else None
+        flat = tuned is not None
+        if tuned is None:
+            leaves, spec = tree_flatten((args, kwargs))
+            tuned = self._by_key.get(make_graph_key(leaves, spec))
+        elif raw_key is not None:
+            self._routes[raw_key] = (tuned, self.signature.plan(raw_args, raw_kwargs))
+        return tuned, flat
+
+    def _stale(self, args, kwargs, backend):
+        return self.eager(args, kwargs, "stale", f"{self.watch.reason}: {backend.name} baked the old weights "
+                                                 "in, so calls run eager until the module is re-tuned "
+                                                 "(module.enable_recording(force=True), then ait.tune)")
+
+    def _guarded_call(self, tuned: TunedGraph, guard, args, kwargs, leaves):
+        """One call checked against eager (NOTE [guard cost] in aitune/torch/check/guard.py)."""
+        backend = tuned.backend
+        output, replacement = guard.check(backend, lambda chosen: chosen.run(args, kwargs),
+                                          lambda: self.run_eager(args, kwargs), leaves)
+        if replacement is backend:
+            self.backend_calls += 1
+        else:
+            event = guard.events[-1]
+            logger.warning("%s/%s: %s disagreed with eager on an input of shapes %s (%s); this call returned eager's "
+                           "result and %s serves the graph from now on", self.name, tuned.graph.name, backend.name,
+                           event.input_shapes, event.reason, event.replaced_by)
+            self.replace_backend(tuned, replacement)
+        return output
+
+    def eager(self, args, kwargs, key, message: str):
+        """Run eager for a call a backend cannot take; warn once per ``key``, count every such call by kind.
+        When eager may not run (``ait.load`` found the module's weights are not the artifacts'), nothing is
+        logged and the call raises, naming why the backend could not take it (``message``, which describes the
+        eager fallback that was refused) and why eager may not run."""
+        if self.eager_fallback_error is not None:
+            raise BackendRuntimeError(f"{self.name}: {message} — but eager may not run here: "
+                                      f"{self.eager_fallback_error}")
+        kind = key[0] if isinstance(key, tuple) else key
+        self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("%s: %s", self.name, message)
+        return self.run_eager(args, kwargs)
+
+    def run_eager(self, args, kwargs):
+        """The original module on a normalised call, without autograd."""
+        if self.eager_fallback_error is not None:
+            raise BackendRuntimeError(self.eager_fallback_error)
+        with torch.no_grad():
+            return self.module(*args, **kwargs)
+
+
+_CONSTANT_TYPES = (int, float, bool, str, type(None))
+
+
+def flat_call_key(args: tuple, kwargs: dict):
+    """Graph key of a call with only tensor / plain-constant arguments; None when anything is nested.
+
+    A tensor's device enters as ``(get_device(), is_cuda)`` (index, -1 on the CPU): ~90 ns against ~290 ns for
+    ``tensor.device.type``, which builds a ``torch.device`` per access (torch 2.13)."""
+    parts = []
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            parts.append((value.dtype, value.dim(), value.get_device(), value.is_cuda))
+        elif type(value) in _CONSTANT_TYPES:
+            parts.append((type(value), value))
+        else:
+            return None
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            parts.append((name, value.dtype, value.dim(), value.get_device(), value.is_cuda))
+        elif type(value) in _CONSTANT_TYPES:
+            parts.append((name, type(value), value))
+        else:
+            return None
+    return len(args), tuple(parts)
+
+
+def graph_device(graph) -> torch.device:
+    """The device of a graph's first recorded tensor input (CPU when it has none)."""
+    for sample in graph.samples[:1]:
+        for leaf in sample.leaves():
+            if isinstance(leaf, torch.Tensor):
+                return leaf.device
+    return torch.device("cpu")
+
+
+def _contiguous(value):
+    leaves, spec = tree_flatten(value)
+    return tree_unflatten(spec, [leaf.contiguous() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
