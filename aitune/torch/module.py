@@ -18,6 +18,7 @@ import torch
 import wrapt
 
 from aitune.errors import BackendRuntimeError, ConfigError
+from aitune.torch.backend.accepted import ValueGate
 from aitune.torch.config import config
 from aitune.torch.check.guard import GuardConfig, StateWatch
 from aitune.torch.record.module_arguments import validate_dynamic_shapes, validate_strategies
@@ -292,8 +293,9 @@ class Module(wrapt.ObjectProxy):
     def stats(self) -> dict:
         """What happened at run time: calls a tuned (non-eager) backend answered (``backend_calls``; a checked
         call counts when the check kept the backend's answer), calls that ran eager by reason (``eager_fallbacks``: ``graph`` untuned
-        structure, ``range`` outside an artifact's accepted inputs, ``stale`` weights changed, ``error`` the
-        backend raised, ...), the guard's checks and events per graph, and whether the module needs a re-tune.
+        structure, ``range`` outside an artifact's accepted inputs, ``values`` values never recorded (integers
+        outside the recorded range, nan/inf, a quantized candidate's input far beyond its checked range),
+        ``stale`` weights changed, ``error`` the backend raised, ...), the guard's checks and events per graph, and whether the module needs a re-tune.
         JSON-able; counts since tuning (or loading)."""
         return {
             "state": self._self_state.value,
@@ -504,6 +506,11 @@ class Module(wrapt.ObjectProxy):
             if rejection is not None:
                 return self._eager(args, kwargs, ("range", graph.name), f"{graph.name}: {rejection} ({backend.name}'s "
                                                                         "accepted inputs); such calls run eager")
+        if route.values is not None:  # NOTE [value gate] in aitune/torch/backend/accepted.py
+            rejection = route.values.rejects(leaves)
+            if rejection is not None:
+                return self._eager(args, kwargs, ("values", graph.name), f"{graph.name}: {rejection}; such calls "
+                                                                         f"run eager instead of {backend.name}")
         if not contiguous:
             # NOTE [non-contiguous inputs]: some artifacts assume contiguous strides (pytorch/pytorch#122784).
             if graph.mutated_inputs:
@@ -620,7 +627,7 @@ class _Route:
     (NOTE [dispatch fast path]). Rebuilt whenever the module's backends or guards change."""
 
     __slots__ = ("graph", "backend", "guard", "flat", "passthrough", "bakes_weights", "training", "checks_inputs",
-                 "normalize")
+                 "normalize", "values")
 
     def __init__(self, graph, backend, guard, flat: bool) -> None:
         from aitune.torch.backend.base import Backend
@@ -636,6 +643,7 @@ class _Route:
         self.checks_inputs = getattr(backend.rejects, "__func__", None) is not Backend.rejects
         # CallSignature.plan for calls with this route's raw key (positional count, keyword names in order)
         self.normalize = None
+        self.values = None if self.passthrough else ValueGate.for_graph(graph, bool(backend.is_quantizing))
 
 
 def _flat_call_key(args: tuple, kwargs: dict):

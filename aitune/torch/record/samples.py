@@ -141,6 +141,10 @@ class TensorSpec:
         axes: per axis ``"static"``, ``"dynamic"`` or ``"batch"``.
         multipliers: per axis ``size / batch_size`` when constant across samples, else NaN.
         dims: user-declared :class:`DynamicDim` per axis, or None.
+        value_range: ``[lowest, highest]`` value over every recorded call (finite values only; None for bool
+            tensors or before any call); aitune's value gate (:mod:`aitune.torch.backend.accepted`) routes
+            integer inputs outside it, and quantized candidates' inputs far outside it, to eager.
+        finite: every recorded call's values were finite (no nan/inf) — non-finite inputs then run eager.
     """
 
     name: str
@@ -152,6 +156,29 @@ class TensorSpec:
     axes: list[str]
     multipliers: list[float]
     dims: list[DynamicDim | None]
+    value_range: list[float] | None = None
+    finite: bool = True
+
+    def record_values(self, tensor: torch.Tensor) -> None:
+        """Widen :attr:`value_range` (and clear :attr:`finite`) by one call's tensor."""
+        if tensor.dtype == torch.bool or tensor.is_complex() or tensor.numel() == 0:
+            return
+        with torch.no_grad():
+            values = tensor.detach()
+            if values.is_floating_point():
+                finite = torch.isfinite(values)
+                if not bool(finite.all()):
+                    self.finite = False
+                    values = values[finite]
+                    if values.numel() == 0:
+                        return
+            low, high = torch.aminmax(values)
+            cast = float if values.is_floating_point() else int
+            low, high = cast(low.item()), cast(high.item())
+        if self.value_range is None:
+            self.value_range = [low, high]
+        else:
+            self.value_range = [min(self.value_range[0], low), max(self.value_range[1], high)]
 
     @property
     def rank(self) -> int:
@@ -165,7 +192,8 @@ class TensorSpec:
         """Summary for reports: name, path, leaf index, dtype, min/max shape, axes."""
         return {"name": self.name, "path": self.path, "leaf_index": self.leaf_index,
                 "dtype": dtype_name(self.dtype), "min_shape": self.min_shape,
-                "max_shape": self.max_shape, "axes": self.axes}
+                "max_shape": self.max_shape, "axes": self.axes, "value_range": self.value_range,
+                "finite": self.finite}
 
     def to_json(self) -> dict:
         """Every field as JSON (checkpoint manifests): NaN multipliers as None, declared dims as
@@ -174,7 +202,8 @@ class TensorSpec:
                                           "min": dim.min, "max": dim.max, "opt": dim.opt} for dim in self.dims]
         return {"name": self.name, "path": self.path, "leaf_index": self.leaf_index, "dtype": dtype_name(self.dtype),
                 "min_shape": list(self.min_shape), "max_shape": list(self.max_shape), "axes": list(self.axes),
-                "multipliers": [None if math.isnan(m) else m for m in self.multipliers], "dims": dims}
+                "multipliers": [None if math.isnan(m) else m for m in self.multipliers], "dims": dims,
+                "value_range": self.value_range, "finite": self.finite}
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorSpec":
@@ -189,7 +218,9 @@ class TensorSpec:
                    dtype=dtype_from_name(data["dtype"], CheckpointError, f"input {data['path']!r} in the checkpoint"),
                    min_shape=[int(v) for v in data["min_shape"]],
                    max_shape=[int(v) for v in data["max_shape"]], axes=list(data["axes"]),
-                   multipliers=[math.nan if m is None else float(m) for m in data["multipliers"]], dims=dims)
+                   multipliers=[math.nan if m is None else float(m) for m in data["multipliers"]], dims=dims,
+                   value_range=None if data.get("value_range") is None else list(data["value_range"]),
+                   finite=bool(data.get("finite", True)))
 
 
 class GraphSpec:
@@ -264,6 +295,9 @@ class GraphSpec:
     def add(self, sample: Sample, leaves: list[Any]) -> None:
         """Merge one call's shapes into the specs and keep the sample if its shapes are new/extreme."""
         self.num_calls += 1
+        recorded = sample.leaves()  # the call's values before forward ran (it may change its inputs in place)
+        for spec in self.tensor_specs:
+            spec.record_values(recorded[spec.leaf_index])
         shapes = [list(leaves[spec.leaf_index].shape) for spec in self.tensor_specs]
         entry = (sample.batch_size, tuple(tuple(shape) for shape in shapes))
         if entry in self._size_history:
@@ -444,6 +478,10 @@ class GraphSpec:
         graph.input_paths = list(data["input_paths"])
         graph._input_names = list(data["input_names"])
         graph.tensor_specs = [TensorSpec.from_json(spec) for spec in data["tensor_specs"]]
+        for spec in graph.tensor_specs:
+            if "value_range" not in data["tensor_specs"][0]:  # written before value ranges were kept
+                for sample in samples:
+                    spec.record_values(sample.leaves()[spec.leaf_index])
         graph.constants = {path: leaf for path, leaf in zip(graph.input_paths, first)
                            if not isinstance(leaf, torch.Tensor)}
         graph.samples = list(samples)
