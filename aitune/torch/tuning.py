@@ -26,6 +26,7 @@ from aitune.torch.record.module_arguments import check_unique_names
 from aitune.torch.check.references import ReferenceStore, spill_bytes_from_env
 from aitune.torch.report.rows import GraphReport, TuneReport
 from aitune.torch.record.samples import clone_tree
+from aitune.torch.record.state import AttributeSnapshot
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
 from aitune.torch.search.evaluation import GraphContext
 from aitune.torch.check.guard import guard_for
@@ -378,7 +379,7 @@ def _resolve_device(module: Module, device) -> torch.device:
 
 
 class _Snapshot:
-    """Parameters, buffers and ``training`` flags of a module tree, restored bit for bit
+    """Parameters, buffers, plain attributes and ``training`` flags of a module tree, restored bit for bit
     (tuning must not change the caller's module).
 
     NOTE [snapshot on the host]: the copy of a CUDA module's state is kept in host memory, not beside the
@@ -400,6 +401,7 @@ class _Snapshot:
         self.tensors = {name: value.detach().to("cpu", copy=True) if self.on_host else value.detach().clone()
                         for name, value in state}
         self.training = {name: sub.training for name, sub in module.named_modules(remove_duplicate=False)}
+        self.attributes = AttributeSnapshot(module)  # counters, caches, tensors kept as plain attributes
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -419,6 +421,7 @@ class _Snapshot:
         for name, sub in self.module.named_modules(remove_duplicate=False):
             if name in self.training:
                 sub.training = self.training[name]
+        self.attributes.restore()
 
 
 def _calls(dataset: Any, ready: bool, batch_sizes: list[int],

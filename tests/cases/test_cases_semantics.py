@@ -159,3 +159,39 @@ def test_c40_quantized_candidate_does_not_serve_an_outlier_channel(fast_profilin
     assert tuned.stats["eager_fallbacks"].get("values") == 3
     assert tuned.backend_calls == 1  # ordinary inputs are still the quantized candidate's
     assert _sqnr_db(served, expected) >= 20
+
+
+# ------------------------------------------------------------------------------------------ state outside parameters
+
+
+class Monitor(nn.Module):
+    """Keeps a running mean in a plain tensor attribute, a call counter and a cache dict (none a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.mean = torch.zeros(8)
+        self.count = 0
+        self.cache = {}
+
+    def forward(self, x):
+        self.count += 1
+        self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        self.cache[self.count] = x.shape[0]
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("which", list(BACKENDS))
+def test_tuning_leaves_attribute_state_as_the_users_calls_left_it(which, fast_profiling):
+    model = Monitor().eval()
+    with torch.no_grad():  # the user's own calls
+        model(torch.randn(2, 8))
+        model(torch.randn(3, 8))
+    mean, cache, mean_object, cache_object = model.mean.clone(), dict(model.cache), model.mean, model.cache
+    tuned = tune_forced(model, "monitor", BACKENDS[which](), [torch.randn(b, 8) for b in (2, 4)], fast_profiling)
+    assert model.count == 2 and model.cache == cache and model.cache is cache_object
+    assert model.mean is mean_object and torch.equal(model.mean, mean)
+    graph = tuned.graphs[0]
+    assert graph.stateful
+    for name in ("mean", "count", "cache"):
+        assert f"attribute `{name}`" in graph.describe()["stateful_reason"]

@@ -29,6 +29,7 @@ from aitune.torch.record.pytree import (
 )
 from aitune.torch.common.dtypes import dtype_from_name, dtype_name
 from aitune.torch.record.serialization import constant_to_json, tree_spec_from_json, tree_spec_to_json
+from aitune.torch.record.state import AttributeSnapshot, changed_state, state_marks
 from aitune.torch.record.signature import CallSignature, positional_parameter_names  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -238,8 +239,10 @@ class GraphSpec:
             on more than one of them.
         output_spec: :class:`TreeSpec` of eager's output (set by the recorder).
         mutated_inputs: readable paths of inputs that ``forward`` changed in place.
-        stateful: ``forward`` changed the module's own parameters or buffers (running statistics, step
-            counters): candidates are judged from the same starting state as eager, over the same sequence.
+        stateful: ``forward`` changed the module's own parameters, buffers or plain attributes (running
+            statistics, step counters, caches): candidates are judged from the same starting state as eager, over
+            the same sequence, and tuning puts that state back after its own runs.
+        stateful_reason: what ``forward`` changed, e.g. ``forward changes attribute `count```; None when stateless.
     """
 
     def __init__(self, index: int, key: Hashable, input_spec: TreeSpec, leaves: list[Any], max_samples: int = 8,
@@ -272,6 +275,7 @@ class GraphSpec:
         self.output_spec: TreeSpec | None = None
         self.mutated_inputs: list[str] = []
         self.stateful = False
+        self.stateful_reason: str | None = None
         self.training: bool | None = None
         self.signature: CallSignature | None = None  # set by the Recorder: normalises direct backend calls
         self._apply_dynamic_shapes(dynamic_shapes or {})
@@ -413,6 +417,7 @@ class GraphSpec:
             "num_calls": self.num_calls,
             "mutated_inputs": list(self.mutated_inputs),
             "stateful": self.stateful,
+            "stateful_reason": self.stateful_reason,
             "training": self.training,
         }
 
@@ -449,6 +454,7 @@ class GraphSpec:
             "num_calls": self.num_calls,
             "mutated_inputs": list(self.mutated_inputs),
             "stateful": self.stateful,
+            "stateful_reason": self.stateful_reason,
             "training": self.training,
         }
 
@@ -488,6 +494,7 @@ class GraphSpec:
         graph.num_calls = int(data.get("num_calls", len(samples)))
         graph.mutated_inputs = list(data.get("mutated_inputs", []))
         graph.stateful = bool(data.get("stateful", False))
+        graph.stateful_reason = data.get("stateful_reason")
         graph.training = data.get("training")
         graph.signature = signature
         graph.output_spec = output_spec
@@ -541,10 +548,15 @@ class Recorder:
         if batch_size is None:
             batch_size = infer_batch_size(leaves)
         sample = Sample(cloned_args, cloned_kwargs, batch_size)
-        state_before = _state_versions(module)
+        state_before, kept = state_marks(module)
         output = module(*args, **kwargs)
-        if _state_versions(module) != state_before:
+        changed = changed_state(state_before, state_marks(module)[0])
+        del kept
+        if changed:
             graph.stateful = True
+            if graph.stateful_reason is None:
+                more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+                graph.stateful_reason = "forward changes " + ", ".join(changed[:3]) + more
         graph.training = module.training
         mutated = [path for path, before, after in zip(graph.input_paths, sample.leaves(), leaves)
                    if isinstance(after, torch.Tensor) and not _same_tensor_values(before, after)]
@@ -554,12 +566,6 @@ class Recorder:
         graph.output_spec = tree_flatten(output)[1]
         graph.add(sample, leaves)
         return output
-
-
-def _state_versions(module: torch.nn.Module) -> list[tuple[int, int]]:
-    """Identity and version counter of every parameter and buffer: changes when ``forward`` updates them in
-    place (running statistics) or assigns new tensors (step counters)."""
-    return [(id(t), t._version) for t in module.parameters()] + [(id(t), t._version) for t in module.buffers()]
 
 
 def _same_call(first: Sample, second: Sample) -> bool:
@@ -583,9 +589,11 @@ def _same_tensor_values(before: torch.Tensor, after: torch.Tensor) -> bool:
 def record_graphs(module: torch.nn.Module, calls: Iterable[tuple[tuple, dict]], **recorder_options) -> list[GraphSpec]:
     """Record ``calls`` (each ``(args, kwargs)``) of ``module`` under ``no_grad``; returns the graphs in order.
 
-    Restores the module's parameters and buffers afterwards (recording must not change the module).
+    Restores the module's parameters, buffers and plain attributes afterwards (recording must not change the
+    module).
     """
     recorder = Recorder(module, **recorder_options)
+    attributes = AttributeSnapshot(module)
     state = {name: value.detach().clone() for name, value in module.state_dict(keep_vars=True).items()}
     with torch.no_grad():
         for args, kwargs in calls:
@@ -593,4 +601,5 @@ def record_graphs(module: torch.nn.Module, calls: Iterable[tuple[tuple, dict]], 
         for name, value in module.state_dict(keep_vars=True).items():
             if name in state and isinstance(value, torch.Tensor):
                 value.detach().copy_(state[name])
+    attributes.restore()
     return list(recorder.graphs.values())
