@@ -214,9 +214,8 @@ class ValueGate:
     def rejects(self, leaves: list[Any]) -> str | None:
         """Why a call with these flattened input leaves runs eager, or None when the backend takes its values."""
         for index, path, low, high in self.integers:
-            tensor = leaves[index]
-            if bool(((tensor < low) | (tensor > high)).any()):
-                found_low, found_high = torch.aminmax(tensor)
+            found_low, found_high = torch.aminmax(leaves[index])
+            if int(found_low) < low or int(found_high) > high:
                 return (f"input '{path}' holds values in [{int(found_low)}, {int(found_high)}], outside the "
                         f"recorded [{low}, {high}]")
         for index, path in self.finite:
