@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from aitune.errors import BackendRuntimeError
+from aitune.torch.backend.accepted import ValueGate
 from aitune.torch.backend.base import Backend
 from aitune.torch.backend.eager import TorchEagerBackend
 from aitune.torch.check.guard import StateWatch
@@ -35,7 +36,8 @@ class TunedGraph:
         backend: the backend built (or restored) for it.
     """
 
-    __slots__ = ("graph", "backend", "guard", "passthrough", "bakes_weights", "training", "checks_inputs")
+    __slots__ = ("graph", "backend", "guard", "passthrough", "bakes_weights", "training", "checks_inputs",
+                 "values")
 
     def __init__(self, graph, backend) -> None:
         self.graph = graph
@@ -50,6 +52,8 @@ class TunedGraph:
         self.bakes_weights = bool(backend.bakes_weights)
         # Backend.rejects accepts everything; only a backend that overrides it is asked per call.
         self.checks_inputs = getattr(backend.rejects, "__func__", None) is not Backend.rejects
+        # values the recorded calls never had (NOTE [value gate] in aitune/torch/backend/accepted.py)
+        self.values = None if self.passthrough else ValueGate.for_graph(self.graph, bool(backend.is_quantizing))
 
     def refusal(self, module: torch.nn.Module) -> tuple[Any, str] | None:
         """Why this graph's artifact may not serve a call of ``module`` now, as ``(fallback key, message)``, or
@@ -190,6 +194,11 @@ class Dispatch:
             if rejection is not None:
                 return self.eager(args, kwargs, ("range", graph.name), f"{graph.name}: {rejection} ({backend.name}'s "
                                                                        "accepted inputs); such calls run eager")
+        if tuned.values is not None:
+            rejection = tuned.values.rejects(leaves)
+            if rejection is not None:
+                return self.eager(args, kwargs, ("values", graph.name), f"{graph.name}: {rejection}; such calls "
+                                                                        f"run eager instead of {backend.name}")
         if not contiguous:
             # NOTE [non-contiguous inputs]: some artifacts assume contiguous strides (pytorch/pytorch#122784).
             if graph.mutated_inputs:

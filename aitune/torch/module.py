@@ -299,8 +299,10 @@ class Module(wrapt.ObjectProxy):
     def stats(self) -> dict:
         """What happened at run time: calls a tuned (non-eager) backend answered (``backend_calls``; a checked
         call counts when the check kept the backend's answer), calls that ran eager by reason (``eager_fallbacks``: ``graph`` untuned
-        structure, ``range`` outside an artifact's accepted inputs, ``stale`` weights changed, ``error`` the
-        backend raised, ...), the guard's checks and events per graph, and whether the module needs a re-tune.
+        structure, ``range`` outside an artifact's accepted inputs, ``values`` values never recorded (integers
+        outside the recorded range, nan/inf, a quantized candidate's input far beyond its checked range),
+        ``stale`` weights changed, ``error`` the backend raised, ...), the guard's checks and events per graph, and
+        whether the module needs a re-tune.
         JSON-able; counts since tuning (or loading)."""
         dispatch = self._self_dispatch
         return {

@@ -25,6 +25,7 @@ from aitune.torch.module import Module, ModuleState, registered_modules, set_rec
 from aitune.torch.record.module_arguments import check_unique_names
 from aitune.torch.report.rows import GraphReport, TuneReport
 from aitune.torch.record.samples import clone_tree
+from aitune.torch.record.state import AttributeSnapshot
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
 from aitune.torch.check.context import GraphContext
 from aitune.torch.compat import strategy as _reference_strategy  # noqa: F401 - installs the reference contract
@@ -350,7 +351,7 @@ def _resolve_device(module: Module, device) -> torch.device:
 
 
 class _Snapshot:
-    """Parameters, buffers and ``training`` flags of a module tree, restored bit for bit
+    """Parameters, buffers, plain attributes and ``training`` flags of a module tree, restored bit for bit
     (tuning must not change the caller's module).
 
     NOTE [snapshot on the host]: the copy of a CUDA module's state is kept in host memory, not beside the
@@ -372,6 +373,7 @@ class _Snapshot:
         self.tensors = {name: value.detach().to("cpu", copy=True) if self.on_host else value.detach().clone()
                         for name, value in state}
         self.training = {name: sub.training for name, sub in module.named_modules(remove_duplicate=False)}
+        self.attributes = AttributeSnapshot(module)  # counters, caches, tensors kept as plain attributes
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -391,6 +393,7 @@ class _Snapshot:
         for name, sub in self.module.named_modules(remove_duplicate=False):
             if name in self.training:
                 sub.training = self.training[name]
+        self.attributes.restore()
 
 
 def _calls(dataset: Any, ready: bool, batch_sizes: list[int],

@@ -2,6 +2,7 @@
 gets that input right takes over) and stale weights (case C33 (a)-(d) on weight-baking backends)."""
 
 import logging
+import types
 
 import pytest
 import torch
@@ -142,12 +143,14 @@ class LoadedNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.candidate_started, self.eager_calls = False, 0
+        # the simulated load lives in a helper object: counters kept as the module's own attributes would make
+        # the graph stateful (and so unguarded), which is not what this test is about
+        self.load = types.SimpleNamespace(candidate_started=False, eager_calls=0)
         self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
     def forward(self, x):
-        self.eager_calls += 1
-        busy = not self.candidate_started or self.eager_calls % 11 == 0
+        self.load.eager_calls += 1
+        busy = not self.load.candidate_started or self.load.eager_calls % 11 == 0
         pause(0.040 if busy else 0.004)
         return self.body(x)
 
@@ -159,7 +162,7 @@ class OneMsBackend(TorchEagerBackend):
     passthrough = False
 
     def _infer(self, args, kwargs):
-        self.module.candidate_started = True
+        self.module.load.candidate_started = True
         pause(0.001)
         return self.module.body(kwargs["x"])
 

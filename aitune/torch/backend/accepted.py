@@ -154,3 +154,81 @@ def _name(entry: AcceptedInput) -> str:
 
 def _range_text(low: list[int], high: list[int]) -> str:
     return "[" + ", ".join(str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in zip(low, high)) + "]"
+
+
+# NOTE [value gate]: a built artifact was checked on the recorded calls' values only. Three kinds of value it
+# never saw go to eager instead, which gives eager's answer or raises eager's error:
+# - integer inputs outside the recorded range: an out-of-range index makes Inductor's bounds check abort the
+#   whole process (pytorch/pytorch#126691) and ONNX Runtime's Gather wrap a negative index around
+#   (microsoft/onnxruntime#1533) where eager raises IndexError;
+# - nan/inf in a floating input whose recorded calls were all finite: compiled and exported kernels may
+#   handle them differently (max/min/relu fusions, clamps);
+# - for a quantizing candidate, a floating input whose largest magnitude exceeds QUANTIZED_RANGE_FACTOR times
+#   the recorded one: dynamic int8 activation scales fitted to an outlier lose the other values' precision
+#   (pytorch/ao PR#3089).
+# Each check reads the whole tensor once and waits for the result (a device sync on CUDA); the cost per call is
+# measured by benchmarks/value_gate_cost.py and stated in docs/promises.md.
+QUANTIZED_RANGE_FACTOR = 2.0
+
+
+@dataclasses.dataclass
+class ValueGate:
+    """Which values of a call a tuned backend takes (NOTE [value gate]).
+
+    Attributes:
+        integers: ``(leaf index, path, lowest, highest)`` per integer input: values outside run eager.
+        finite: ``(leaf index, path)`` per floating input recorded finite: nan/inf run eager.
+        magnitudes: ``(leaf index, path, limit)`` per floating input of a quantizing backend: a largest
+            ``|x|`` above ``limit`` runs eager.
+    """
+
+    integers: list[tuple[int, str, int, int]] = dataclasses.field(default_factory=list)
+    finite: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    magnitudes: list[tuple[int, str, float]] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def for_graph(cls, graph, quantizing: bool) -> "ValueGate | None":
+        """The gate of a graph's recorded value ranges (``TensorSpec.value_range``/``finite``); None when there is
+        nothing to check.
+
+        Args:
+            graph: a :class:`~aitune.torch.record.samples.GraphSpec`.
+            quantizing: the backend quantizes activations or weights (``Backend.is_quantizing``).
+        """
+        gate = cls()
+        for spec in graph.tensor_specs:
+            value_range = getattr(spec, "value_range", None)
+            if spec.dtype == torch.bool or spec.dtype.is_complex:
+                continue
+            if not spec.dtype.is_floating_point:
+                if value_range is not None:
+                    gate.integers.append((spec.leaf_index, spec.path, int(value_range[0]), int(value_range[1])))
+                continue
+            if quantizing and value_range is not None:
+                limit = QUANTIZED_RANGE_FACTOR * max(abs(value_range[0]), abs(value_range[1]))
+                gate.magnitudes.append((spec.leaf_index, spec.path, limit))
+            elif getattr(spec, "finite", True):
+                gate.finite.append((spec.leaf_index, spec.path))
+        return gate if gate.integers or gate.finite or gate.magnitudes else None
+
+    def rejects(self, leaves: list[Any]) -> str | None:
+        """Why a call with these flattened input leaves runs eager, or None when the backend takes its values."""
+        for index, path, low, high in self.integers:
+            found_low, found_high = torch.aminmax(leaves[index])
+            if int(found_low) < low or int(found_high) > high:
+                return (f"input '{path}' holds values in [{int(found_low)}, {int(found_high)}], outside the "
+                        f"recorded [{low}, {high}]")
+        for index, path in self.finite:
+            tensor = leaves[index]
+            if not bool(torch.isfinite(tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64
+                                                  else torch.float32))):
+                if not bool(torch.isfinite(tensor).all()):
+                    return f"input '{path}' holds nan/inf, which no recorded call had"
+        for index, path, limit in self.magnitudes:
+            tensor = leaves[index]
+            largest = float(tensor.detach().abs().amax()) if tensor.numel() else 0.0
+            if not largest <= limit:  # nan fails too
+                return (f"input '{path}' reaches |x| = {largest:.4g}, beyond {QUANTIZED_RANGE_FACTOR:g}x the "
+                        f"recorded largest ({limit / QUANTIZED_RANGE_FACTOR:.4g}) the quantized candidate was "
+                        "checked on")
+        return None

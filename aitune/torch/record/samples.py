@@ -29,6 +29,7 @@ from aitune.torch.record.pytree import (
 )
 from aitune.torch.common.dtypes import dtype_from_name, dtype_name
 from aitune.torch.record.serialization import constant_to_json, tree_spec_from_json, tree_spec_to_json
+from aitune.torch.record.state import AttributeSnapshot, changed_state, state_marks
 from aitune.torch.record.signature import CallSignature, positional_parameter_names  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -141,6 +142,10 @@ class TensorSpec:
         axes: per axis ``"static"``, ``"dynamic"`` or ``"batch"``.
         multipliers: per axis ``size / batch_size`` when constant across samples, else NaN.
         dims: user-declared :class:`DynamicDim` per axis, or None.
+        value_range: ``[lowest, highest]`` value over every recorded call (finite values only; None for bool
+            tensors or before any call); aitune's value gate (:mod:`aitune.torch.backend.accepted`) routes
+            integer inputs outside it, and quantized candidates' inputs far outside it, to eager.
+        finite: every recorded call's values were finite (no nan/inf) — non-finite inputs then run eager.
     """
 
     name: str
@@ -152,6 +157,29 @@ class TensorSpec:
     axes: list[str]
     multipliers: list[float]
     dims: list[DynamicDim | None]
+    value_range: list[float] | None = None
+    finite: bool = True
+
+    def record_values(self, tensor: torch.Tensor) -> None:
+        """Widen :attr:`value_range` (and clear :attr:`finite`) by one call's tensor."""
+        if tensor.dtype == torch.bool or tensor.is_complex() or tensor.numel() == 0:
+            return
+        with torch.no_grad():
+            values = tensor.detach()
+            if values.is_floating_point():
+                finite = torch.isfinite(values)
+                if not bool(finite.all()):
+                    self.finite = False
+                    values = values[finite]
+                    if values.numel() == 0:
+                        return
+            low, high = torch.aminmax(values)
+            cast = float if values.is_floating_point() else int
+            low, high = cast(low.item()), cast(high.item())
+        if self.value_range is None:
+            self.value_range = [low, high]
+        else:
+            self.value_range = [min(self.value_range[0], low), max(self.value_range[1], high)]
 
     @property
     def rank(self) -> int:
@@ -165,7 +193,8 @@ class TensorSpec:
         """Summary for reports: name, path, leaf index, dtype, min/max shape, axes."""
         return {"name": self.name, "path": self.path, "leaf_index": self.leaf_index,
                 "dtype": dtype_name(self.dtype), "min_shape": self.min_shape,
-                "max_shape": self.max_shape, "axes": self.axes}
+                "max_shape": self.max_shape, "axes": self.axes, "value_range": self.value_range,
+                "finite": self.finite}
 
     def to_json(self) -> dict:
         """Every field as JSON (checkpoint manifests): NaN multipliers as None, declared dims as
@@ -174,7 +203,8 @@ class TensorSpec:
                                           "min": dim.min, "max": dim.max, "opt": dim.opt} for dim in self.dims]
         return {"name": self.name, "path": self.path, "leaf_index": self.leaf_index, "dtype": dtype_name(self.dtype),
                 "min_shape": list(self.min_shape), "max_shape": list(self.max_shape), "axes": list(self.axes),
-                "multipliers": [None if math.isnan(m) else m for m in self.multipliers], "dims": dims}
+                "multipliers": [None if math.isnan(m) else m for m in self.multipliers], "dims": dims,
+                "value_range": self.value_range, "finite": self.finite}
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorSpec":
@@ -189,7 +219,9 @@ class TensorSpec:
                    dtype=dtype_from_name(data["dtype"], CheckpointError, f"input {data['path']!r} in the checkpoint"),
                    min_shape=[int(v) for v in data["min_shape"]],
                    max_shape=[int(v) for v in data["max_shape"]], axes=list(data["axes"]),
-                   multipliers=[math.nan if m is None else float(m) for m in data["multipliers"]], dims=dims)
+                   multipliers=[math.nan if m is None else float(m) for m in data["multipliers"]], dims=dims,
+                   value_range=None if data.get("value_range") is None else list(data["value_range"]),
+                   finite=bool(data.get("finite", True)))
 
 
 class GraphSpec:
@@ -207,8 +239,10 @@ class GraphSpec:
             on more than one of them.
         output_spec: :class:`TreeSpec` of eager's output (set by the recorder).
         mutated_inputs: readable paths of inputs that ``forward`` changed in place.
-        stateful: ``forward`` changed the module's own parameters or buffers (running statistics, step
-            counters): candidates are judged from the same starting state as eager, over the same sequence.
+        stateful: ``forward`` changed the module's own parameters, buffers or plain attributes (running
+            statistics, step counters, caches): candidates are judged from the same starting state as eager, over
+            the same sequence, and tuning puts that state back after its own runs.
+        stateful_reason: what ``forward`` changed, e.g. ``forward changes attribute `count```; None when stateless.
     """
 
     def __init__(self, index: int, key: Hashable, input_spec: TreeSpec, leaves: list[Any], max_samples: int = 8,
@@ -241,6 +275,7 @@ class GraphSpec:
         self.output_spec: TreeSpec | None = None
         self.mutated_inputs: list[str] = []
         self.stateful = False
+        self.stateful_reason: str | None = None
         self.training: bool | None = None
         self.signature: CallSignature | None = None  # set by the Recorder: normalises direct backend calls
         self._apply_dynamic_shapes(dynamic_shapes or {})
@@ -264,6 +299,9 @@ class GraphSpec:
     def add(self, sample: Sample, leaves: list[Any]) -> None:
         """Merge one call's shapes into the specs and keep the sample if its shapes are new/extreme."""
         self.num_calls += 1
+        recorded = sample.leaves()  # the call's values before forward ran (it may change its inputs in place)
+        for spec in self.tensor_specs:
+            spec.record_values(recorded[spec.leaf_index])
         shapes = [list(leaves[spec.leaf_index].shape) for spec in self.tensor_specs]
         entry = (sample.batch_size, tuple(tuple(shape) for shape in shapes))
         if entry in self._size_history:
@@ -379,6 +417,7 @@ class GraphSpec:
             "num_calls": self.num_calls,
             "mutated_inputs": list(self.mutated_inputs),
             "stateful": self.stateful,
+            "stateful_reason": self.stateful_reason,
             "training": self.training,
         }
 
@@ -415,6 +454,7 @@ class GraphSpec:
             "num_calls": self.num_calls,
             "mutated_inputs": list(self.mutated_inputs),
             "stateful": self.stateful,
+            "stateful_reason": self.stateful_reason,
             "training": self.training,
         }
 
@@ -444,12 +484,17 @@ class GraphSpec:
         graph.input_paths = list(data["input_paths"])
         graph._input_names = list(data["input_names"])
         graph.tensor_specs = [TensorSpec.from_json(spec) for spec in data["tensor_specs"]]
+        for spec in graph.tensor_specs:
+            if "value_range" not in data["tensor_specs"][0]:  # written before value ranges were kept
+                for sample in samples:
+                    spec.record_values(sample.leaves()[spec.leaf_index])
         graph.constants = {path: leaf for path, leaf in zip(graph.input_paths, first)
                            if not isinstance(leaf, torch.Tensor)}
         graph.samples = list(samples)
         graph.num_calls = int(data.get("num_calls", len(samples)))
         graph.mutated_inputs = list(data.get("mutated_inputs", []))
         graph.stateful = bool(data.get("stateful", False))
+        graph.stateful_reason = data.get("stateful_reason")
         graph.training = data.get("training")
         graph.signature = signature
         graph.output_spec = output_spec
@@ -503,10 +548,15 @@ class Recorder:
         if batch_size is None:
             batch_size = infer_batch_size(leaves)
         sample = Sample(cloned_args, cloned_kwargs, batch_size)
-        state_before = _state_versions(module)
+        state_before, kept = state_marks(module)
         output = module(*args, **kwargs)
-        if _state_versions(module) != state_before:
+        changed = changed_state(state_before, state_marks(module)[0])
+        del kept
+        if changed:
             graph.stateful = True
+            if graph.stateful_reason is None:
+                more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+                graph.stateful_reason = "forward changes " + ", ".join(changed[:3]) + more
         graph.training = module.training
         mutated = [path for path, before, after in zip(graph.input_paths, sample.leaves(), leaves)
                    if isinstance(after, torch.Tensor) and not _same_tensor_values(before, after)]
@@ -516,12 +566,6 @@ class Recorder:
         graph.output_spec = tree_flatten(output)[1]
         graph.add(sample, leaves)
         return output
-
-
-def _state_versions(module: torch.nn.Module) -> list[tuple[int, int]]:
-    """Identity and version counter of every parameter and buffer: changes when ``forward`` updates them in
-    place (running statistics) or assigns new tensors (step counters)."""
-    return [(id(t), t._version) for t in module.parameters()] + [(id(t), t._version) for t in module.buffers()]
 
 
 def _same_call(first: Sample, second: Sample) -> bool:
@@ -545,9 +589,11 @@ def _same_tensor_values(before: torch.Tensor, after: torch.Tensor) -> bool:
 def record_graphs(module: torch.nn.Module, calls: Iterable[tuple[tuple, dict]], **recorder_options) -> list[GraphSpec]:
     """Record ``calls`` (each ``(args, kwargs)``) of ``module`` under ``no_grad``; returns the graphs in order.
 
-    Restores the module's parameters and buffers afterwards (recording must not change the module).
+    Restores the module's parameters, buffers and plain attributes afterwards (recording must not change the
+    module).
     """
     recorder = Recorder(module, **recorder_options)
+    attributes = AttributeSnapshot(module)
     state = {name: value.detach().clone() for name, value in module.state_dict(keep_vars=True).items()}
     with torch.no_grad():
         for args, kwargs in calls:
@@ -555,4 +601,5 @@ def record_graphs(module: torch.nn.Module, calls: Iterable[tuple[tuple, dict]], 
         for name, value in module.state_dict(keep_vars=True).items():
             if name in state and isinstance(value, torch.Tensor):
                 value.detach().copy_(state[name])
+    attributes.restore()
     return list(recorder.graphs.values())

@@ -1,0 +1,197 @@
+"""A tuned module keeps the module's semantics on values, state and randomness the samples never showed
+(pytorch/pytorch#126691, #195402, microsoft/onnxruntime#1533, pytorch/ao PR#3089; test names keep the project's
+case numbers).
+
+Each test forces one backend (OneBackendStrategy, no performance validation) and compares with eager; the
+Inductor cases whose bad call could abort the process run that call in a subprocess, so a crash fails the test
+instead of killing pytest.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aitune.torch as ait
+from aitune.torch.backend import (ONNXRuntimeBackend, TorchAOBackend, TorchAOBackendConfig, TorchEagerBackend,
+                                  TorchInductorAotBackend, TorchInductorJitBackend)
+
+
+def _ort():
+    pytest.importorskip("onnxruntime")
+    return ONNXRuntimeBackend()
+
+
+def _torchao():
+    pytest.importorskip("torchao")
+    return TorchAOBackend(TorchAOBackendConfig(quantization="int8dq", compile=False))
+
+
+BACKENDS = {"onnxruntime": _ort, "inductor_jit": TorchInductorJitBackend, "inductor_aot": TorchInductorAotBackend,
+            "torchao": _torchao, "eager": TorchEagerBackend}
+
+
+def tune_forced(model, name, backend, data, profiling):
+    strategy = ait.OneBackendStrategy(backend, profiling_config=profiling).enable_performance_validation(False)
+    tuned = ait.Module(model, name, strategy=strategy)
+    report = ait.tune(tuned, data, ready_batches=True)
+    assert not report.module_errors, report.module_errors
+    assert {b.name for b in tuned.backends.values()} == {backend.name}
+    return tuned
+
+
+def _embedding():
+    return nn.Sequential(nn.Embedding(1000, 32), nn.Flatten(), nn.Linear(32 * 8, 4)).eval()
+
+
+def _bad_ids():
+    bad = torch.randint(0, 1000, (2, 8))
+    bad[0, 0], bad[1, 3] = -1, 1000
+    return bad
+
+
+# ------------------------------------------------------------------------------------------ C39
+
+
+@pytest.mark.parametrize("which", ["onnxruntime", "eager"])
+def test_c39_invalid_indices_raise_eagers_index_error(which, fast_profiling):
+    model = _embedding()
+    tuned = tune_forced(model, "emb", BACKENDS[which](), [torch.randint(0, 1000, (b, 8)) for b in (2, 4)],
+                        fast_profiling)
+    with pytest.raises(IndexError):
+        tuned(_bad_ids())
+    ids = tuned.graphs[0].samples[0].leaves()[0]
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(ids), model(ids))
+    if which != "eager":
+        assert tuned.stats["eager_fallbacks"].get("values") == 1
+        assert tuned.backend_calls == 1
+
+
+_C39_CHILD = textwrap.dedent("""
+    import sys, torch, torch.nn as nn
+    import aitune.torch as ait
+    from aitune.torch.backend import TorchAOBackend, TorchInductorAotBackend, TorchInductorJitBackend
+    from aitune.torch.measure.profiling import ProfilingConfig
+    torch.manual_seed(0)
+    backend = {"inductor_jit": TorchInductorJitBackend, "inductor_aot": TorchInductorAotBackend,
+               "torchao": TorchAOBackend}[sys.argv[1]]()
+    profiling = ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=3, max_rounds=20, time_budget_s=0.2)
+    model = nn.Sequential(nn.Embedding(1000, 32), nn.Flatten(), nn.Linear(32 * 8, 4)).eval()
+    strategy = ait.OneBackendStrategy(backend, profiling_config=profiling).enable_performance_validation(False)
+    tuned = ait.Module(model, "emb", strategy=strategy)
+    ait.tune(tuned, [torch.randint(0, 1000, (b, 8)) for b in (2, 4)], ready_batches=True)
+    assert [b.name for b in tuned.backends.values()] == [sys.argv[1]], tuned.backends
+    bad = torch.randint(0, 1000, (2, 8))
+    bad[0, 0], bad[1, 3] = -1, 1000
+    try:
+        tuned(bad)
+        print("RESULT returned values")
+    except IndexError:
+        print("RESULT IndexError", tuned.stats["eager_fallbacks"].get("values"))
+""")
+
+
+@pytest.mark.parametrize("which", ["inductor_jit", "inductor_aot", "torchao"])
+def test_c39_invalid_indices_never_kill_the_process(which, tmp_path):
+    if which == "torchao":
+        pytest.importorskip("torchao")
+    done = subprocess.run([sys.executable, "-c", _C39_CHILD, which], capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "AITUNE_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, f"the process died ({done.returncode}): {done.stderr[-2000:]}"
+    assert "RESULT IndexError 1" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------ non-finite inputs
+
+
+class Saturating(nn.Module):
+    """Ops whose kernels treat nan differently (relu, clamp, max-pooling, max, argmax), after a Linear (which
+    TorchAO quantizes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.proj(x)
+        pooled = nn.functional.max_pool1d(x.unsqueeze(1), 2).squeeze(1)
+        return torch.cat([x.relu(), x.clamp(-1, 1), pooled, x.amax(1, keepdim=True),
+                          x.argmax(1, keepdim=True).float()], 1)
+
+
+@pytest.mark.parametrize("which", list(BACKENDS))
+def test_nonfinite_inputs_give_eagers_nonfinite_outputs(which, fast_profiling):
+    model = Saturating().eval()
+    tuned = tune_forced(model, "sat", BACKENDS[which](), [torch.randn(b, 8) for b in (2, 4)], fast_profiling)
+    x = torch.randn(3, 8)
+    x[0, 2], x[1, 5], x[2, 1] = float("nan"), float("inf"), -float("inf")
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x), model(x), equal_nan=True, atol=0, rtol=0)
+    if which != "eager":
+        assert tuned.stats["eager_fallbacks"].get("values") == 1
+
+
+# ------------------------------------------------------------------------------------------ C40
+
+
+def _sqnr_db(out, ref):
+    return float(10 * torch.log10(ref.pow(2).mean() / (out - ref).pow(2).mean().clamp_min(1e-30)))
+
+
+def test_c40_quantized_candidate_does_not_serve_an_outlier_channel(fast_profiling):
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)).eval()
+    with torch.no_grad():
+        net[0].weight[:, 7] *= 0.01
+    tuned = tune_forced(net, "q", _torchao(), [torch.randn(b, 64) for b in (8, 16)], fast_profiling)
+    later = torch.randn(16, 64)
+    later[:, 7] *= 100
+    ordinary = torch.randn(16, 64)
+    with torch.no_grad():
+        for _ in range(3):
+            out, ref = tuned(later), net(later)
+            assert _sqnr_db(out, ref) >= 20
+            assert float(nn.functional.cosine_similarity(out.flatten(), ref.flatten(), 0)) >= 0.99
+        served, expected = tuned(ordinary), net(ordinary)
+    assert tuned.stats["eager_fallbacks"].get("values") == 3
+    assert tuned.backend_calls == 1  # ordinary inputs are still the quantized candidate's
+    assert _sqnr_db(served, expected) >= 20
+
+
+# ------------------------------------------------------------------------------------------ state outside parameters
+
+
+class Monitor(nn.Module):
+    """Keeps a running mean in a plain tensor attribute, a call counter and a cache dict (none a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.mean = torch.zeros(8)
+        self.count = 0
+        self.cache = {}
+
+    def forward(self, x):
+        self.count += 1
+        self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        self.cache[self.count] = x.shape[0]
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("which", list(BACKENDS))
+def test_tuning_leaves_attribute_state_as_the_users_calls_left_it(which, fast_profiling):
+    model = Monitor().eval()
+    with torch.no_grad():  # the user's own calls
+        model(torch.randn(2, 8))
+        model(torch.randn(3, 8))
+    mean, cache, mean_object, cache_object = model.mean.clone(), dict(model.cache), model.mean, model.cache
+    tuned = tune_forced(model, "monitor", BACKENDS[which](), [torch.randn(b, 8) for b in (2, 4)], fast_profiling)
+    assert model.count == 2 and model.cache == cache and model.cache is cache_object
+    assert model.mean is mean_object and torch.equal(model.mean, mean)
+    graph = tuned.graphs[0]
+    assert graph.stateful
+    for name in ("mean", "count", "cache"):
+        assert f"attribute `{name}`" in graph.describe()["stateful_reason"]
