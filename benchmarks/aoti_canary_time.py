@@ -1,4 +1,4 @@
-"""How long the AOTInductor canary (NOTE [AOTInductor canary] in aitune/torch/backend/inductor_aot.py) takes to
+"""How long the AOTInductor canary (NOTE [AOTInductor canary] in aitune/torch/backend/inductor_aot/canary.py) takes to
 compile on this machine, cold and warm, before it loads the package (on the H200 machine the load kills the
 process: run it last). Prints one timestamped line per phase, flushed, so a crash leaves the figures.
 
@@ -28,12 +28,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from aitune.torch.backend.inductor_aot import _Canary, load_package
+    from aitune.torch.backend.inductor_aot import load_package
+    from aitune.torch.backend.inductor_aot.canary import Canary
     say(f"imported torch {torch.__version__}")
     folder = Path(tempfile.mkdtemp())
     example = torch.ones(2, 4, device=args.device)
     for round_ in ("cold", "warm"):
-        exported = torch.export.export(_Canary().to(args.device), (example,))
+        exported = torch.export.export(Canary().to(args.device), (example,))
         say(f"{round_}: exported")
         package = folder / f"canary_{round_}.pt2"
         configs = {"aot_inductor.precompile_headers": False} if args.no_pch else None

@@ -39,10 +39,10 @@ def fake_clock(monkeypatch):
     load. Returns the clock."""
     import fake_clock
     from aitune.torch.measure import profiling
-    from aitune.torch.jit import inspection
+    from aitune.torch.jit import inspection_records
 
     clock = fake_clock.FakeClock()
-    monkeypatch.setattr(inspection, "_clock", clock)
+    monkeypatch.setattr(inspection_records, "_clock", clock)
     fake_clock.install(clock)
     with profiling.use_clock(clock.nanoseconds):
         yield clock

@@ -1,7 +1,7 @@
 """A fake clock for tests that pin orderings of timed calls without depending on the machine's speed.
 
 :class:`FakeClock` stands in for ``time.perf_counter`` where aitune reads its clock (``aitune.torch.measure.profiling.use_clock``,
-``aitune.torch.jit.inspection._clock``; the ``fake_clock`` fixture in ``tests/conftest.py`` installs it). Its time
+``aitune.torch.jit.inspection_records._clock``; the ``fake_clock`` fixture in ``tests/conftest.py`` installs it). Its time
 moves only when the code under test says so: :func:`pause` (in place of ``time.sleep``) moves it by the given
 seconds, and every reading moves it by one ``tick_s`` (1 us), so no call takes zero time. Real work (a tiny
 model's forward) takes no time at all on it: a call's measured duration is exactly its pauses plus the readings

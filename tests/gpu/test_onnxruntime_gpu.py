@@ -74,10 +74,10 @@ def test_cpu_ep_on_a_cuda_device_returns_cuda_tensors(tmp_path):
 
 
 def test_cuda_array_interface_wrapper_shares_device_memory():
-    """``_CudaArray`` turns a CUDA OrtValue into a torch tensor. An onnxruntime-gpu is not always present, so
+    """``CudaArray`` turns a CUDA OrtValue into a torch tensor. An onnxruntime-gpu is not always present, so
     this stand-in exposes the same three OrtValue methods (``shape``, ``data_ptr``) over a torch CUDA
     tensor: it checks the interface dict (typestr, pointer, shape) the wrapper hands to torch."""
-    from aitune.torch.backend.ort import _CudaArray
+    from aitune.torch.backend.ort_io import CudaArray
 
     class OrtValueStandIn:  # test double of onnxruntime.OrtValue's shape()/data_ptr(), documented above
         def __init__(self, tensor):
@@ -91,7 +91,7 @@ def test_cuda_array_interface_wrapper_shares_device_memory():
 
     for dtype in (torch.float32, torch.float16, torch.int64, torch.bool, torch.uint8):
         source = (torch.arange(24, device="cuda") % 3).to(dtype).reshape(2, 3, 4)
-        wrapped = torch.as_tensor(_CudaArray(OrtValueStandIn(source), dtype), device="cuda")
+        wrapped = torch.as_tensor(CudaArray(OrtValueStandIn(source), dtype), device="cuda")
         assert wrapped.dtype == dtype and wrapped.shape == source.shape
         assert wrapped.data_ptr() == source.data_ptr()
         torch.testing.assert_close(wrapped, source, rtol=0, atol=0)

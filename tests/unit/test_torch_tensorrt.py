@@ -11,10 +11,10 @@ import torch
 
 from aitune.torch.backend import TorchTensorRTAotBackend, TorchTensorRTJitBackend
 from aitune.torch.backend.torch_tensorrt import (
-    _settings_from_json,
-    _settings_to_json,
     export_dynamic_shapes,
     export_flat_module,
+    settings_from_json,
+    settings_to_json,
 )
 from aitune.torch.backend import TorchTensorRTConfig
 from aitune.torch.check.correctness import OutputComparator
@@ -87,9 +87,9 @@ def test_settings_travel_to_the_child_as_json():
 
     settings = TorchTensorRTConfig(enabled_precisions={torch.float16, torch.float32}, use_explicit_typing=False,
                                    torch_executed_ops=["torch.ops.aten.add.Tensor"]).settings()
-    encoded = json.loads(json.dumps(_settings_to_json(settings)))
+    encoded = json.loads(json.dumps(settings_to_json(settings)))
     assert encoded["enabled_precisions"] == ["float16", "float32"]
-    assert _settings_from_json(encoded) == settings
+    assert settings_from_json(encoded) == settings
 
 
 def test_torch_tensorrt_backends_refuse_cpu_and_need_the_package():

@@ -1,161 +1,42 @@
-"""ONNXRuntimeBackend: export to ONNX, run with ONNX Runtime on the CPU, CUDA or TensorRT execution provider."""
+"""ONNXRuntimeBackend: export to ONNX, run with ONNX Runtime on the CPU, CUDA or TensorRT execution provider.
+
+Modules: :mod:`~aitune.torch.backend.ort_config` (the config), :mod:`~aitune.torch.backend.ort_io` (binding
+types, CUDA outputs without a copy), :mod:`~aitune.torch.backend.ort_fusions` (transformer fusions); their
+names stay importable from here.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import logging
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from aitune.errors import BackendBuildError, BackendRuntimeError, ConfigError, one_line
-from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, Requirement
+from aitune.errors import BackendBuildError, BackendRuntimeError, one_line
+from aitune.torch.backend.base import Backend, BuildMode, Check, Requirement
 from aitune.torch.backend.onnx_call_io import OnnxCallIO
 from aitune.torch.backend.onnx_export import export_onnx, training_mode_reason
 from aitune.torch.backend.onnx_graph import external_data_files
+from aitune.torch.backend.ort_config import (  # noqa: F401 - re-exported
+    GRAPH_OPTIMIZATION_LEVELS,
+    TRANSFORMER_MODEL_TYPES,
+    ONNXExecutionProvider,
+    ONNXRuntimeBackendConfig,
+    coerce_execution_provider,
+)
+from aitune.torch.backend.ort_fusions import (  # noqa: F401 - re-exported
+    SESSION_FUSIONS,
+    looks_like_transformer_encoder,
+    transformer_fusion_note,
+)
+from aitune.torch.backend.ort_io import NUMPY_NAMES, ORT_TYPES, CudaArray
 
 logger = logging.getLogger(__name__)
 
+
 ONNX_FILE = "model.onnx"
-
-
-class ONNXExecutionProvider(str, enum.Enum):
-    """ONNX Runtime execution provider (EP) a session runs on.
-
-    ``CPU`` is aitune's addition (the reference system offers CUDA and TensorRT only).
-    ``TENSORRT`` asks for ``[TensorrtExecutionProvider, CUDAExecutionProvider]``: ONNX Runtime runs on CUDA
-    the parts TensorRT does not take.
-    """
-
-    CPU = "cpu"
-    CUDA = "cuda"
-    TENSORRT = "tensorrt"
-
-    @property
-    def ort_name(self) -> str:
-        """ONNX Runtime's name of the provider (``CUDAExecutionProvider``)."""
-        return _ORT_NAMES[self]
-
-    @property
-    def label(self) -> str:
-        return {"cpu": "CPU", "cuda": "CUDA", "tensorrt": "TensorRT"}[self.value]
-
-
-_ORT_NAMES = {
-    ONNXExecutionProvider.CPU: "CPUExecutionProvider",
-    ONNXExecutionProvider.CUDA: "CUDAExecutionProvider",
-    ONNXExecutionProvider.TENSORRT: "TensorrtExecutionProvider",
-}
-
-# ONNX Runtime's SessionOptions.graph_optimization_level values, by config name.
-GRAPH_OPTIMIZATION_LEVELS = {
-    "disable": "ORT_DISABLE_ALL",
-    "basic": "ORT_ENABLE_BASIC",
-    "extended": "ORT_ENABLE_EXTENDED",
-    "all": "ORT_ENABLE_ALL",
-}
-
-# Tensor dtypes the backend binds (the numpy element types ONNX Runtime's IOBinding takes).
-_NUMPY_NAMES = {
-    torch.float16: "float16", torch.float32: "float32", torch.float64: "float64",
-    torch.int8: "int8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64",
-    torch.uint8: "uint8", torch.bool: "bool",
-}
-# ONNX Runtime's type strings (OrtValue.data_type()) of the same dtypes.
-_ORT_TYPES = {
-    "tensor(float16)": torch.float16, "tensor(float)": torch.float32, "tensor(double)": torch.float64,
-    "tensor(int8)": torch.int8, "tensor(int16)": torch.int16, "tensor(int32)": torch.int32,
-    "tensor(int64)": torch.int64, "tensor(uint8)": torch.uint8, "tensor(bool)": torch.bool,
-}
-
-
-def coerce_execution_provider(value: Any) -> ONNXExecutionProvider | None:
-    """``None``, an :class:`ONNXExecutionProvider`, its value (``"cuda"``) or ORT name -> the enum member.
-
-    Raises:
-        ConfigError: for anything else; the message lists the valid values.
-    """
-    if value is None or isinstance(value, ONNXExecutionProvider):
-        return value
-    if isinstance(value, str):
-        text = value.strip()
-        for member in ONNXExecutionProvider:
-            if text.lower() in (member.value, member.ort_name.lower()):
-                return member
-    raise ConfigError(f"execution_provider must be one of {[m.value for m in ONNXExecutionProvider]} or None, "
-                      f"got {value!r}")
-
-
-TRANSFORMER_MODEL_TYPES = ("bert", "gpt2", "t5", "vit", "clip", "bart")
-
-
-def looks_like_transformer_encoder(module: torch.nn.Module | None) -> bool:
-    """A BERT-like encoder (attention + embeddings submodules, by class name): worth ONNX Runtime's
-    transformer fusions. A heuristic only: a fusion that changes results is rejected by the value check."""
-    if module is None:
-        return False
-    names = {type(sub).__name__ for sub in module.modules()}
-    return any("Attention" in name for name in names) and any("Embedding" in name and name != "Embedding"
-                                                              for name in names)
-
-
-@dataclasses.dataclass(kw_only=True)
-class ONNXRuntimeBackendConfig(BackendConfig):
-    """Config of :class:`ONNXRuntimeBackend`.
-
-    Args:
-        use_dynamo: export with ``torch.onnx.export(dynamo=True)`` first (falls back to the TorchScript
-            exporter if it fails); False uses the TorchScript exporter only.
-        execution_provider: :class:`ONNXExecutionProvider` or its value; None = CUDA on a CUDA device, CPU on
-            a CPU device.
-        opset_version: ONNX opset of the export; None lets the exporter choose.
-        intra_op_num_threads / inter_op_num_threads: ONNX Runtime thread pools (None: ONNX Runtime's default,
-            one thread per physical core for intra-op).
-        graph_optimization_level: ``"disable"``, ``"basic"``, ``"extended"`` or ``"all"`` (ONNX Runtime's
-            ``GraphOptimizationLevel``).
-        transformer_fusions: run ONNX Runtime's transformer optimizer (``onnxruntime.transformers.optimizer``:
-            attention, LayerNorm, GELU and bias fusions) on the exported graph before the session is built,
-            for this ``model_type`` (``"bert"`` covers BERT-like encoders); None = off.
-
-    Raises:
-        ConfigError: on an invalid field.
-    """
-
-    use_dynamo: bool = True
-    execution_provider: ONNXExecutionProvider | str | None = None
-    opset_version: int | None = None
-    intra_op_num_threads: int | None = None
-    inter_op_num_threads: int | None = None
-    graph_optimization_level: str = "all"
-    transformer_fusions: str | None = None
-
-    def validate(self) -> None:
-        if not isinstance(self.use_dynamo, bool):
-            raise ConfigError(f"use_dynamo must be a bool, got {self.use_dynamo!r}")
-        self.execution_provider = coerce_execution_provider(self.execution_provider)
-        if self.opset_version is not None and (not isinstance(self.opset_version, int)
-                                               or isinstance(self.opset_version, bool) or self.opset_version < 7):
-            raise ConfigError(f"opset_version must be an int >= 7 or None, got {self.opset_version!r}")
-        for name in ("intra_op_num_threads", "inter_op_num_threads"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ConfigError(f"{name} must be an int >= 1 or None (ONNX Runtime's default), got {value!r}")
-        if self.transformer_fusions is not None and self.transformer_fusions not in TRANSFORMER_MODEL_TYPES:
-            raise ConfigError(f"transformer_fusions must be one of {TRANSFORMER_MODEL_TYPES} or None, got "
-                              f"{self.transformer_fusions!r}")
-        if self.graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
-            raise ConfigError(f"graph_optimization_level must be one of {list(GRAPH_OPTIMIZATION_LEVELS)}, "
-                              f"got {self.graph_optimization_level!r}")
-
-    def resolved_provider(self, device: torch.device | str) -> ONNXExecutionProvider:
-        """The provider used on ``device``: the configured one, else CUDA on CUDA devices and CPU otherwise."""
-        if self.execution_provider is not None:
-            return self.execution_provider
-        return ONNXExecutionProvider.CUDA if torch.device(device).type == "cuda" else ONNXExecutionProvider.CPU
 
 
 class ONNXRuntimeBackend(Backend):
@@ -213,9 +94,9 @@ class ONNXRuntimeBackend(Backend):
             return Check(False, f"requested {provider.label} EP is not available in this onnxruntime (available: "
                                 f"{', '.join(available)}) — pip install 'aitune[onnx-gpu]'")
         for spec in getattr(graph, "tensor_specs", ()):
-            if spec.dtype not in _NUMPY_NAMES:
+            if spec.dtype not in NUMPY_NAMES:
                 return Check(False, f"input {spec.path} has dtype {spec.dtype}, which the ONNX Runtime backend does "
-                                    f"not bind (supported: {', '.join(str(d) for d in _NUMPY_NAMES)})")
+                                    f"not bind (supported: {', '.join(str(d) for d in NUMPY_NAMES)})")
         return Check(True)
 
     def rejects(self, leaves: list) -> str | None:
@@ -239,7 +120,7 @@ class ONNXRuntimeBackend(Backend):
                                onnx_size_bytes=sum(p.stat().st_size for p in [export.path] + [
                                    export.path.parent / name for name in export.external_data_files]))
         for dtype in export.flat_io.output_dtypes:
-            if dtype not in _NUMPY_NAMES:
+            if dtype not in NUMPY_NAMES:
                 raise BackendBuildError(f"onnxruntime: output dtype {dtype} is not supported by the ONNX Runtime "
                                         "backend (fp16/32/64, int8/16/32/64, uint8, bool)", backend=self.name,
                                         config_key=self.config.key())
@@ -441,7 +322,7 @@ class ONNXRuntimeBackend(Backend):
                 tensor = tensor.contiguous()
             kept.append(tensor)
             binding.bind_input(name=name, device_type=device_type, device_id=device_id,
-                               element_type=getattr(numpy, _NUMPY_NAMES[tensor.dtype]), shape=tuple(tensor.shape),
+                               element_type=getattr(numpy, NUMPY_NAMES[tensor.dtype]), shape=tuple(tensor.shape),
                                buffer_ptr=tensor.data_ptr())
         for name in io.output_names:
             binding.bind_output(name=name, device_type=device_type, device_id=device_id)
@@ -458,7 +339,7 @@ class ONNXRuntimeBackend(Backend):
 
     def _to_torch(self, value, eager_dtype: torch.dtype) -> torch.Tensor:
         """One output OrtValue as a torch tensor of eager's dtype on the backend's device."""
-        ort_dtype = _ORT_TYPES.get(value.data_type())
+        ort_dtype = ORT_TYPES.get(value.data_type())
         if ort_dtype is None:
             raise BackendRuntimeError(f"onnxruntime: output of type {value.data_type()} is not supported")
         shape = tuple(value.shape())
@@ -468,7 +349,7 @@ class ONNXRuntimeBackend(Backend):
         elif 0 in shape:
             tensor = torch.empty(shape, dtype=ort_dtype, device=self._io_device)
         else:
-            tensor = torch.as_tensor(_CudaArray(value, ort_dtype), device=self._io_device).clone()
+            tensor = torch.as_tensor(CudaArray(value, ort_dtype), device=self._io_device).clone()
         if tensor.dtype != eager_dtype:
             tensor = tensor.to(eager_dtype)
         if self.device is not None and tensor.device != self.device:
@@ -507,33 +388,3 @@ class ONNXRuntimeBackend(Backend):
                                shape_specialized=self._io.accepted_shapes is not None)
         self._setup_device(device)
         self._create_session(BackendRuntimeError)
-
-
-class _CudaArray:
-    """A CUDA OrtValue seen through ``__cuda_array_interface__`` (v2) so torch can wrap it without a copy."""
-
-    def __init__(self, value, dtype: torch.dtype):
-        import numpy
-
-        self.__cuda_array_interface__ = {
-            "shape": tuple(value.shape()),
-            "typestr": numpy.dtype(_NUMPY_NAMES[dtype]).str,
-            "data": (value.data_ptr(), False),
-            "version": 2,
-            "strides": None,
-        }
-
-
-# Fusions ONNX Runtime's own graph optimizer also makes at level "extended"/"all" on CPU and CUDA (LayerNormFusion,
-# SimplifiedLayerNormFusion, GeluFusion, BiasGeluFusion: ONNX Runtime's "Graph optimizations" documentation)
-SESSION_FUSIONS = frozenset({"LayerNormalization", "SimplifiedLayerNormalization", "Gelu", "BiasGelu"})
-
-
-def transformer_fusion_note(counts: dict) -> str:
-    """What ONNX Runtime's transformer optimizer fused (``{operator: count}``), saying so when it fused only what
-    the session's own optimizer fuses anyway: the variant then runs the same graph as plain ONNX Runtime."""
-    fused = ", ".join(f"{name} {count}" for name, count in sorted(counts.items()))
-    if set(counts) <= SESSION_FUSIONS:
-        return (f"transformer optimizer fused no attention or skip/embed layer norm ({fused or 'nothing'}; ONNX "
-                "Runtime's own optimizer makes these too): the same graph as the default variant")
-    return f"transformer fusions: {fused}"

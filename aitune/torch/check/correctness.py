@@ -54,314 +54,47 @@ ones; maxima, counts and the SQNR/cosine sums run across chunks (sums of squares
 magnitude, accumulated in float64 scalars). An fp16 output of 2^31 elements used to need ~10 full copies
 (CPU, then float64, differences, masks); now the check holds one chunk's temporaries. Results equal the
 float64 ones within float32 rounding.
+
+Modules: :mod:`~aitune.torch.check.tolerance` (thresholds, results, exact-fp32 settings),
+:mod:`~aitune.torch.check.error_metrics` (per-leaf error measures over chunks); this module applies the rules.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from aitune.errors import ConfigError, ShapeMismatchError, ToleranceExceededError
-from aitune.torch.common.arguments import KnownFields
-from aitune.torch.record.pytree import leaf_paths, path_to_str, tree_flatten
+from aitune.errors import ShapeMismatchError, ToleranceExceededError
+from aitune.torch.check.error_metrics import (  # noqa: F401 - cosine_similarity, sqnr_db: re-exported
+    LeafErrors,
+    chunk_pieces,
+    compute_dtype,
+    cosine_similarity,
+    sqnr_db,
+    sum_of_squares,
+)
 from aitune.torch.check.references import (
     CHUNK_ELEMENTS,
     StoredTensor,
     chunk_plan,
     flat_piece,
-    piece_of,
     flatten_outputs,
     memory_format,
+    piece_of,
 )
-
-
-LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-# rule 5's multiplier on scaled probes, for the RMSE and the worst element (NOTE [judging probes at other magnitudes])
-SCALED_PROBE_PARITY_MULTIPLIER = 4.0
-
-
-def tf32_allowed() -> bool:
-    """May CUDA fp32 work run in TF32 (or lower) under the current settings: cuDNN convolutions
-    (``torch.backends.cudnn.allow_tf32``, True by default) or matmuls (``torch.get_float32_matmul_precision()``
-    other than ``"highest"``)? Settings that mix PyTorch's legacy and new TF32 APIs cannot be read: True."""
-    try:
-        return bool(torch.backends.cudnn.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
-    except RuntimeError:
-        return True
-
-
-@contextlib.contextmanager
-def exact_fp32() -> Iterator[None]:
-    """CUDA fp32 convolutions and matmuls in full fp32 (TF32 off) for a reference run; the user's settings are
-    restored after. The settings are process-wide: another thread's CUDA work during the reference run runs
-    without TF32 too (slower, never less accurate)."""
-    try:
-        matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    except RuntimeError:  # mixed legacy/new TF32 settings: leave them alone
-        yield
-        return
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(matmul)
-        torch.backends.cudnn.allow_tf32 = cudnn
-
-
-@dataclasses.dataclass(kw_only=True)
-class Tolerance(KnownFields):
-    """Thresholds used to compare with eager.
-
-    Args:
-        atol / rtol: for fp32/fp64 leaves (defaults 1e-4 / 1e-3).
-        low_precision_atol / low_precision_rtol: for fp16/bf16 leaves (and TF32 paths) (defaults 1e-2 / 1e-2).
-        min_sqnr_db: quantized candidates' floor of signal-to-quantization-noise ratio, dB (default 20).
-        min_cosine: quantized candidates' floor of cosine similarity of each leaf (default 0.99).
-
-    Raises:
-        ConfigError: on a negative or non-finite tolerance, or a cosine floor outside [-1, 1].
-    """
-
-    atol: float = 1e-4
-    rtol: float = 1e-3
-    low_precision_atol: float = 1e-2
-    low_precision_rtol: float = 1e-2
-    min_sqnr_db: float = 20.0
-    min_cosine: float = 0.99
-    fp32_parity: bool = True
-    fp32_parity_multiplier: float = 2.0
-
-    def __post_init__(self):
-        for name in ("atol", "rtol", "low_precision_atol", "low_precision_rtol"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"Tolerance.{name} must be a finite number >= 0, got {value!r}")
-        if not isinstance(self.min_sqnr_db, (int, float)) or math.isnan(self.min_sqnr_db):
-            raise ConfigError(f"Tolerance.min_sqnr_db must be a number (dB), got {self.min_sqnr_db!r}")
-        if not isinstance(self.min_cosine, (int, float)) or not -1.0 <= self.min_cosine <= 1.0:
-            raise ConfigError(f"Tolerance.min_cosine must lie in [-1, 1], got {self.min_cosine!r}")
-        if not isinstance(self.fp32_parity, bool):
-            raise ConfigError(f"Tolerance.fp32_parity must be a bool, got {self.fp32_parity!r}")
-        if not isinstance(self.fp32_parity_multiplier, (int, float)) or not self.fp32_parity_multiplier >= 1.0:
-            raise ConfigError(f"Tolerance.fp32_parity_multiplier must be a number >= 1, got "
-                              f"{self.fp32_parity_multiplier!r}")
-
-    def for_dtype(self, dtype: torch.dtype) -> tuple[float, float]:
-        if dtype in LOW_PRECISION:
-            return self.low_precision_atol, self.low_precision_rtol
-        return self.atol, self.rtol
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict | None, strict: bool = False) -> "Tolerance":
-        """The inverse of :meth:`to_dict`; missing fields take their defaults, unknown ones are ignored
-        (refused with ``strict``).
-
-        Args:
-            data: a :meth:`to_dict` result (e.g. from a checkpoint manifest), or None for the defaults.
-            strict: refuse unknown fields (checkpoints read them so: a threshold this aitune does not know
-                would silently not be applied).
-
-        Raises:
-            ConfigError: when ``data`` is not a dict, a value is invalid (see the class), or with ``strict`` a
-                field is unknown.
-        """
-        if data is not None and not isinstance(data, dict):
-            raise ConfigError(f"a Tolerance is read from a dict, got {type(data).__name__}")
-        names = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(key for key in (data or {}) if key not in names)
-        if strict and unknown:
-            raise ConfigError(f"Tolerance has no field {', '.join(repr(key) for key in unknown)} (fields: "
-                              f"{sorted(names)})")
-        return cls(**{key: value for key, value in (data or {}).items() if key in names})
-
-
-@dataclasses.dataclass
-class LeafError:
-    """Measured error of one output leaf: max abs/rel error, and for quantized checks SQNR and cosine."""
-
-    path: str
-    max_abs_error: float = 0.0
-    max_rel_error: float = 0.0  # max |candidate - eager| / max |eager| over the leaf: meaningful near zero too
-    sqnr_db: float | None = None
-    cosine: float | None = None
-    fp32_parity: dict | None = None  # {"candidate_rmse", "eager_rmse"} when rule 5 decided the leaf
-    atol: float | None = None  # the atol / rtol of rule 3 this leaf was held to (its dtype's, or fp16's for
-    rtol: float | None = None  # a reduced-precision candidate); None for integer leaves and SQNR/cosine checks
-
-
-@dataclasses.dataclass
-class ComparisonResult:
-    """Outcome of comparing all samples: the worst error per leaf and the thresholds used."""
-
-    leaves: list[LeafError]
-    metric: str  # "allclose" or "sqnr+cosine"
-    tolerance: dict
-
-    @property
-    def max_abs_error(self) -> float:
-        return max((leaf.max_abs_error for leaf in self.leaves), default=0.0)
-
-    @property
-    def max_rel_error(self) -> float:
-        return max((leaf.max_rel_error for leaf in self.leaves), default=0.0)
-
-    @property
-    def min_sqnr_db(self) -> float | None:
-        values = [leaf.sqnr_db for leaf in self.leaves if leaf.sqnr_db is not None]
-        return min(values) if values else None
-
-    @property
-    def min_cosine(self) -> float | None:
-        values = [leaf.cosine for leaf in self.leaves if leaf.cosine is not None]
-        return min(values) if values else None
-
-    def to_dict(self) -> dict:
-        return {"metric": self.metric, "tolerance": self.tolerance, "max_abs_error": self.max_abs_error,
-                "max_rel_error": self.max_rel_error, "min_sqnr_db": self.min_sqnr_db, "min_cosine": self.min_cosine,
-                "leaves": [dataclasses.asdict(leaf) for leaf in self.leaves]}
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype values of ``dtype`` are compared in: float64 stays float64, other floating types (fp16, bf16,
-    fp8) become float32, complex types their real counterpart at the same rule (compared as real and
-    imaginary parts); integers and bools float64 (only the public SQNR/cosine helpers compare those)."""
-    if dtype in (torch.float64, torch.complex128) or not (dtype.is_floating_point or dtype.is_complex):
-        return torch.float64
-    return torch.float32
-
-
-def _pieces(leaves: list, device: torch.device, chunk_elements: int) -> Iterator[list[torch.Tensor]]:
-    """For leaves of one shape (tensors or :class:`StoredTensor`), the same flattened piece of each, on
-    ``device``, as real values of their :func:`compute_dtype` (a complex piece as its real and imaginary parts)."""
-    for index, start, stop in chunk_plan(leaves[0].shape, chunk_elements):
-        pieces = []
-        for leaf in leaves:
-            piece = piece_of(leaf, index, start, stop)
-            piece = piece.detach().to(device)
-            if piece.is_complex():
-                piece = torch.view_as_real(piece.resolve_conj()).reshape(-1)
-            pieces.append(piece.to(compute_dtype(leaf.dtype)))
-        yield pieces
-
-
-def _sum_of_squares(values: torch.Tensor) -> torch.Tensor:
-    """``sum(values ** 2)`` as a float64 scalar on ``values``' device, computed in ``values``' dtype scaled by
-    its largest magnitude (no overflow of float32 squares above 1.8e19, no underflow of tiny ones)."""
-    if values.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=values.device)
-    scale = values.abs().max()
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (values / scale).square().sum().double() * scale.double().square()
-
-
-def _dot(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    """``sum(first * second)`` as a float64 scalar, scaled like :func:`_sum_of_squares`."""
-    if first.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=first.device)
-    scales = [values.abs().max() for values in (first, second)]
-    scales = [torch.where(scale > 0, scale, torch.ones_like(scale)) for scale in scales]
-    return ((first / scales[0]) * (second / scales[1])).sum().double() * scales[0].double() * scales[1].double()
-
-
-class _Norms:
-    """Running sums for SQNR and cosine over chunks: ||ref||², ||ref - cand||², ||cand||², <ref, cand>, and
-    whether ref == cand everywhere (float64 scalars on the device)."""
-
-    def __init__(self, device: torch.device):
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        self.signal, self.noise, self.candidate, self.dot = zero, zero.clone(), zero.clone(), zero.clone()
-        self.unequal = torch.zeros((), dtype=torch.int64, device=device)
-
-    def add(self, reference: torch.Tensor, candidate: torch.Tensor) -> None:
-        self.signal = self.signal + _sum_of_squares(reference)
-        self.noise = self.noise + _sum_of_squares(reference - candidate)
-        self.candidate = self.candidate + _sum_of_squares(candidate)
-        self.dot = self.dot + _dot(reference, candidate)
-        self.unequal = self.unequal + (reference != candidate).sum()
-
-    def sqnr_db(self) -> float:
-        """``20 * log10(||ref|| / ||ref - cand||)``: inf without noise, -inf without signal."""
-        noise, signal = float(self.noise), float(self.signal)
-        if noise == 0:
-            return math.inf
-        if signal == 0:
-            return -math.inf
-        return 10 * math.log10(signal / noise)
-
-    def cosine(self) -> float:
-        """``<ref, cand> / (||ref|| ||cand||)``; with a zero norm, 1.0 when both are equal, else 0.0."""
-        norms = math.sqrt(float(self.signal)) * math.sqrt(float(self.candidate))
-        if norms == 0:
-            return 1.0 if int(self.unequal) == 0 else 0.0
-        return float(self.dot) / norms
-
-
-def _norms(reference: torch.Tensor, candidate: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> _Norms:
-    reference, candidate = reference.detach().flatten(), candidate.detach().flatten()
-    norms = _Norms(reference.device)
-    for pieces in _pieces([reference, candidate], reference.device, chunk_elements):
-        norms.add(*pieces)
-    return norms
-
-
-def sqnr_db(reference: torch.Tensor, candidate: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB: ``20 * log10(||ref|| / ||ref - cand||)`` (torchao's definition).
-
-    Computed in chunks, in float32 for fp32/fp16/bf16 values (float64 sums of scaled squares)."""
-    return _norms(reference, candidate).sqnr_db()
-
-
-def cosine_similarity(reference: torch.Tensor, candidate: torch.Tensor) -> float:
-    """Cosine similarity of the flattened tensors (1.0 when both are all-zero)."""
-    return _norms(reference, candidate).cosine()
-
-
-class _LeafErrors:
-    """What one float leaf's comparison accumulates over its chunks (scalars on the device until the end)."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype, *, record_norms: bool, count_excess: bool):
-        count = lambda: torch.zeros((), dtype=torch.int64, device=device)  # noqa: E731
-        self.non_finite, self.extra_finite, self.sign, self.excess, self.finite = (count() for _ in range(5))
-        self.max_abs = torch.zeros((), dtype=dtype, device=device)
-        self.max_expected = torch.zeros((), dtype=dtype, device=device)
-        self.norms = _Norms(device) if record_norms else None
-        self.count_excess = count_excess
-
-    def add(self, expected: torch.Tensor, actual: torch.Tensor, atol: float, rtol: float) -> None:
-        # Few chunk-sized temporaries, reused in place: they are what a check holds beyond the two outputs.
-        expected_finite, actual_finite = torch.isfinite(expected), torch.isfinite(actual)
-        both = expected_finite & actual_finite
-        finite = both.sum()
-        self.non_finite += expected_finite.sum() - finite
-        self.extra_finite += actual_finite.sum() - finite
-        del expected_finite, actual_finite
-        if not bool(finite == both.numel()):
-            neither = ~(torch.isfinite(expected) | torch.isfinite(actual))
-            self.sign += (expected[neither].nan_to_num() != actual[neither].nan_to_num()).sum()
-            expected, actual = expected[both], actual[both]
-        del both
-        if expected.numel() == 0:
-            return
-        self.finite += expected.numel()
-        difference = actual - expected
-        difference.abs_()
-        magnitude = expected.abs()
-        self.max_abs = torch.maximum(self.max_abs, difference.max())
-        self.max_expected = torch.maximum(self.max_expected, magnitude.max())
-        if self.count_excess:
-            self.excess += (difference > magnitude.mul_(rtol).add_(atol)).sum()  # |a - e| > atol + rtol * |e|
-        del difference, magnitude
-        if self.norms is not None:
-            self.norms.add(expected, actual)
+from aitune.torch.check.tolerance import (  # noqa: F401 - exact_fp32: re-exported
+    LOW_PRECISION,
+    SCALED_PROBE_PARITY_MULTIPLIER,
+    ComparisonResult,
+    LeafError,
+    Tolerance,
+    exact_fp32,
+    tf32_allowed,
+)
+from aitune.torch.record.pytree import leaf_paths, path_to_str, tree_flatten
 
 
 def _leaf_facts(leaf: torch.Tensor | StoredTensor) -> tuple[torch.Size, torch.dtype, torch.device, str]:
@@ -480,13 +213,13 @@ class OutputComparator:
         candidate_sum = eager_sum = torch.zeros((), dtype=torch.float64, device=actual.device)
         candidate_worst = eager_worst = torch.zeros((), dtype=torch.float32, device=actual.device)
         count = 0
-        for reference, eager, candidate in _pieces([expected32, expected, actual], actual.device,
+        for reference, eager, candidate in chunk_pieces([expected32, expected, actual], actual.device,
                                                    self.chunk_elements):
             finite = torch.isfinite(reference) & torch.isfinite(eager)
             if not bool(finite.all()):
                 reference, eager, candidate = reference[finite], eager[finite], candidate[finite]
-            candidate_sum = candidate_sum + _sum_of_squares(candidate - reference)
-            eager_sum = eager_sum + _sum_of_squares(eager - reference)
+            candidate_sum = candidate_sum + sum_of_squares(candidate - reference)
+            eager_sum = eager_sum + sum_of_squares(eager - reference)
             if self.parity_worst_element and reference.numel():
                 candidate_worst = torch.maximum(candidate_worst, (candidate - reference).abs().max().float())
                 eager_worst = torch.maximum(eager_worst, (eager - reference).abs().max().float())
@@ -556,9 +289,9 @@ class OutputComparator:
         # Every float leaf is judged by value: atol/rtol (the fp16/bf16 ones for a reduced-precision candidate),
         # or SQNR/cosine for a quantized one. SQNR and cosine are also recorded for reduced-precision candidates:
         # the report quotes them beside the atol/rtol verdict.
-        errors = _LeafErrors(actual.device, compute_dtype(dtype), record_norms=self.quantized or self.low_precision,
+        errors = LeafErrors(actual.device, compute_dtype(dtype), record_norms=self.quantized or self.low_precision,
                              count_excess=not self.quantized)
-        for expected_piece, actual_piece in _pieces([expected, actual], actual.device, self.chunk_elements):
+        for expected_piece, actual_piece in chunk_pieces([expected, actual], actual.device, self.chunk_elements):
             errors.add(expected_piece, actual_piece, atol, rtol)
         bad, extra = int(errors.non_finite), int(errors.extra_finite)
         if bad or extra:

@@ -22,7 +22,8 @@ from typing import Callable
 
 import torch
 
-from aitune.torch.backend.base import Backend, default_candidate_classes
+from aitune.torch.backend.base import Backend
+from aitune.torch.backend.registry import default_candidate_classes
 from aitune.torch.check.context import EvaluationSettings, GraphContext
 from aitune.torch.measure.memory import DeviceSection
 from aitune.torch.measure.profiling import ProfilingConfig
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 def default_backends(device: torch.device | str, module: torch.nn.Module | None = None,
                      graph=None) -> list[Backend]:
     """Candidates tried when a strategy is given none: the blueprints of every backend class in the default
-    search (:func:`~aitune.torch.backend.base.default_candidate_classes`, in their
+    search (:func:`~aitune.torch.backend.registry.default_candidate_classes`, in their
     ``default_search_position`` order; each class's :meth:`~aitune.torch.backend.base.Backend.default_candidates`),
     each expanded by its :meth:`~aitune.torch.backend.base.Backend.search_space` (e.g. Inductor with and
     without freezing, CUDA graphs on a GPU, channels-last for convnets), cheapest and most promising first.

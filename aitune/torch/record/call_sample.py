@@ -1,0 +1,81 @@
+"""One recorded call (:class:`Sample`): its arguments cloned, its batch size, and how calls are told apart."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Hashable, Iterable
+
+import torch
+
+from aitune.torch.record.pytree import hashable_constant, tree_flatten, tree_unflatten
+
+
+def clone_tree(value: Any) -> Any:
+    """Deep copy of a nested value with every tensor cloned (detached, outside inference mode).
+
+    Tensors created under ``torch.inference_mode`` become normal tensors so every backend can take them.
+    """
+    leaves, spec = tree_flatten(value)
+    copies = []
+    with torch.inference_mode(False):
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                copies.append(leaf.detach().clone())
+            else:
+                copies.append(copy.deepcopy(leaf))
+    return tree_unflatten(spec, copies)
+
+
+def describe_leaf(leaf: Any) -> Hashable:
+    """Graph-identity descriptor of one leaf: tensors by dtype/rank/device, constants by value."""
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", leaf.dtype, leaf.dim(), leaf.device.type)
+    return ("const", hashable_constant(leaf))
+
+
+@dataclasses.dataclass
+class Sample:
+    """One recorded call: canonical ``args``/``kwargs`` (cloned) and its ``batch_size`` (None if unknown)."""
+
+    args: tuple
+    kwargs: dict
+    batch_size: int | None = None
+
+    def leaves(self) -> list[Any]:
+        return tree_flatten((self.args, self.kwargs))[0]
+
+    def clone(self) -> "Sample":
+        args, kwargs = clone_tree((self.args, self.kwargs))
+        return Sample(args, kwargs, self.batch_size)
+
+    def shapes(self) -> tuple:
+        return tuple(tuple(leaf.shape) for leaf in self.leaves() if isinstance(leaf, torch.Tensor))
+
+
+def infer_batch_size(leaves: Iterable[Any]) -> int | None:
+    """Batch size guess for a call: dim 0 of its first tensor of rank >= 1 (None when there is none)."""
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            return int(leaf.shape[0])
+    return None
+
+
+def same_call(first: Sample, second: Sample) -> bool:
+    """Do two samples of one graph hold equal values in every leaf (tensors by value, NaN equal to NaN)?"""
+    for a, b in zip(first.leaves(), second.leaves()):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if not same_tensor_values(a, b):
+                return False
+        elif a is not b and a != b:
+            return False
+    return True
+
+
+def same_tensor_values(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Same shape, dtype and values (NaN equal to NaN)."""
+    if before.shape != after.shape or before.dtype != after.dtype:
+        return False
+    with torch.no_grad():
+        return bool(torch.equal(before.detach().cpu(), after.detach().cpu())) or bool(
+            torch.equal(before.isnan(), after.isnan()) and torch.equal(before.nan_to_num(), after.nan_to_num()))
