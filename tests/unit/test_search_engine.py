@@ -6,13 +6,13 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend import TorchEagerBackend
-from aitune.torch.backend import base as backend_base
+from aitune.torch.backend import registry as backend_registry
 from aitune.torch.tune_strategy.base import default_backends
 
 
 def test_a_backend_joins_the_default_search_from_its_own_class(monkeypatch):
-    monkeypatch.setattr(backend_base, "_REGISTRY", dict(backend_base._REGISTRY))
-    monkeypatch.setattr(backend_base, "_DEFAULT_CANDIDATES", list(getattr(backend_base, "_DEFAULT_CANDIDATES", [])),
+    monkeypatch.setattr(backend_registry, "_REGISTRY", dict(backend_registry._REGISTRY))
+    monkeypatch.setattr(backend_registry, "_DEFAULT_CANDIDATES", list(getattr(backend_registry, "_DEFAULT_CANDIDATES", [])),
                         raising=False)  # the classes defined below are forgotten after the test
     before = [b.describe() for b in default_backends("cpu")]
 
