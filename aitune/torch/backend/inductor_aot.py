@@ -41,6 +41,8 @@ from aitune.torch.common.requirements import torch_version_at_least
 from aitune.torch.backend.accepted import AcceptedInputs, batch_axes
 from aitune.torch.backend.flat import FlatIO, eager_output
 from aitune.torch.common.dtypes import dtype_name
+from aitune.torch.common.environment import environment_id
+from aitune.torch.common.files import checkpoint_path
 from aitune.torch.record.samples import BATCH, STATIC
 from aitune.torch.record.serialization import output_template_from_json, outputs_to_json
 
@@ -180,11 +182,9 @@ def loads_here(device: str, folder: Path) -> None:
 def _canary(device: str, folder: Path) -> None:
     import os
 
-    from aitune.torch.search.crashes import CrashRegistry
-
     # A fact about the environment, not about a tune: kept in the user's cache, whatever AITUNE_CACHE_DIR says.
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    marker = base / "aitune" / "aoti_canary" / f"{CrashRegistry.environment_id(device)}.ok"
+    marker = base / "aitune" / "aoti_canary" / f"{environment_id(device)}.ok"
     if marker.exists():
         return
     logger.info("compiling and loading a one-op AOTInductor package on %s (canary: does any package load here?)",
@@ -569,8 +569,6 @@ class TorchInductorAotBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        from aitune.torch.checkpoint.archive import checkpoint_path
-
         package = metadata.get("package", PACKAGE_FILE)
         package_path = checkpoint_path(directory, package, f"{self.name} metadata 'package'", missing=CheckpointError(
             f"{self.name}: {Path(directory) / str(package)} is missing from the checkpoint"))

@@ -20,6 +20,7 @@ from aitune.torch.backend.base import (
     _to_jsonable,
     get_backend_class,
 )
+from aitune.torch.common.files import checkpoint_path
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +259,6 @@ class KernelSelectorBackend(Backend):
             raise ConfigError("kernel_selector checkpoint has no delegate_backend entry")
         delegate_class = get_backend_class(delegate_info["name"])
         delegate_config = BackendConfig.from_dict(delegate_info["config"])
-        from aitune.torch.checkpoint.archive import checkpoint_path
 
         plan_path = checkpoint_path(directory, metadata.get("kernel_plan", PLAN_FILE), "kernel_selector metadata "
                                     "'kernel_plan'")

@@ -17,6 +17,7 @@ from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, 
 from aitune.torch.backend.onnx_call_io import OnnxCallIO
 from aitune.torch.backend.onnx_export import export_onnx, training_mode_reason
 from aitune.torch.backend.onnx_graph import external_data_files
+from aitune.torch.common.files import checkpoint_path
 
 logger = logging.getLogger(__name__)
 
@@ -492,8 +493,6 @@ class ONNXRuntimeBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        from aitune.torch.checkpoint.archive import checkpoint_path
-
         self._io = OnnxCallIO.from_json(metadata["io"], graph)
         onnx_file = metadata.get("onnx_file", ONNX_FILE)
         self._onnx_path = checkpoint_path(directory, onnx_file, "onnxruntime metadata 'onnx_file'",

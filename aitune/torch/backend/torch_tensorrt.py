@@ -36,6 +36,7 @@ from aitune.torch.common.requirements import validate_flags
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.backend.flat import FlatIO, eager_output
 from aitune.torch.common.dtypes import dtype_from_name, dtype_name
+from aitune.torch.common.files import checkpoint_path
 from aitune.torch.record.samples import BATCH
 
 logger = logging.getLogger(__name__)
@@ -555,8 +556,6 @@ class TorchTensorRTAotBackend(Backend):
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
         from aitune.torch.record.serialization import output_template_from_json
         from aitune.torch.backend.tensorrt.backend import StoredGraph, StoredTensorSpec
-
-        from aitune.torch.checkpoint.archive import checkpoint_path
 
         name = metadata.get("artifact", ARTIFACT_FILE)
         artifact = checkpoint_path(directory, name, f"{self.name} metadata 'artifact'", missing=CheckpointError(

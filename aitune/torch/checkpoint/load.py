@@ -15,7 +15,7 @@ import torch
 
 from aitune.errors import CheckpointError, CheckpointIntegrityError, ConfigError
 from aitune.torch.backend.eager import TorchEagerBackend
-from aitune.torch.checkpoint.archive import checkpoint_path, forget_extraction
+from aitune.torch.common.files import checkpoint_path, forget_extraction
 from aitune.torch.checkpoint.manifest import read_manifest, weights_digest
 from aitune.torch.checkpoint.plan import ModulePlan, plan_module, warn_differences
 from aitune.torch.checkpoint.wrappers import replace_at, resolve_path

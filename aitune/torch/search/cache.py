@@ -44,8 +44,8 @@ import torch
 
 from aitune import __version__
 from aitune.torch.backend.base import Backend, BackendState, BuildMode
-from aitune.torch.checkpoint.archive import check_files, digest_files
 from aitune.torch.common.environment import cpu_model_name
+from aitune.torch.common.files import check_files, digest_files
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from aitune.torch.backend.tensorrt.config import (
 )
 from aitune.torch.backend.tensorrt.quantization import MODELOPT_REQUIREMENT
 from aitune.torch.common.dtypes import dtype_name
+from aitune.torch.common.files import checkpoint_path
 
 logger = logging.getLogger(__name__)
 
@@ -341,8 +342,6 @@ class TensorRTBackend(Backend):
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
         from aitune.torch.record.serialization import output_template_from_json
-
-        from aitune.torch.checkpoint.archive import checkpoint_path
 
         engine = metadata.get("engine", ENGINE_FILE)
         engine_path = checkpoint_path(directory, engine, f"{self.name} metadata 'engine'", missing=CheckpointError(
