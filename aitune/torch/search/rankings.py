@@ -32,6 +32,7 @@ from pathlib import Path
 from aitune import __version__
 from aitune.torch.common.environment import environment_key
 from aitune.torch.common.jsonsafe import json_safe
+from aitune.torch.search.cache import graph_fingerprint
 from aitune.torch.search.crashes import CrashRegistry
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,6 @@ class RankingStore:
 
     def key(self, context, blueprints: list, strategy_facts: dict) -> str | None:
         """The key of a search, or None when the module cannot be fingerprinted (e.g. ``meta`` weights)."""
-        from aitune.torch.search.cache import graph_fingerprint
-
         try:
             material = {"format": FORMAT_VERSION, "aitune": __version__,
                         "module": self.fingerprint(context.module),
