@@ -38,6 +38,11 @@ from aitune.torch.backend.flat import FlatIO, eager_output
 from aitune.torch.common.dtypes import dtype_from_name, dtype_name
 from aitune.torch.common.files import checkpoint_path
 from aitune.torch.record.samples import BATCH
+from aitune.torch.backend.isolation import run_isolated
+from aitune.torch.backend.onnx_export import export_example
+from aitune.torch.backend.tensorrt.backend import StoredGraph, StoredTensorSpec
+from aitune.torch.backend.tensorrt.config import describe_nested
+from aitune.torch.record.serialization import output_template_from_json, outputs_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +223,6 @@ def accepted_settings() -> set[str]:
 
 class _NestedDescribe:
     def describe(self) -> str:
-        from aitune.torch.backend.tensorrt.config import describe_nested
-
         return describe_nested(self)
 
 
@@ -380,8 +383,6 @@ def export_flat_module(module, graph, device: torch.device) -> tuple[Any, FlatIO
     Returns:
         ``(ExportedProgram, FlatIO, example inputs, input specs)``. Runs anywhere torch.export runs (no TensorRT).
     """
-    from aitune.torch.backend.onnx_export import export_example
-
     flat_io = FlatIO(graph, eager_output(module, graph))
     example, notes = export_example(graph, flat_io, device)
     for note in notes:
@@ -490,8 +491,6 @@ class TorchTensorRTAotBackend(Backend):
         return Check(True)
 
     def _build(self, module, graph, device, workdir: Path) -> None:
-        from aitune.torch.backend.isolation import run_isolated
-
         settings = self.config.compile_config.settings(accepted_settings())
         exported, flat_io, example, inputs = export_flat_module(module, graph, device)
         exported_path = workdir / "exported_program.pt2"
@@ -541,8 +540,6 @@ class TorchTensorRTAotBackend(Backend):
         self._compiled = None
 
     def _save(self, directory: Path) -> dict:
-        from aitune.torch.record.serialization import outputs_to_json
-
         target = directory / ARTIFACT_FILE
         if self._artifact.resolve() != target.resolve():
             shutil.copyfile(self._artifact, target)
@@ -554,9 +551,6 @@ class TorchTensorRTAotBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        from aitune.torch.record.serialization import output_template_from_json
-        from aitune.torch.backend.tensorrt.backend import StoredGraph, StoredTensorSpec
-
         name = metadata.get("artifact", ARTIFACT_FILE)
         artifact = checkpoint_path(directory, name, f"{self.name} metadata 'artifact'", missing=CheckpointError(
             f"{self.name}: {Path(directory) / str(name)} is missing from the checkpoint"))
