@@ -509,7 +509,7 @@ class Recorder:
             graph.stateful = True
         graph.training = module.training
         mutated = [path for path, before, after in zip(graph.input_paths, sample.leaves(), leaves)
-                   if isinstance(after, torch.Tensor) and not _same_tensor_values(before, after)]
+                   if isinstance(after, torch.Tensor) and not same_values(before, after)]
         for path in mutated:
             if path not in graph.mutated_inputs:
                 graph.mutated_inputs.append(path)
@@ -527,19 +527,25 @@ def _state_versions(module: torch.nn.Module) -> list[tuple[int, int]]:
 def _same_call(first: Sample, second: Sample) -> bool:
     for a, b in zip(first.leaves(), second.leaves()):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            if not _same_tensor_values(a, b):
+            if not same_values(a, b):
                 return False
         elif a is not b and a != b:
             return False
     return True
 
 
-def _same_tensor_values(before: torch.Tensor, after: torch.Tensor) -> bool:
+def same_values(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Do two tensors hold the same values? Same shape and dtype, equal elements, NaN equal to NaN where both
+    have one (floating and complex dtypes); ``before`` is compared on ``after``'s device."""
+    before, after = before.detach(), after.detach()
     if before.shape != after.shape or before.dtype != after.dtype:
         return False
     with torch.no_grad():
-        return bool(torch.equal(before.detach().cpu(), after.detach().cpu())) or bool(
-            torch.equal(before.isnan(), after.isnan()) and torch.equal(before.nan_to_num(), after.nan_to_num()))
+        before = before.to(after.device)
+        if torch.equal(before, after):
+            return True
+        return bool((before.is_floating_point() or before.is_complex()) and torch.equal(before.isnan(), after.isnan())
+                    and torch.equal(before.nan_to_num(), after.nan_to_num()))
 
 
 def record_graphs(module: torch.nn.Module, calls: Iterable[tuple[tuple, dict]], **recorder_options) -> list[GraphSpec]:
