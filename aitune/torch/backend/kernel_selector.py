@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -267,7 +266,3 @@ class KernelSelectorBackend(Backend):
                                                        graph, device)
         self.build_mode = self.delegate.build_mode
         self.is_quantizing = self.delegate.is_quantizing
-
-    def plan_json(self) -> str:
-        """The plan in use, as JSON (empty object before build)."""
-        return self.plan.to_json() if self.plan is not None else json.dumps({})
