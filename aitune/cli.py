@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 from aitune import __version__
+from aitune.errors import AITuneError, UnknownBackendError
 
 
 def _env(args) -> int:
@@ -78,7 +79,6 @@ def _env(args) -> int:
 
 def _unknown_backend(names: list[str] | None) -> str | None:
     """The one-line error for the first unknown backend name (it lists the registered ones), else None."""
-    from aitune.errors import UnknownBackendError
     from aitune.torch.backend import get_backend_class
 
     for name in names or []:
@@ -108,7 +108,6 @@ def _report(args) -> int:
     A checkpoint is read through its manifest only (digests verified, no code loaded: ``describe_checkpoint``'s
     path); it keeps only the chosen backend's row per graph.
     """
-    from aitune.errors import AITuneError
     from aitune.torch.checkpoint import describe_checkpoint
     from aitune.torch.checkpoint.manifest import read_manifest
     from aitune.torch.report.rows import TuneReport
@@ -157,7 +156,6 @@ def _serve(args) -> int:
     import signal
     import time
 
-    from aitune.errors import AITuneError
     from aitune.serve import ServeConfig, availability, run
     from aitune.torch.storage import existing_checkpoint
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from aitune.utils.logging import libraries_logging
+import aitune.torch as ait
+from aitune.torch.backend import get_backend_class
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +138,6 @@ def run(backends: list[str] | None = None, cache_dir: str | None = None, save_pa
     Returns:
         ``{"report": TuneReport, "cosine": [per-sentence cosine], "selected": backend description}``.
     """
-    import aitune.torch as ait
-    from aitune.torch.backend import get_backend_class
-
     torch.manual_seed(0)
     bert, tokenizer = load_minilm()
     model = SentenceEncoder(bert).eval()

@@ -157,13 +157,21 @@ def _rebuild_request_error(message: str, status: int, field: str) -> "RequestErr
     return RequestError(message, status=status, field=field)
 
 
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    """First meaningful line of an exception, prefixed by its type, for report 'reason' columns.
+def one_line(exc: BaseException, limit: int = 300, *, lines: int = 1, type_name: bool = True) -> str:
+    """First meaningful line(s) of an exception, for report 'reason' columns and error messages.
 
-    Kept here, below every layer (backends, kernel forge, strategies), which import it from here.
+    Kept here, below every layer (backends, kernel forge, strategies, checkpoints, serving), which import it from
+    here.
+
+    Args:
+        exc: the exception. limit: the most characters returned (a longer text ends with "…").
+        lines: how many non-blank lines of the message to keep, joined by spaces (``load_state_dict`` puts the
+            useful part on its second line). type_name: prefix the exception's type name (``"ValueError: ..."``).
+
+    Returns:
+        The text; the type name alone when the message is empty.
     """
-    text = str(exc).strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    first = lines[0] if lines else ""
-    message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    kept = [line.strip() for line in str(exc).strip().splitlines() if line.strip()][:lines]
+    text = " ".join(kept)
+    message = (f"{type(exc).__name__}: {text}" if type_name else text) if text else type(exc).__name__
     return message if len(message) <= limit else message[: limit - 1] + "…"

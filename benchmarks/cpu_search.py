@@ -9,7 +9,7 @@ The all-MiniLM-L6-v2 sentence encoder (real weights, ``aitune.demo.SentenceEncod
    ``allow_quantization=True`` (which implies reduced precision);
 
 each tuned module timed again after tuning beside eager, with the cosine similarity of its sentence
-embeddings to eager's. Targets (issue "Search"): ≥ 2.5x eager at cosine ≥ 0.99 with quantization allowed,
+embeddings to eager's. Targets: ≥ 2.5x eager at cosine ≥ 0.99 with quantization allowed,
 ≥ 1.25x without.
 
 It also prints the fp32 floor: eager's FLOPs (``torch.utils.flop_counter``) at the best fp32 GEMM rate this CPU
@@ -18,8 +18,8 @@ reaches on MiniLM's own matmul shapes — the time no fp32 implementation can be
 
 The figure to quote is ``paired_speedup``: at the end eager and every row are called round-robin, one call
 each per round, for ``--paired-s`` seconds, and the median over rounds of eager's time over the row's is
-taken. This VM's speed drifts by more than the differences measured (eager's p50 moved between 93 and 181 ms
-within one process, RESULTS.md 2026-12-01); within one round every row meets the same conditions. The
+taken. This VM's speed drifts by more than the differences measured (eager's p50 can move by a factor of two
+within one process, see RESULTS.md); within one round every row meets the same conditions. The
 separate p50s (``p50_ms``, each over its own 3-second window) are kept for reference. The host allocator is
 settled first (``aitune.torch.measure.profiling.settle_host_allocator``, NOTE [host allocator steady state]), so
 eager is not timed while it still pays page faults the later rows no longer do. Usage (repository

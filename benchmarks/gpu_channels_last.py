@@ -1,10 +1,10 @@
 """Does channels-last help Inductor reduce-overhead + freezing on ResNet-50 b1 (H200, fp16)? Timed call by call.
 
 The channels-last variant is an extra (tier-1) candidate, built only with a time budget, because separate
-2-second windows on the lent machine never showed it ahead (RESULTS.md, 2026-12-01); later windows did (0.525 vs
-0.572 ms, hand-picked). This settles it in one process: two aitune modules, each tuned with one backend
-(RO + freezing; RO + freezing + channels-last), and the hand-picked ``torch.compile(mode="reduce-overhead")``,
-timed alternately call by call (``paired_p50_ms``: median per-pair ratio).
+2-second windows did not agree on whether it is ahead (see RESULTS.md). This settles it in
+one process: two aitune modules, each tuned with one backend (RO + freezing; RO + freezing + channels-last),
+and the hand-picked ``torch.compile(mode="reduce-overhead")``, timed alternately call by call
+(``paired_p50_ms``: median per-pair ratio).
 
 Usage (device tool, repo root)::
 

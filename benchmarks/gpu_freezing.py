@@ -1,8 +1,7 @@
 """Does Inductor ``freezing`` pay on this GPU and torch build? One fresh process per variant.
 
-Issue "Search" quoted hand-picked ResNet-50 b1 fp16 figures on the H200 (reduce-overhead 0.585 ms, + freezing
-0.480 ms, + freezing + channels-last 0.460 ms); the 2026-12-01 ``gpu_search`` run measured freezing *slower*
-(1.42 ms) after aitune's tune in the same process. This script times each variant alone, in its own process
+Hand-picked ResNet-50 b1 fp16 figures showed freezing faster, while a ``gpu_search`` run measured it slower
+after aitune's tune in the same process (see RESULTS.md). This script times each variant alone, in its own process
 (no earlier compile, no tune before it), so the two can be told apart: a variant is the cuDNN benchmark flag,
 how freezing is switched on (compile options vs the global Inductor config), and the memory format of the
 model and input. ResNet-50 with BatchNorm statistics calibrated on random data (see ``gpu_search``).
@@ -33,7 +32,7 @@ VARIANTS = {
     "ro_freeze_global_cl_in": {"mode": "reduce-overhead", "freezing": "global", "channels_last": "both"},
     "ro_freeze_global_cl_model": {"mode": "reduce-overhead", "freezing": "global", "channels_last": "model"},
     "ro_cl_in": {"mode": "reduce-overhead", "channels_last": "both"},
-    # 2026-12-01 (later): the max-autotune modes and coordinate-descent tuning, with freezing on globally
+    # the max-autotune modes and coordinate-descent tuning, with freezing on globally
     "ma_freeze_global": {"mode": "max-autotune", "freezing": "global"},
     "ma_freeze_global_cl_model": {"mode": "max-autotune", "freezing": "global", "channels_last": "model"},
     "ro_freeze_global_cdt": {"mode": "reduce-overhead", "freezing": "global", "coordinate_descent": True},

@@ -1,4 +1,4 @@
-"""Where the tuning peak GPU memory goes (issue "Search", point 6): one default tune with PyTorch's allocator
+"""Where the tuning peak GPU memory goes: one default tune with PyTorch's allocator
 history recorded, then the blocks alive at the trace's highest point grouped by where they were allocated
 (top two frames and the first aitune frames), and each candidate row's device peak and what it kept.
 

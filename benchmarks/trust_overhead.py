@@ -1,6 +1,6 @@
 """What trust costs: probes at tuning time, the run-time guard and the stale-weight watch per call (CPU).
 
-Measured side by side in one process (issue "Trust", done-when):
+Measured side by side in one process:
 
 1. MiniLM sentence encoder, batch 8 x 128: the same forced candidate tuned with probes off and on; the
    extra tuning time is the difference (and the number of probes checked).

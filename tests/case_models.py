@@ -14,7 +14,7 @@ from torch import nn
 
 
 class FlattenHead(nn.Module):
-    """Case C02: a batch-1 sample must not pin the batch axis. x [B, 3, 16, 16] -> [B, 10]."""
+    """A batch-1 sample must not pin the batch axis. x [B, 3, 16, 16] -> [B, 10]."""
 
     def __init__(self):
         super().__init__()
@@ -27,7 +27,7 @@ class FlattenHead(nn.Module):
 
 
 class SplitHeads(nn.Module):
-    """Case C03: Python-int sizes become constants when traced. x [B, T, 64] -> [B, 4, T * 16]."""
+    """Python-int sizes become constants when traced. x [B, T, 64] -> [B, 4, T * 16]."""
 
     def __init__(self):
         super().__init__()
@@ -41,7 +41,7 @@ class SplitHeads(nn.Module):
 
 @dataclasses.dataclass
 class HeadOut:
-    """Case C04: a dataclass output holding a dict with a nested tuple."""
+    """A dataclass output holding a dict with a nested tuple."""
 
     boxes: torch.Tensor
     scores: torch.Tensor
@@ -49,7 +49,7 @@ class HeadOut:
 
 
 class Detector(nn.Module):
-    """Case C04. x [B, 32] -> HeadOut(boxes [B, 4], scores [B], extra={logits [B, 12], stats ([B], [B])})."""
+    """x [B, 32] -> HeadOut(boxes [B, 4], scores [B], extra={logits [B, 12], stats ([B], [B])})."""
 
     def __init__(self):
         super().__init__()
@@ -63,7 +63,7 @@ class Detector(nn.Module):
 
 @dataclasses.dataclass
 class Pooled:
-    """A dataclass output with a float constant leaf (case C04 variant)."""
+    """A dataclass output with a float constant leaf."""
 
     logits: torch.Tensor
     features: torch.Tensor
@@ -85,7 +85,7 @@ class MaskedPool(nn.Module):
 
 
 class Ranker(nn.Module):
-    """Case C05: keyword-only forward and **extra. input_ids [B, T] int64 -> [B, 1]."""
+    """Keyword-only forward and **extra. input_ids [B, T] int64 -> [B, 1]."""
 
     def __init__(self):
         super().__init__()
@@ -102,7 +102,7 @@ class Ranker(nn.Module):
 
 
 class PairScore(nn.Module):
-    """Case C16: strides matter. m [N, 3, 4] -> [N, 3]."""
+    """Strides matter. m [N, 3, 4] -> [N, 3]."""
 
     def __init__(self):
         super().__init__()
@@ -113,7 +113,7 @@ class PairScore(nn.Module):
 
 
 class MHA(nn.Module):
-    """Case C24's attention block: x [B, T, C] -> [B, T, C], ``heads`` heads of C // heads."""
+    """An attention block: x [B, T, C] -> [B, T, C], ``heads`` heads of C // heads."""
 
     def __init__(self, dim: int, heads: int):
         super().__init__()
@@ -127,7 +127,7 @@ class MHA(nn.Module):
 
 
 class TwoTowers(nn.Module):
-    """Case C24: tower ``a`` (no mask) and tower ``b`` (with a mask), e.g. head dims 128 and 160 on CUDA."""
+    """Tower ``a`` (no mask) and tower ``b`` (with a mask), e.g. head dims 128 and 160 on CUDA."""
 
     def __init__(self, dim_a: int = 1024, dim_b: int = 1280, heads: int = 8):
         super().__init__()

@@ -15,8 +15,8 @@ _SESSION_CACHE: list[str] = []
 
 def pytest_configure(config):
     """The whole session (module- and session-scoped fixtures, subprocesses too) tunes into a temporary cache,
-    never the user's ``~/.cache/aitune`` (fresh-clone trial: a module-scoped fixture's report landed there and
-    overwrote ``tuning_data/report.json``); each test then gets its own below (``_isolated_cache``)."""
+    never the user's ``~/.cache/aitune`` (a module-scoped fixture's report would land there and overwrite
+    ``tuning_data/report.json``); each test then gets its own below (``_isolated_cache``)."""
     _SESSION_CACHE.append(tempfile.mkdtemp(prefix="aitune-tests-"))
     os.environ["AITUNE_CACHE_DIR"] = _SESSION_CACHE[0]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from aitune.errors import RequestError
+from aitune.errors import RequestError, one_line
 from aitune.torch.common.dtypes import dtype_from_name, dtype_name
 
 _TENSOR_KEYS = {"data", "dtype", "shape"}
@@ -58,7 +58,8 @@ def tensor_from_json(value: Any, dtype: torch.dtype, field: str) -> torch.Tensor
         try:
             tensor = torch.as_tensor(value) if hasattr(value, "__array__") else torch.tensor(value)
         except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-            raise RequestError(f"{field}: not a rectangular array of numbers ({_first_line(exc)})", field=field) from exc
+            reason = one_line(exc, 200, type_name=False)
+            raise RequestError(f"{field}: not a rectangular array of numbers ({reason})", field=field) from exc
     if declared is None and isinstance(value, torch.Tensor):
         declared = tensor.dtype
     if declared is not None and declared != dtype:
@@ -121,7 +122,3 @@ def _finite_json(data: Any) -> Any:
     if isinstance(data, float) and not math.isfinite(data):
         return "NaN" if math.isnan(data) else ("Infinity" if data > 0 else "-Infinity")
     return data
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

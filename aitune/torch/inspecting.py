@@ -17,6 +17,8 @@ from aitune.torch import dataloader
 from aitune.torch.common.environment import environment
 from aitune.torch.record.locate import walk
 from aitune.torch.report.html import render_inspection
+from aitune.torch.checkpoint.wrappers import find_wrappers
+from aitune.torch.module import Module
 
 logger = logging.getLogger(__name__)
 
@@ -227,10 +229,6 @@ def _has_executed_ancestor(info: ModuleInfo, infos: list[ModuleInfo], executed_i
 def wrap(obj: Any, modules: list[ModuleInfo], strategy=None, strategies=None) -> Any:
     """Replace each selected module in its parent by an :class:`~aitune.torch.Module`; returns ``obj``
     (or the wrapper when the root itself is selected). ``strategy``/``strategies`` go to every wrapper."""
-    from aitune.torch.module import Module
-
-    from aitune.torch.checkpoint.wrappers import find_wrappers
-
     result = obj
     for info in modules:
         if not isinstance(info, ModuleInfo):

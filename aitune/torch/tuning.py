@@ -34,6 +34,9 @@ from aitune.torch.planning import plan_modules
 from aitune.torch.report.progress import TuneProgress
 from aitune.utils.logging import libraries_logging
 from aitune.utils.monitoring import annotate
+from aitune.torch.search.cache import BuildCache
+from aitune.torch.search.crashes import FILE_NAME, CrashRegistry
+from aitune.torch.search.rankings import RANKINGS_DIR, RankingStore
 
 logger = logging.getLogger(__name__)
 
@@ -217,10 +220,6 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
     telemetry.begin_run(report)
     cache = crashes = rankings = None
     if use_cache:
-        from aitune.torch.search.cache import BuildCache
-        from aitune.torch.search.crashes import FILE_NAME, CrashRegistry
-        from aitune.torch.search.rankings import RANKINGS_DIR, RankingStore
-
         cache = BuildCache(root / "builds")
         crashes = CrashRegistry(root / FILE_NAME)
         rankings = RankingStore(root / RANKINGS_DIR, cache.module_fingerprint)

@@ -1,5 +1,6 @@
-"""Cases C04, C05, C06, C11, C12, C13, C15, C16, C19 of shared/cases/CASES.md for the core backends
-(eager and Inductor JIT). Invariants U1-U4 are checked in each; U5: no test asserts that a backend fails.
+"""Hard cases for the core backends (eager and Inductor JIT). Each checks that a failure names its cause,
+that outputs match eager and that the user's module and inputs are unchanged; no test asserts that a backend
+fails.
 
 Each case forces Inductor JIT to be the candidate (OneBackendStrategy, no performance validation) and
 checks which backend actually ran (:func:`check_run`): a case cannot pass by comparing eager with eager
@@ -38,11 +39,11 @@ def assert_untouched(module, before):
 
 
 def check_run(tuned, report, backend="inductor_jit"):
-    """U1/U5: the forced candidate either runs every tuned graph, or failed with a reason naming the cause
+    """The forced candidate either runs every tuned graph, or failed with a reason naming the cause
     (the module then runs eager, PASSTHROUGH). Returns True when the candidate runs."""
     for row in report.rows:
         if row.status in ("failed", "rejected (correctness)"):
-            assert row.reason  # U1: a one-line reason naming the cause
+            assert row.reason  # a one-line reason naming the cause
     if tuned.name in report.module_errors:
         assert report.module_errors[tuned.name] and tuned.state is ait.ModuleState.PASSTHROUGH
         return False
@@ -136,7 +137,7 @@ def test_c12_input_mutation(strategy):
     model = CenterInPlace()
     tuned = ait.Module(model, "center", strategy=strategy)
     check_run(tuned, ait.tune(tuned, [x], ready_batches=True))
-    assert torch.equal(x, x_copy)  # U3
+    assert torch.equal(x, x_copy)  # the caller's input is unchanged
     mine, theirs = x.clone(), x.clone()
     torch.testing.assert_close(tuned(mine), model(theirs))
     torch.testing.assert_close(mine, theirs)  # eager's in-place side effect is applied too
@@ -226,7 +227,7 @@ class Segments(nn.Module):
 
 def test_c19_graph_breaks_reported_and_slower_never_selected(fast_profiling):
     model = Segments().eval()
-    # C19 is about the choice: Inductor competes with eager here (MaxThroughput), nothing is forced.
+    # This case is about the choice: Inductor competes with eager here (MaxThroughput), nothing is forced.
     tuned = ait.Module(model, "segments", strategy=ait.MaxThroughputStrategy([TorchInductorJitBackend()],
                                                                              profiling_config=fast_profiling))
     x, offsets = torch.randn(512, 64), torch.tensor([0, 30, 31, 200, 512])

@@ -3,8 +3,8 @@ microsoft/onnxscript#989; test names keep the project's case numbers), and
 the kinds behind them caught for other ops: value-range dependence and size dependence.
 
 Each real-backend case forces its backend (OneBackendStrategy, no performance validation): after tuning,
-either the backend runs and matches eager on the case's later input, or it was rejected during tuning (U5:
-no test asserts that a backend fails). The kind tests use deliberately faulty backends — real code with a
+either the backend runs and matches eager on the case's later input, or it was rejected during tuning (no
+test asserts that a backend fails). The kind tests use deliberately faulty backends — real code with a
 real fault, like tests/unit/test_strategies.py's — to show that the probes catch the fault's kind.
 """
 
@@ -29,7 +29,7 @@ def tune_forced(model, name, backend, data, profiling):
     tuned = ait.Module(model, name, strategy=forced(backend, profiling))
     report = ait.tune(tuned, data, ready_batches=True)
     row = report.rows[0]
-    if name in report.module_errors:  # rejected or failed during tuning: U1 reason, U5 no assertion on which
+    if name in report.module_errors:  # rejected or failed during tuning, with a reason; no assertion on which
         assert row.reason and row.status in ("failed", "rejected (correctness)")
         assert tuned.state is ait.ModuleState.PASSTHROUGH
     else:
@@ -38,7 +38,7 @@ def tune_forced(model, name, backend, data, profiling):
     return tuned, report
 
 
-# ------------------------------------------------------------------------------------------ C31
+# ----------------------------------------------------------- integer image reduction on a narrower range
 
 
 class Stretch(nn.Module):
@@ -64,7 +64,7 @@ def test_c31_integer_image_reduction_on_a_narrower_value_range(backend, fast_pro
         torch.testing.assert_close(tuned(later), model(later), atol=1e-4, rtol=1e-3)
 
 
-# ------------------------------------------------------------------------------------------ C32
+# ------------------------------------------------------------------- antialiased resize at unseen sizes
 
 
 class Stem(nn.Module):
@@ -91,7 +91,7 @@ def test_c32_antialiased_resize_at_sizes_never_recorded(fast_profiling):
         assert row.reason.startswith("probe size")  # caught by a size probe, and the reason names its shape
 
 
-# ------------------------------------------------------------------------------------------ C34
+# ------------------------------------------------------------------------- outputs holding a KV cache
 
 
 def test_c34_outputs_holding_a_key_value_cache(fast_profiling):
@@ -116,7 +116,7 @@ def test_c34_outputs_holding_a_key_value_cache(fast_profiling):
     assert type(out.past_key_values) is type(expected.past_key_values)
 
 
-# ------------------------------------------------------------------------------------------ C35
+# --------------------------------------------------------- floor division on grid-aligned values
 
 
 class Buckets(nn.Module):
@@ -167,7 +167,7 @@ class FloorViaDivideBackend(TorchEagerBackend):
 
 class EvenSizesOnlyPool(TorchEagerBackend):
     """An average pool that assumes even spatial sizes (pairs of pixels reshaped): right at every recorded
-    size, wrong at odd sizes inside the range (size dependence, another op than C32's resize)."""
+    size, wrong at odd sizes inside the range (size dependence, another op than the antialiased resize)."""
 
     name = "test_even_sizes_pool"
     passthrough = False
@@ -190,7 +190,7 @@ class Pool(nn.Module):
 
 class SaturatingBackend(TorchEagerBackend):
     """Accumulates the sum of squares in a register that saturates at 2000: right for the recorded values,
-    wrong once they are larger (value-range dependence, another op than C31's min/max)."""
+    wrong once they are larger (value-range dependence, another op than the image reduction's min/max)."""
 
     name = "test_saturating"
     passthrough = False

@@ -148,7 +148,7 @@ class ModuleSnapshot:
     every submodule's ``training`` flag.
 
     NOTE [the module after the build]: ``ait.tune`` puts back any parameter, buffer or ``training`` flag that
-    changed while tuning (case U3), which would hide a build that writes into the user's module. A tensor's
+    changed while tuning, which would hide a build that writes into the user's module. A tensor's
     version counter (``Tensor._version``) counts every in-place write, the putting back included, so a
     build that writes into a parameter or buffer stays visible after tuning; a replaced parameter is a
     different object. A ``training`` flag flipped and put back is not visible: the flags are compared as

@@ -78,7 +78,8 @@ def eager(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> A
 
 
 def comparator_for(backend: Backend) -> OutputComparator:
-    """Quantizing backends are judged by SQNR/cosine floors, the others by atol/rtol (DESIGN.md §5)."""
+    """Quantizing backends are judged by SQNR/cosine floors, the others by atol/rtol
+    (docs/design.md, Correctness rules)."""
     return OutputComparator(Tolerance(), quantized=backend.is_quantizing)
 
 

@@ -1,7 +1,7 @@
 """TorchInductorAotBackend specifics on small real models: torch.export + AOTInductor on CPU, never mocked.
 
 AOTInductor CPU compiles take ~10-60 s here, so builds are shared through module-scoped fixtures: two real
-compiles (C02 FlattenHead, C16 PairScore) plus builds whose child step crashes or hangs for real (no
+compiles (FlattenHead, PairScore) plus builds whose child step crashes or hangs for real (no
 compile). The generic checks (outputs match eager on samples and unseen shapes, shapes outside the range
 refused, the module unchanged, deactivate/reactivate, save -> load in a fresh process with and without
 graph) run in test_backend_contract.py; the AOT-specific check on its build is here.
@@ -70,7 +70,7 @@ def test_training_mode_is_refused():
     assert TorchInductorAotBackend().supports(module.eval(), graph, torch.device("cpu")).ok
 
 
-# ---------------------------------------------------------------------------------------------- C02
+# ----------------------------------------------------------------------- a batch-1 sample, dynamic batch
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_refuses_inputs_whose_batch_axes_disagree(contract_runs):
     assert not backend.accepts([tokens, mask[:2]])
 
 
-# ---------------------------------------------------------------------------------------------- C16
+# ------------------------------------------------------------------------------- non-contiguous inputs
 
 
 @pytest.fixture(scope="module")

@@ -124,7 +124,7 @@ def test_copy_copies_the_delegate():
 
 
 def test_refused_when_no_provider_can_run_here(block, graph):
-    """Only SageAttention on a CPU run: refused up front with the reason (case C24 / U6)."""
+    """Only SageAttention on a CPU run: refused up front with the reason."""
     backend = KernelSelectorBackend(KernelSelectorBackendConfig(kernel_providers=SageAttentionKernelProvider()))
     check = backend.supports(block, graph, torch.device("cpu"))
     assert not check.ok and "sage_attention" in check.reason

@@ -1,8 +1,8 @@
 """ONNXRuntimeBackend on small real models: ONNX export + ONNX Runtime's CPU execution provider, never mocked.
 
 Builds are shared through module-scoped fixtures (each dynamo export takes a second or two here).
-Cases: C03 (SplitHeads), C04 (dataclass output), C05 (keyword-only forward, **extra), C11 (training mode
-refused), C28 sub-check A (CUDA EP requested on a CPU-only onnxruntime), what a checkpoint holds, the
+Cases: SplitHeads, a dataclass output, a keyword-only forward with **extra, training mode refused, the
+CUDA EP requested on a CPU-only onnxruntime, what a checkpoint holds, the
 IOBinding path. The generic checks (outputs match eager on samples and unseen shapes, the module unchanged,
 deactivate/reactivate, save -> load in a fresh process with and without graph) run in
 test_backend_contract.py.
@@ -154,7 +154,7 @@ def test_deactivate_releases_the_session(mlp_build):
     assert backend.state is BackendState.ACTIVE and backend._session is not None
 
 
-# ---------------------------------------------------------------------------------------------- C03
+# -------------------------------------------------------------------- Python-int sizes (SplitHeads)
 
 
 @pytest.mark.parametrize("recorded", [[(8, 20)], [(2, 12), (8, 40)]], ids=["one-sample", "range"])
@@ -184,7 +184,7 @@ def test_c03_torchscript_export_specialized_at_runtime_is_restricted(tmp_path_fa
     graph, backend = build(module, calls, tmp_path_factory, "c03ts", use_dynamo=False)
     assert backend.build_info["exporter"] == "torchscript"
     validated = backend.build_info["validated_shapes"]
-    if len(validated) < len(graph.samples):  # U5: only if the tracer still bakes the sizes
+    if len(validated) < len(graph.samples):  # only if the tracer still bakes the sizes
         assert backend.build_info["shape_specialized"] is True
         assert any("shape-specialized" in note for note in backend.build_info["export_notes"])
     for shape in ((2, 12, 64), (8, 40, 64), (3, 20, 64), (8, 33, 64)):
@@ -195,7 +195,7 @@ def test_c03_torchscript_export_specialized_at_runtime_is_restricted(tmp_path_fa
             assert [list(shape)] in validated or not backend.build_info["shape_specialized"]
 
 
-# ---------------------------------------------------------------------------------------------- C04
+# ------------------------------------------------------------------------------------ dataclass output
 
 
 def test_c04_dataclass_output_reproduced(detector_build):
@@ -209,7 +209,7 @@ def test_c04_dataclass_output_reproduced(detector_build):
         assert_matches_eager(module, output, x)
 
 
-# ---------------------------------------------------------------------------------------------- C05
+# ------------------------------------------------------------------- keyword-only forward and **extra
 
 
 def test_c05_keyword_only_forward_and_extra_kwargs(tmp_path_factory):

@@ -150,7 +150,7 @@ def test_quantized_build_matches_eager_by_sqnr_and_cosine(built, model, graph):
 
 
 def test_build_never_quantizes_the_callers_module(built, model):
-    """Case C21 / U3: quantize_ works in place, so the backend quantizes a deep copy."""
+    """quantize_ works in place, so the backend quantizes a deep copy."""
     _, _, before = built
     assert_unchanged(model, before)
     assert not model.training
@@ -185,8 +185,8 @@ def test_checkpoint_requantizes_from_the_original_weights(built, model, graph, t
 
 @pytest.mark.parametrize("preset", ["int8wo", "int8dq"])
 def test_c21_fp16_outliers_are_caught_by_the_quantization_metric(preset, tmp_path):
-    """Case C21 (pytorch/ao#1662): int8 quantization of an fp16 MLP with outlier channels can overflow to
-    NaN on CPU. Whatever the installed torchao does (U5), a non-finite or inaccurate output must be
+    """pytorch/ao#1662: int8 quantization of an fp16 MLP with outlier channels can overflow to
+    NaN on CPU. Whatever the installed torchao does, a non-finite or inaccurate output must be
     rejected by the quantization metric, an accepted one must meet it, and the caller's weights stay put."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)).half().eval()
@@ -238,7 +238,7 @@ def test_a_quantizer_that_quantizes_nothing_is_no_op_and_never_selected(fast_pro
 
 
 def test_a_quantizer_that_quantizes_nothing_is_not_compiled(fast_profiling):
-    """A no-op quantizer is known once quantize_ ran: its torch.compile (15 s for ResNet-50 on the H200) is
+    """A no-op quantizer is known once quantize_ ran: its torch.compile (seconds for a ResNet-50 on a GPU) is
     skipped, and the row is still no-op."""
     import aitune.torch as ait
     from torch._dynamo.utils import counters

@@ -1,6 +1,6 @@
 """Checkpoints on CUDA (marked gpu; skipped without a CUDA device): a CUDA JIT checkpoint round trip in a
 fresh process, the same checkpoint rebuilt on the CPU with a warning, and an AOT artifact for another
-GPU architecture refused with a clear error (case C23)."""
+GPU architecture refused with a clear error."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""CUDA-graph runner on a real GPU: capture, replay, recapture, LRU eviction, fallback, C20 (marked gpu)."""
+"""CUDA-graph runner on a real GPU: capture, replay, recapture, LRU eviction, fallback, fresh
+outputs per call (marked gpu)."""
 
 import logging
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 
 class Gram(torch.nn.Module):
-    """Case C20's module."""
+    """A module whose outputs a later replay would overwrite if they were not copied."""
 
     def forward(self, x):
         return x @ x.transpose(-1, -2)
@@ -120,7 +121,7 @@ def test_eager_backend_with_cuda_graphs_matches_eager(tmp_path):
         outputs.append(backend(x))
         with torch.no_grad():
             expected.append(module(x))
-    for output, reference in zip(outputs, expected):  # checked after all calls: nothing was overwritten (C20)
+    for output, reference in zip(outputs, expected):  # checked after all calls: nothing was overwritten
         torch.testing.assert_close(output["out"], reference["out"])
         torch.testing.assert_close(output["norm"], reference["norm"])
     assert backend._graphs.stats["captures"] == 3 and backend._graphs.stats["replays"] == 2

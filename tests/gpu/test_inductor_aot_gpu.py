@@ -1,7 +1,7 @@
 """TorchInductorAotBackend on CUDA (GPU machine only).
 
-On the GPU machine (torch 2.11 + CUDA 13), ``aoti_load_package`` of any CUDA AOTInductor package has
-killed the process with SIGSEGV (DESIGN.md §7). The backend loads the package first in a child process,
+With some torch and CUDA builds, ``aoti_load_package`` of any CUDA AOTInductor package kills the process
+with SIGSEGV. The backend loads the package first in a child process,
 so the expected outcomes are: a working artifact that matches eager, or a BackendBuildError that names the
 signal while this (parent) process lives on. The second is reported as xfail with the reason.
 """

@@ -1,7 +1,7 @@
 """Attention kernels and TorchAO on CUDA (GPU machine only; skipped without CUDA).
 
 Covers: PyTorch's flash / cuDNN / memory-efficient SDPA providers against the original SDPA; SageAttention
-(case C24: head_dim 160 and masks refused per call, patching scoped to the tuned module, the caller's
+(head_dim 160 and masks refused per call, patching scoped to the tuned module, the caller's
 key tensor untouched); KernelSelectorBackend with SageAttention + Inductor JIT; TorchAO fp8 / int4 / int8
 presets on CUDA (SQNR/cosine). Speed is measured in ``benchmarks/attention_kernels.py``, never asserted.
 """
@@ -35,7 +35,7 @@ from case_models import MHA, TwoTowers
 
 pytestmark = pytest.mark.gpu
 
-ATTENTION_TOLERANCE = Tolerance(low_precision_atol=2e-2, low_precision_rtol=2e-2)  # case C24
+ATTENTION_TOLERANCE = Tolerance(low_precision_atol=2e-2, low_precision_rtol=2e-2)
 FAST = ProfilingConfig(warmup_rounds=2, min_rounds=5, max_rounds=50, time_budget_s=0.2)
 
 
@@ -228,8 +228,8 @@ def test_torchao_presets_on_cuda(preset, tmp_path):
     try:
         comparator.compare(expected, backend(*sample.args, **sample.kwargs))
     except ToleranceExceededError as exc:
-        # A coarse preset may legitimately miss the floor on random weights (int4wo: SQNR ~11 dB on the
-        # H200); then the checker must say so with the metric and the floor (U5: no preset must pass).
+        # A coarse preset may legitimately miss the floor on random weights (int4wo: SQNR
+        # around 11 dB); then the checker must say so with the metric and the floor (no preset must pass).
         assert "SQNR" in str(exc) and "floor" in str(exc)
     else:
         assert comparator.result().min_sqnr_db >= 20.0

@@ -1,6 +1,6 @@
 """ONNXRuntimeBackend with a CUDA device (GPU machine only, marked gpu).
 
-Case C28: with the CUDA EP requested, either the session really runs on it (sub-check B: CUDA tensors in
+With the CUDA EP requested, either the session really runs on it (sub-check B: CUDA tensors in
 and out, IOBinding, values match eager) or the build fails saying the EP is not active (sub-check A: a
 CPU-only onnxruntime on a GPU machine). Also: the CPU EP on a CUDA device returns CUDA tensors.
 """

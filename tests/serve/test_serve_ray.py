@@ -351,7 +351,7 @@ def test_the_cli_serves_the_documented_example_on_the_running_cluster(service, e
     finally:
         process.send_signal(signal.SIGINT)
         # serve.delete waits for the application's replica to drain and stop, then the driver leaves the cluster:
-        # usually seconds, but > 60 s once on a loaded 2-core machine (fresh-clone trial, 2026-12-02)
+        # usually seconds, but over a minute on a loaded machine with few cores
         remaining, _ = process.communicate(timeout=180)
     assert process.returncode == 0, "".join(lines[-10:]) + remaining[-2000:]
     assert "cli" not in serve.status().applications  # the CLI deleted its application, and only its own

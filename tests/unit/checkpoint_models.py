@@ -62,7 +62,7 @@ class TiedHead(nn.Module):
 
 
 def c23_mlp() -> nn.Module:
-    """The model of case C23: Linear(256, 512) -> GELU -> Linear(512, 64) in bfloat16 (CPU here)."""
+    """Linear(256, 512) -> GELU -> Linear(512, 64) in bfloat16 (CPU here)."""
     return nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 64)).bfloat16().eval()
 
 

@@ -1,7 +1,7 @@
 """NOTE [no CPU timing beside a background build] (aitune/torch/tune_strategy/base.py): on a CPU device, candidates
-are built and checked while a background child step runs, but timed only after it has finished. The fresh-clone
-trial of 2026-12-02 measured Inductor at 0.02-0.03x eager while the AOTInductor child compiled on the same two
-cores, against 0.76x alone. The background step here is a real child process (aitune.torch.backend.isolation)."""
+are built and checked while a background child step runs, but timed only after it has finished: a compile in a
+child process on the same cores slows every measurement beside it by an order of magnitude or more. The
+background step here is a real child process (aitune.torch.backend.isolation)."""
 
 import time
 from pathlib import Path
@@ -80,7 +80,7 @@ def test_cpu_candidates_are_timed_only_after_the_background_build(fast_profiling
 
 
 def test_a_finalist_measured_again_loses_the_quick_round_s_noise_note(fast_profiling, monkeypatch):
-    """Fresh-clone trial, 2026-12-02: a finalist measured cleanly kept "noisy measurement (±393%)" from its quick
+    """A finalist measured cleanly must not keep a "noisy measurement" note from its quick
     round. Fault injection: the first (quick) measurement of one candidate is reported as very noisy."""
     import dataclasses
 

@@ -3,9 +3,9 @@
 Round trips load in a FRESH PROCESS (``sys.executable``): the child builds the same pipeline class with
 other weights (JIT checkpoints must restore them) or with no weights at all (``meta`` device: AOT
 checkpoints must not need them), loads, and writes its outputs; the parent compares them with the tuned
-pipeline's outputs (within 1e-6, case C23) and the tuned outputs with eager.
+pipeline's outputs (within 1e-6) and the tuned outputs with eager.
 
-Compiles: one Inductor JIT (head), one AOTInductor (C23 MLP), two ONNX Runtime exports; everything else
+Compiles: one Inductor JIT (head), one AOTInductor (bf16 MLP), two ONNX Runtime exports; everything else
 uses the eager backend or edits saved archives.
 """
 
@@ -67,7 +67,7 @@ def eager_outputs(seed: int = 0) -> dict:
 
 @pytest.fixture(scope="module")
 def jit_checkpoint(tmp_path_factory):
-    """encoder: eager, head: Inductor JIT (tied weights), mlp (case C23): TorchAO int8 weight-only."""
+    """encoder: eager, head: Inductor JIT (tied weights), mlp: TorchAO int8 weight-only."""
     root = tmp_path_factory.mktemp("jit")
     pipe = models.Pipeline(seed=0)
     pipe.encoder = ait.Module(pipe.encoder, "encoder", strategy=only(TorchEagerBackend()))
@@ -87,7 +87,7 @@ def jit_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def aot_checkpoint(tmp_path_factory):
-    """encoder and head: ONNX Runtime (CPU EP); mlp (case C23): AOTInductor. No weights are stored."""
+    """encoder and head: ONNX Runtime (CPU EP); mlp: AOTInductor. No weights are stored."""
     if not (ONNXRuntimeBackend.availability().ok and TorchInductorAotBackend.availability().ok):
         pytest.skip("needs onnxruntime and AOTInductor")
     root = tmp_path_factory.mktemp("aot")

@@ -230,7 +230,8 @@ def test_manifest_file_names_leaving_the_checkpoint_are_refused(in_tmp, monkeypa
 
 
 def test_checkpoint_path_refuses_links_unlisted_files_and_escapes(tmp_path):
-    from aitune.torch.checkpoint.archive import checkpoint_path, forget_extraction, read_verified
+    from aitune.torch.checkpoint.archive import read_verified
+    from aitune.torch.common.files import checkpoint_path, forget_extraction
 
     module = tuned()
     path = ait.checkpoint.save(module, tmp_path / "eager.ait")
@@ -332,7 +333,7 @@ def test_an_unknown_tolerance_field_is_refused_in_a_checkpoint_only(eager_saved,
 
 def test_a_name_is_checked_before_anything_is_looked_up(tmp_path):
     """An absolute or '..' name is refused as such even when nothing is there, not reported as 'missing'."""
-    from aitune.torch.checkpoint.archive import checkpoint_path
+    from aitune.torch.common.files import checkpoint_path
 
     missing = CheckpointError("missing")
     for name in (str(tmp_path / "nowhere.so"), "../nowhere.so"):

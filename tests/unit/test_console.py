@@ -1,4 +1,4 @@
-"""What the user's console shows while tuning (issue "What users expect", point 1): progress by default on a
+"""What the user's console shows while tuning: progress by default on a
 terminal, off with one switch; other packages' warnings go to the candidate's build log, not the console."""
 
 import json

@@ -1,5 +1,5 @@
 """After tuning: the run-time guard (a wrong backend retired on the call that shows it, the next-best that
-gets that input right takes over) and stale weights (case C33 (a)-(d) on weight-baking backends)."""
+gets that input right takes over) and stale weights (on backends that bake the weights in)."""
 
 import logging
 import types
@@ -203,7 +203,7 @@ def test_guard_off_means_no_checks(fast_profiling, fake_clock):
     assert tuned.stats["guard"] == {}
 
 
-# ------------------------------------------------------------------------------------------ C33
+# ------------------------------------------------------------------------------------------ stale weights
 
 
 def _net():

@@ -145,7 +145,7 @@ def test_sage_refuses_on_cpu_with_a_reason():
     (lambda: SDPACall(*qkv((1, 2, 32, 64), dtype=torch.float16)), "CUDA only"),
 ])
 def test_sage_call_level_refusals(make_call, reason):
-    """Case C24: unsupported calls are refused up front (checked on CPU tensors: device is checked last)."""
+    """Unsupported calls are refused up front (checked on CPU tensors: device is checked last)."""
     check = SageAttentionKernelProvider().check_call(make_call())
     assert not check.ok and reason in check.reason
 
@@ -163,7 +163,7 @@ def test_providers_round_trip_as_plain_data():
 
 
 def test_plan_dispatch_is_scoped_to_the_module_forward():
-    """Case C24: the tuned module gets the plan; another module and a direct SDPA call behave as before."""
+    """The tuned module gets the plan; another module and a direct SDPA call behave as before."""
     torch.manual_seed(0)
     tuned, untouched = MHA(64, 4).eval(), MHA(64, 4).eval()
     x = torch.randn(2, 16, 64)
@@ -197,7 +197,7 @@ def test_dispatch_is_decided_per_call():
 
 def test_unsupported_calls_of_a_planned_family_go_to_the_original_sdpa():
     """A plan that sends fp16 CPU calls of head_dim 64 to SageAttention: the provider refuses each call
-    (no CUDA) and the original SDPA runs, bit for bit (case C24: no exception mid-inference)."""
+    (no CUDA) and the original SDPA runs, bit for bit (no exception mid-inference)."""
     module = MHA(128, 2).eval().half()
     x = torch.randn(2, 8, 128).half()
     call = SDPACall(*qkv((2, 2, 8, 64), dtype=torch.float16))

@@ -163,7 +163,7 @@ def test_every_call_form_reaches_the_backend_with_the_right_arguments(fast_profi
 
 
 def test_the_state_snapshot_restores_values_dtypes_and_flags_bit_for_bit():
-    # case U3: whatever a build does to the user's module, tuning hands it back as it was
+    # whatever a build does to the user's module, tuning hands it back as it was
     from aitune.torch.tuning import _Snapshot
 
     torch.manual_seed(0)

@@ -141,7 +141,7 @@ def test_dynamo_failure_falls_back_to_torchscript_with_a_note(tmp_path):
     module = CustomOpModule().eval()
     [graph] = record_graphs(module, [((torch.randn(b, 4),), {}) for b in (2, 3)])
     export = export_onnx(module, graph, tmp_path / "model.onnx", device="cpu")
-    if export.exporter == "dynamo":  # U5: a torch that can trace this op needs no fallback
+    if export.exporter == "dynamo":  # a torch that can trace this op needs no fallback
         pytest.skip("the dynamo exporter handled the custom op")
     assert export.exporter == "torchscript"
     assert any(note.startswith("dynamo exporter failed (") and note.endswith("fell back to TorchScript exporter")

@@ -63,7 +63,7 @@ def test_cli_env_lists_every_backend():
 
 
 def test_cli_env_piped_into_head_ends_quietly():
-    """Fresh-clone trial, 2026-12-02: `aitune env | head -5` ended in a BrokenPipeError traceback, exit 1."""
+    """`aitune env | head -5` must not end in a BrokenPipeError traceback with exit status 1."""
     process = subprocess.Popen([sys.executable, "-m", "aitune.cli", "env"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     first = process.stdout.readline()  # read one line, then leave, as head does

@@ -1,4 +1,4 @@
-"""Quantization only on request (issue "What users expect", point 4): with the default candidates a quantizing
+"""Quantization only on request: with the default candidates a quantizing
 backend is measured and shown but not selected; allow_quantization=True (or listing it yourself) allows it."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Reduced precision only on request (issue "Search"): an fp32 model on hardware with native bf16 gets an Inductor
+"""Reduced precision only on request: an fp32 model on hardware with native bf16 gets an Inductor
 variant with bf16 autocast in the default search. It is built, checked and shown ("would be N x eager, SQNR,
 cosine"), but selected only with ``allow_reduced_precision=True`` or ``allow_quantization=True``, or when the
 user lists it."""

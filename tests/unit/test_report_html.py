@@ -263,7 +263,7 @@ def test_cli_report_html_from_json_and_checkpoint(tuned, tmp_path):
 
 
 def test_cli_report_resolves_a_saved_name_like_ait_load(tuned, tmp_path):
-    """`ait.save(m, "mlp.ait")` writes checkpoints/mlp.ait; `aitune report mlp.ait` finds it (fresh-clone trial)."""
+    """`ait.save(m, "mlp.ait")` writes checkpoints/mlp.ait; `aitune report mlp.ait` finds it."""
     import shutil
 
     (tmp_path / "checkpoints").mkdir()
@@ -275,8 +275,8 @@ def test_cli_report_resolves_a_saved_name_like_ait_load(tuned, tmp_path):
 
 
 def test_cli_report_finds_a_tune_report_by_its_name_in_the_cache(tuned, tmp_path):
-    """`aitune report tune-<time>.json` finds <cache>/reports/tune-<time>.json (fresh-clone trial: the README's
-    command gave only the file name)."""
+    """`aitune report tune-<time>.json` finds <cache>/reports/tune-<time>.json (the README's
+    command gives only the file name)."""
     import os
     import shutil
 

@@ -1,5 +1,5 @@
 """Optional-package checks compare versions by PEP 440 (packaging.version), not by digits: before, "1.20.0rc1"
-ranked above "1.20.0" (issue "One house", point 6)."""
+ranked above "1.20.0"."""
 
 import pytest
 

@@ -6,7 +6,7 @@ import torch
 from aitune.errors import ConfigError
 from aitune.torch.backend import TorchEagerBackend
 from aitune.torch.record.samples import BATCH, DYNAMIC, STATIC, BatchDim, CallSignature, DynamicDim, clone_tree, \
-    record_graphs
+    record_graphs, same_values
 
 
 class Toggle(torch.nn.Module):
@@ -223,3 +223,19 @@ def test_a_second_call_of_a_shape_catches_a_candidate_right_on_the_first_only(fa
     assert report.graphs[0].spec["stateful"] and report.graphs[0].spec["num_samples"] == 2
     assert report.rows[0].status == "rejected (correctness)", report.rows[0].reason
     assert tuned.state is ait.ModuleState.PASSTHROUGH
+
+
+def test_same_values_counts_nan_where_both_have_it_for_floating_and_complex_tensors():
+    """One helper serves the recorder (did a call change its inputs?) and the checks (did a candidate write into
+    its inputs?)."""
+    nan = float("nan")
+    floats = torch.tensor([1.0, nan, 3.0])
+    assert same_values(floats, floats.clone())
+    assert not same_values(floats, torch.tensor([1.0, 2.0, nan]))
+    assert not same_values(floats, floats.double())  # dtype differs
+    assert not same_values(floats, floats[:2])  # shape differs
+    complex_values = torch.tensor([complex(nan, 0.0), 1 + 2j])
+    assert same_values(complex_values, complex_values.clone())
+    assert not same_values(complex_values, torch.tensor([complex(nan, 0.0), 1 + 3j]))
+    integers = torch.arange(4)
+    assert same_values(integers, integers.clone()) and not same_values(integers, integers.flip(0))

@@ -1,4 +1,4 @@
-"""Search (issue "Search"): search spaces, successive halving, the time budget, expensive candidates, and
+"""Search: search spaces, successive halving, the time budget, expensive candidates, and
 crashes remembered per environment. Backends here are real code (test subclasses of the eager backend, and
 a child build step that really segfaults), not mocks."""
 
@@ -63,7 +63,7 @@ def test_successive_halving_measures_only_the_finalists_at_full_length(fast_prof
 
 def test_a_finalist_measured_below_a_non_finalist_says_which_quick_figure_made_it_a_finalist():
     """Rows of finalists show their full measurement and the others their quick one; where that makes a finalist
-    look slower than a non-finalist (fresh-clone trial: Inductor + freezing 1.00x finalist, AOT 1.06x not), the
+    look slower than a non-finalist (e.g. a 1.00x finalist beside a 1.06x non-finalist), the
     finalist's row gives its quick figure."""
     from aitune.torch.search.evaluation import Candidate
     from aitune.torch.report.rows import CandidateResult
@@ -386,7 +386,7 @@ def test_a_freezing_variant_sets_the_global_flag_only_during_its_calls(backend_n
 
 def test_a_frozen_variant_retuned_after_new_weights_uses_them(fast_profiling):
     """NOTE [a frozen compile per build]: after load_state_dict (same parameter objects, new values) a re-tune
-    must fold the new weights in, not reuse Dynamo's entry with the old ones (found by a fresh-clone trial)."""
+    must fold the new weights in, not reuse Dynamo's entry with the old ones."""
     model = _net()
     backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(freezing=True))
     tuned = ait.Module(model, "refrozen", strategy=ait.OneBackendStrategy(
@@ -426,7 +426,7 @@ def segfault_step() -> dict:
 
 
 class CrashingAotBuild(TorchEagerBackend):
-    """Its (child-process) build step segfaults, as AOTInductor's package load does on the H200 machine."""
+    """Its (child-process) build step segfaults, as AOTInductor's package load does with some torch builds."""
 
     name = "test_crashing_child"
     passthrough = False

@@ -1,6 +1,5 @@
 """The rules strategies choose by: min_speedup_ratio, ties within the noise, the latency budget's ties, the
-round trip of AOT artifacts, and calls to a deactivated module. Each test failed before its fix
-(issue "One house", bugs found in the read)."""
+round trip of AOT artifacts, and calls to a deactivated module. Each test failed before its fix."""
 
 import logging
 

@@ -136,7 +136,7 @@ def test_unavailable_backend_is_a_row_not_a_crash(fast_profiling):
 
 
 class UnloadableAotBackend(TorchEagerBackend):
-    """Declares AOT but its artifact cannot be loaded back (case C23)."""
+    """Declares AOT but its artifact cannot be loaded back."""
 
     name = "test_unloadable_aot"
     build_mode = BuildMode.AOT
@@ -146,7 +146,7 @@ class UnloadableAotBackend(TorchEagerBackend):
 
 
 class DriftingAotBackend(TorchEagerBackend):
-    """Declares AOT; the loaded artifact computes something else than the built one (case C23)."""
+    """Declares AOT; the loaded artifact computes something else than the built one."""
 
     name = "test_drifting_aot"
     build_mode = BuildMode.AOT
@@ -285,8 +285,8 @@ class Fp32ComputeNotNoted(Fp32ComputeBackend):
 
 
 def test_reference_calls_run_without_cudnn_autotuning_and_keep_the_users_setting(fast_profiling, monkeypatch):
-    # NOTE [no cuDNN autotuning for references]: the fp32 copy's first call timed every cuDNN algorithm (2.3 GiB
-    # on the H200); here the flag each call saw is the observable, on any machine
+    # NOTE [no cuDNN autotuning for references]: the fp32 copy's first call timed every cuDNN algorithm (gigabytes
+    # of workspace on a GPU); here the flag each call saw is the observable, on any machine
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     torch.manual_seed(0)
     model = CancelSeeingFlags().half().eval()
@@ -303,7 +303,7 @@ def test_reference_calls_run_without_cudnn_autotuning_and_keep_the_users_setting
 
 
 def test_the_strategy_description_says_when_the_defaults_may_quantize():
-    # fresh-clone trial: the demo allows quantization but its log said MaxThroughputStrategy(<defaults>)
+    # the demo's strategy allows quantization: its description must not read like the plain defaults
     assert ait.MaxThroughputStrategy().describe() == "MaxThroughputStrategy(<defaults>)"
     assert ait.MaxThroughputStrategy(allow_quantization=True).describe() == \
         "MaxThroughputStrategy(<defaults>, quantization allowed, reduced precision allowed)"

@@ -33,7 +33,7 @@ HAS_TORCH_TENSORRT = importlib.util.find_spec("torch_tensorrt") is not None
 
 
 class Net(torch.nn.Module):
-    """The C27 network: conv -> relu -> pool -> linear, batch-dynamic."""
+    """A small network: conv -> relu -> pool -> linear, batch-dynamic."""
 
     def __init__(self):
         super().__init__()
@@ -383,7 +383,7 @@ def test_polygraphy_profiles_from_our_json():
 
 
 def test_accepts_is_false_outside_every_profile():
-    """C27: accepts() is False outside the profile, so the Module runs eager (a direct call: test_tensorrt_runtime)."""
+    """accepts() is False outside the profile, so the Module runs eager (a direct call: test_tensorrt_runtime)."""
     graph = c27_graph((1, 8, 16))
     backend = TensorRTBackend()
     flat_names = [spec.name for spec in graph.tensor_specs]

@@ -75,7 +75,8 @@ def test_autocast_fp16_matches_eager_at_fp16_tolerance(exported, keep_io_types):
     assert candidate.dtype == (torch.float32 if keep_io_types else torch.float16)
     with torch.no_grad():
         reference = module(x)
-    # fp16 tolerance (DESIGN.md §5): compare the fp16-computed values with eager fp32 at atol=rtol=1e-2.
+    # fp16 tolerance (docs/design.md, Correctness rules): compare the fp16-computed values with eager fp32
+    # at atol=rtol=1e-2.
     comparator = OutputComparator(Tolerance(atol=1e-2, rtol=1e-2))
     comparator.compare(reference, candidate.float())
     assert comparator.result().max_abs_error > 0  # it really ran in reduced precision

@@ -171,11 +171,11 @@ def test_data_dependent_outputs_use_the_output_allocator():
     x2 = torch.tensor([-1.0, 5.0])
     idx2, _ = runner.run([x2])
     assert torch.equal(idx2, torch.tensor([1]))
-    assert torch.equal(idx, torch.tensor([0, 2, 4]))  # the first call's output is intact (fresh buffers, C20)
+    assert torch.equal(idx, torch.tensor([0, 2, 4]))  # the first call's output is intact (fresh buffers)
 
 
 def test_outputs_of_earlier_calls_are_never_overwritten():
-    """Case C20: every call returns fresh output tensors."""
+    """Every call returns fresh output tensors."""
     weight = torch.randn(4, 4)
     runner = TensorRTRunner(linear_engine([((1, 4), (2, 4), (4, 4))], weight), fake_trt, "cpu", ["input_x"], ["output"])
     a, b = torch.randn(2, 4), torch.randn(2, 4)

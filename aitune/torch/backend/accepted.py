@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from aitune.torch.common.dtypes import dtype_name
+from aitune.torch.record.samples import BATCH
 
 
 @dataclasses.dataclass
@@ -137,8 +138,6 @@ class AcceptedInputs:
 def batch_axes(graph) -> list[tuple[int, int, int]]:
     """``(tensor spec position, axis, multiplier)`` of every batch axis of a graph (multiplier: the axis' size
     per batch item, 1 for a plain batch axis)."""
-    from aitune.torch.record.samples import BATCH
-
     axes = []
     for position, spec in enumerate(graph.tensor_specs):
         for axis, kind in enumerate(spec.axes):

@@ -206,10 +206,6 @@ class CUDAGraphRunner:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def cached_keys(self) -> list[Hashable]:
-        """Keys of the captured graphs, least recently used first."""
-        return self._graphs.keys()
-
     def reset(self) -> None:
         """Drop every captured graph (and its memory); they are captured again on later calls."""
         self._graphs.clear()

@@ -11,6 +11,7 @@ import torch
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
+from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -114,8 +115,6 @@ class TorchEagerBackend(AutocastMixin, Backend):
         self._probe_output_dtypes(module, graph)
         self._graphs = None
         if self.config.use_cuda_graphs:
-            from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
-
             self._graphs = CUDAGraphRunner(self._run, name=self.name)
 
     def _run(self, *args, **kwargs):

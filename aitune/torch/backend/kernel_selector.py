@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,12 @@ from aitune.torch.backend.base import (
     _to_jsonable,
     get_backend_class,
 )
+from aitune.torch.common.files import checkpoint_path
+from aitune.torch.backend.inductor_jit import TorchInductorJitBackend
+from aitune.torch.kernel_forge import KernelOptimizationPlan, KernelOptimizer, PlannedModule
+from aitune.torch.kernel_forge.kernel_provider import KernelProvider, TorchSDPAKernelProvider, kernel_provider_from_dict
+from aitune.torch.kernel_forge.optimizer import TIMINGS
+from aitune.torch.measure.profiling import ProfilingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +35,6 @@ DELEGATE_DIR = "delegate"
 
 def default_kernel_providers() -> list:
     """PyTorch SDPA pinned to cuDNN, flash, memory-efficient and math (those unsupported here are refused)."""
-    from aitune.torch.kernel_forge.kernel_provider import TorchSDPAKernelProvider
-
     return [TorchSDPAKernelProvider(name) for name in ("cudnn", "flash", "efficient", "math")]
 
 
@@ -68,9 +71,6 @@ class KernelSelectorBackendConfig(BackendConfig):
     timing: str = "auto"
 
     def validate(self) -> None:
-        from aitune.torch.kernel_forge.kernel_provider import KernelProvider, kernel_provider_from_dict
-        from aitune.torch.kernel_forge.optimizer import TIMINGS
-
         providers = self.kernel_providers
         if providers is not None:
             if isinstance(providers, (KernelProvider, dict)):
@@ -144,8 +144,6 @@ class KernelSelectorBackend(Backend):
     def __init__(self, config: KernelSelectorBackendConfig | None = None, delegate_backend: Backend | None = None):
         super().__init__(config)
         if delegate_backend is None:
-            from aitune.torch.backend.inductor_jit import TorchInductorJitBackend
-
             delegate_backend = TorchInductorJitBackend()
         if not isinstance(delegate_backend, Backend):
             raise ConfigError(f"delegate_backend must be an aitune Backend, got {type(delegate_backend).__name__}")
@@ -205,9 +203,6 @@ class KernelSelectorBackend(Backend):
 
     # ---- build
     def _optimizer(self):
-        from aitune.torch.kernel_forge import KernelOptimizer
-        from aitune.torch.measure.profiling import ProfilingConfig
-
         config = self.config
         profiling = ProfilingConfig(warmup_rounds=config.warmup_rounds, min_rounds=5, max_rounds=200,
                                     time_budget_s=config.time_budget_s)
@@ -215,8 +210,6 @@ class KernelSelectorBackend(Backend):
                                profiling=profiling, timing=config.timing)
 
     def _build(self, module, graph, device, workdir: Path) -> None:
-        from aitune.torch.kernel_forge import PlannedModule
-
         plan = self._optimizer().make_plan(module, graph.samples, device)
         self.plan = plan
         plan.save(workdir / PLAN_FILE)
@@ -247,8 +240,6 @@ class KernelSelectorBackend(Backend):
                                      "directory": DELEGATE_DIR, "metadata": delegate_metadata}}
 
     def _load(self, directory, metadata, module, graph, device) -> None:
-        from aitune.torch.kernel_forge import KernelOptimizationPlan, PlannedModule
-
         version = int(metadata.get("version", 0))
         if version > CHECKPOINT_VERSION:
             raise ConfigError(f"kernel_selector checkpoint version {version} is newer than this aitune reads "
@@ -258,7 +249,6 @@ class KernelSelectorBackend(Backend):
             raise ConfigError("kernel_selector checkpoint has no delegate_backend entry")
         delegate_class = get_backend_class(delegate_info["name"])
         delegate_config = BackendConfig.from_dict(delegate_info["config"])
-        from aitune.torch.checkpoint.archive import checkpoint_path
 
         plan_path = checkpoint_path(directory, metadata.get("kernel_plan", PLAN_FILE), "kernel_selector metadata "
                                     "'kernel_plan'")
@@ -276,7 +266,3 @@ class KernelSelectorBackend(Backend):
                                                        graph, device)
         self.build_mode = self.delegate.build_mode
         self.is_quantizing = self.delegate.is_quantizing
-
-    def plan_json(self) -> str:
-        """The plan in use, as JSON (empty object before build)."""
-        return self.plan.to_json() if self.plan is not None else json.dumps({})

@@ -32,6 +32,7 @@ from aitune.torch.backend.ort_fusions import (  # noqa: F401 - re-exported
     transformer_fusion_note,
 )
 from aitune.torch.backend.ort_io import NUMPY_NAMES, ORT_TYPES, CudaArray
+from aitune.torch.common.files import checkpoint_path
 
 logger = logging.getLogger(__name__)
 
@@ -374,8 +375,6 @@ class ONNXRuntimeBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        from aitune.torch.checkpoint.archive import checkpoint_path
-
         self._io = OnnxCallIO.from_json(metadata["io"], graph)
         onnx_file = metadata.get("onnx_file", ONNX_FILE)
         self._onnx_path = checkpoint_path(directory, onnx_file, "onnxruntime metadata 'onnx_file'",

@@ -47,6 +47,7 @@ from aitune.torch.backend.base import (
     register_subclass_hook,
 )
 from aitune.torch.common.dtypes import dtype_from_name, dtype_name
+from aitune.torch.common.files import checkpoint_path
 
 logger = logging.getLogger(__name__)
 
@@ -338,8 +339,6 @@ def _decode(value: Any, directory: Path, tensors: dict) -> Any:
     if tag is None:
         return {key: _decode(item, directory, tensors) for key, item in value.items()}
     if tag == "artifact":
-        from aitune.torch.checkpoint.archive import checkpoint_path
-
         root = checkpoint_path(directory, value.get("root"), "a stored ArtifactPath's 'root'", kind="dir")
         relative = value.get("relative_path")
         if relative != ".":  # an artifact that is its root folder itself

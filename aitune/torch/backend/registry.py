@@ -3,17 +3,12 @@ every new :class:`~aitune.torch.backend.base.Backend` subclass."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from aitune.errors import UnknownBackendError
 
-if TYPE_CHECKING:
-    from aitune.torch.backend.base import Backend
 
-
-_REGISTRY: dict[str, type["Backend"]] = {}
+_REGISTRY: dict[str, type] = {}
 _SUBCLASS_HOOKS: list = []
-_DEFAULT_CANDIDATES: list[type["Backend"]] = []  # classes that set their own default_search_position
+_DEFAULT_CANDIDATES: list[type] = []  # classes that set their own default_search_position
 
 
 def register_subclass_hook(hook) -> None:
@@ -23,14 +18,13 @@ def register_subclass_hook(hook) -> None:
         _SUBCLASS_HOOKS.append(hook)
 
 
-def registered_backends() -> dict[str, type["Backend"]]:
-    """All registered backend classes by name (built-in ones are registered on import of the package)."""
-    import aitune.torch.backend  # noqa: F401 - registers the built-in backends
-
+def registered_backends() -> dict[str, type]:
+    """All registered backend classes by name. The built-in ones are registered when the package
+    ``aitune.torch.backend`` is imported, which Python does before this module (its parent) is imported."""
     return dict(_REGISTRY)
 
 
-def get_backend_class(name: str) -> type["Backend"]:
+def get_backend_class(name: str) -> type:
     """The backend class registered as ``name``.
 
     Args:
@@ -48,7 +42,7 @@ def get_backend_class(name: str) -> type["Backend"]:
     return backends[name]
 
 
-def register_backend_class(cls: type["Backend"]) -> None:
+def register_backend_class(cls: type) -> None:
     """Run the subclass hooks on a new Backend subclass, then register it under its ``name`` when the class
     declares one itself (``Backend.__init_subclass__`` calls this)."""
     for hook in _SUBCLASS_HOOKS:
@@ -59,7 +53,7 @@ def register_backend_class(cls: type["Backend"]) -> None:
         _DEFAULT_CANDIDATES.append(cls)
 
 
-def default_candidate_classes() -> list[type["Backend"]]:
+def default_candidate_classes() -> list[type]:
     """The backend classes of the default search (those that set :attr:`Backend.default_search_position`),
     in that order; the built-in backends are registered first."""
     registered_backends()

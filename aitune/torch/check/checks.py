@@ -18,6 +18,7 @@ from aitune.torch.check.context import EvaluationSettings, GraphContext
 from aitune.torch.check.correctness import ComparisonResult, OutputComparator, Tolerance, comparator_for
 from aitune.torch.check.probes import SCALED_KINDS, Probe, run_probes
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
+from aitune.torch.record.samples import same_values
 from aitune.torch.check.references import leaf_magnitudes
 
 if TYPE_CHECKING:
@@ -93,20 +94,9 @@ def _compare(comparator: OutputComparator, reference, output, fp32_reference) ->
 def _check_inputs_untouched(graph, sample, inputs) -> None:
     """Eager leaves this graph's inputs alone: a candidate that writes into the caller's tensors is wrong."""
     for path, before, after in zip(graph.input_paths, sample.leaves(), inputs.leaves()):
-        if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and not _same_values(before, after):
+        if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and not same_values(before, after):
             raise ShapeMismatchError(f"the candidate writes into its input {path!r} (eager leaves it unchanged): "
                                      "the caller's tensor would be corrupted")
-
-
-def _same_values(before: torch.Tensor, after: torch.Tensor) -> bool:
-    before, after = before.detach(), after.detach()
-    if before.shape != after.shape or before.dtype != after.dtype:
-        return False
-    before = before.to(after.device)
-    if torch.equal(before, after):
-        return True
-    return bool(before.is_floating_point() and torch.equal(before.isnan(), after.isnan())
-                and torch.equal(before.nan_to_num(), after.nan_to_num()))
 
 
 def check_probes(backend: Backend, context: GraphContext, settings: EvaluationSettings,

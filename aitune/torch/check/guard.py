@@ -45,6 +45,7 @@ import torch
 from aitune.errors import ConfigError
 from aitune.torch.common.arguments import KnownFields
 from aitune.torch.check.correctness import comparator_for
+from aitune.torch.record.samples import clone_tree
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +182,6 @@ class RuntimeGuard:
             the backend that serves this graph from now on (``backend`` itself, a fallback that gets this
             input right, or None for eager).
         """
-        from aitune.torch.record.samples import clone_tree
-
         self.checks += 1
         output = clone_tree(run_backend(backend))
         expected = run_eager()

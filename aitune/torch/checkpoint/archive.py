@@ -7,8 +7,9 @@ and to ``<stem>_sha256_sums.txt`` beside it; both files are replaced atomically.
 Reading: :func:`read_verified` refuses unsafe or duplicated member names, symbolic links and members not
 listed in ``SHA256SUMS``, and hashes every member (copying it out while hashing) before the caller
 deserialises anything. Every file name a manifest or a backend's metadata gives is then resolved with
-:func:`checkpoint_path`: inside the extraction folder and listed in its ``SHA256SUMS``, or refused. The tuning cache checks its entries with the same digest helpers
-(:func:`digest_files`, :func:`check_files`).
+:func:`~aitune.torch.common.files.checkpoint_path`: inside the extraction folder and listed in its ``SHA256SUMS``,
+or refused. The digest helpers and the name checks live in :mod:`aitune.torch.common.files` (the tuning cache and
+the backends use them too).
 
 NOTE [what the digests prove]: the digests detect corruption and accidental changes — a truncated copy, a
 flipped byte, a file edited or swapped by mistake (integrity). They do not authenticate anything: whoever
@@ -27,50 +28,13 @@ import zlib
 from pathlib import Path
 
 from aitune.errors import CheckpointError, CheckpointIntegrityError
+from aitune.torch.common.files import CHUNK, SUMS, check_member_name, remember_extraction
 
-SUMS = "SHA256SUMS"
-CHUNK = 1 << 20
-# Real path of each folder read_verified extracted a checkpoint to -> the members it verified there.
-_EXTRACTED: dict[str, frozenset[str]] = {}
 MAX_SMALL_MEMBER = 64 << 20  # members read into memory (manifest.json, SHA256SUMS); refuse absurd sizes
 _FIXED_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # identical content -> identical members (reproducible archives)
 
 
-# ============================================================================================ digests
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """SHA-256 hex digest of a file, read in 1 MiB chunks."""
-    hasher = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            hasher.update(chunk)
-    return hasher.hexdigest()
-
-
-def digest_files(directory: str | os.PathLike) -> dict[str, str]:
-    """``{relative posix path: sha256 hex}`` of every file below ``directory``, sorted by path."""
-    directory = Path(directory)
-    return {path.relative_to(directory).as_posix(): sha256_file(path)
-            for path in sorted(directory.rglob("*")) if path.is_file()}
-
-
-def check_files(directory: str | os.PathLike, expected: dict[str, str]) -> str | None:
-    """Are the files below ``directory`` exactly ``expected`` (``{relative posix path: sha256 hex}``)?
-
-    Returns:
-        None when they are, else what differs (missing / unexpected files, or the first digest mismatch).
-    """
-    directory = Path(directory)
-    present = {path.relative_to(directory).as_posix() for path in directory.rglob("*") if path.is_file()} \
-        if directory.is_dir() else set()
-    if set(expected) != present:
-        missing, extra = sorted(set(expected) - present), sorted(present - set(expected))
-        return f"files missing {missing[:3]} / unexpected {extra[:3]}"
-    for name, digest in expected.items():
-        if sha256_file(directory / name) != digest:
-            return f"{name} does not match its sha256"
-    return None
+# ============================================================================================ sums files
 
 
 def sums_path(path: str | os.PathLike) -> Path:
@@ -128,87 +92,6 @@ def is_aitune_sums(path: Path, digest_length: int = 64) -> bool:
     except (OSError, UnicodeDecodeError, CheckpointIntegrityError):
         return False
     return "manifest.json" in names
-
-
-def check_member_name(name: str) -> None:
-    """Refuse names that could land outside an extraction folder or alias another file.
-
-    Raises:
-        CheckpointIntegrityError: an empty or absolute name, ``..`` or ``.`` parts, empty parts, a backslash,
-            a NUL or a drive (``C:``).
-    """
-    parts = name.split("/")
-    if (not name or name.startswith("/") or "\\" in name or "\x00" in name or ":" in parts[0]
-            or any(part in ("..", ".") for part in parts) or any(part == "" for part in parts[:-1])):
-        raise CheckpointIntegrityError(
-            f"unsafe member name {name!r} in the checkpoint (absolute path, '..', '.', a backslash or a drive): "
-            "refusing to read it; the file was not written by aitune or was tampered with")
-
-
-def checkpoint_path(directory: str | os.PathLike, name: object, field: str, kind: str = "file", *,
-                    missing: Exception | None = None) -> Path:
-    """The file (or folder) a checkpoint's manifest or a backend's metadata names, below ``directory``.
-
-    Every file a checkpoint loads goes through here, so it lies inside the checkpoint and is covered by its
-    ``SHA256SUMS``: ``name`` must be a relative posix path without ``..``/``.`` parts (:func:`check_member_name`),
-    no part of it may be a symbolic link, and when ``directory`` lies in a folder :func:`read_verified` extracted
-    to, the file (for a folder: every file in it) must be a verified member. Folders that are not an extracted
-    checkpoint (the tuning cache, a backend's own save directory) get the path checks only.
-
-    Args:
-        directory: the folder the name is relative to (e.g. a graph's extracted ``artifacts/``).
-        name: the stored value. field: what names it, for the message (``"onnxruntime metadata 'onnx_file'"``).
-        kind: ``"file"`` (must be one), ``"dir"`` (a folder, possibly absent) or ``"any"`` (either, existing).
-        missing: raised when the name passes the path checks but nothing is there (default: the
-            :class:`CheckpointIntegrityError` of ``kind``); names are always checked before anything is looked up.
-
-    Returns:
-        ``directory / name``.
-
-    Raises:
-        CheckpointIntegrityError: naming ``field`` and ``name``: not a string, absolute, ``..``, a link, outside
-            the checkpoint, not listed in ``SHA256SUMS``, or not the kind asked for.
-    """
-    def refuse(why: str) -> CheckpointIntegrityError:
-        return CheckpointIntegrityError(f"{field} is {name!r}, {why}; refusing to load it (the checkpoint was not "
-                                        "written by aitune or was altered: save it again)")
-
-    if not isinstance(name, str):
-        raise refuse("not a file name")
-    try:
-        check_member_name(name)
-    except CheckpointIntegrityError:
-        raise refuse("which is absolute or leaves the checkpoint ('..', '.', a backslash or a drive)") from None
-    directory = Path(directory)
-    path = directory.joinpath(*name.split("/"))
-    current = directory
-    for part in name.split("/"):
-        current = current / part
-        if current.is_symlink():
-            raise refuse(f"a symbolic link (to {os.readlink(current)!r})")
-    real_directory, real = os.path.realpath(directory), os.path.realpath(path)
-    if os.path.commonpath([real_directory, real]) != real_directory:
-        raise refuse(f"which resolves outside the checkpoint ({real})")
-    if missing is not None and not path.exists():
-        raise missing
-    exists = path.is_file() if kind == "file" else path.is_dir() if kind == "dir" else path.exists()
-    if kind == "file" and not exists:
-        raise refuse("which is not a file in the checkpoint")
-    if kind == "any" and not exists:
-        raise refuse("which is not in the checkpoint")
-    root = next((parent for parent in (Path(real), *Path(real).parents) if str(parent) in _EXTRACTED), None)
-    if root is not None and path.exists():
-        files = [Path(real)] if path.is_file() else [p for p in Path(real).rglob("*") if not p.is_dir()]
-        for file in files:
-            member = file.relative_to(root).as_posix()
-            if file.is_symlink() or member not in _EXTRACTED[str(root)]:
-                raise refuse(f"whose {member} is not listed in the checkpoint's {SUMS}")
-    return path
-
-
-def forget_extraction(directory: str | os.PathLike) -> None:
-    """Drop what :func:`read_verified` recorded for ``directory`` (its folder is being deleted)."""
-    _EXTRACTED.pop(os.path.realpath(directory), None)
 
 
 # ============================================================================================ writing
@@ -360,7 +243,7 @@ def read_verified(path: Path, extract_to: Path | None, in_memory: tuple[str, ...
             raise CheckpointIntegrityError(f"{path} is corrupted or truncated ({type(exc).__name__}: {exc}); save it "
                                            "again or copy it completely") from exc
     if extract_to is not None:
-        _EXTRACTED[os.path.realpath(extract_to)] = frozenset(name for name in sums if name not in in_memory)
+        remember_extraction(extract_to, frozenset(name for name in sums if name not in in_memory))
     return sums, data
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from aitune.errors import CheckpointError, CheckpointIntegrityError, ConfigError
+from aitune.errors import CheckpointError, CheckpointIntegrityError, ConfigError, one_line
 from aitune.torch.backend.eager import TorchEagerBackend
-from aitune.torch.checkpoint.archive import checkpoint_path, forget_extraction
+from aitune.torch.common.files import checkpoint_path, forget_extraction
 from aitune.torch.checkpoint.manifest import read_manifest, weights_digest
 from aitune.torch.checkpoint.plan import ModulePlan, plan_module, warn_differences
 from aitune.torch.checkpoint.wrappers import replace_at, resolve_path
@@ -386,14 +386,8 @@ def _load_weights(module: torch.nn.Module, file: Path, aliases: dict, plan: Modu
             module.to(plan.device)
     except Exception as exc:  # noqa: BLE001 - translated with the cause chained
         raise CheckpointError(f"the stored weights of module {plan.name!r} do not fit the {type(module).__name__} "
-                              f"passed to load ({type(exc).__name__}: {_first_line(exc)}); construct the same model "
+                              f"passed to load ({one_line(exc, 400, lines=3)}); construct the same model "
                               "(class and configuration) that was saved") from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    """The message's first meaningful lines (load_state_dict puts the useful part on the second)."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return " ".join(lines[:3])[:400]
 
 
 def _install(root: Any, plan: ModulePlan) -> Any:

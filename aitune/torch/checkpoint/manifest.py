@@ -31,6 +31,7 @@ from aitune.torch.common.dtypes import dtype_name
 from aitune.torch.common.environment import device_facts, environment
 from aitune.torch.common.jsonsafe import json_safe
 from aitune.torch.record.serialization import tree_spec_to_json
+from aitune.torch.search.cache import hash_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,6 @@ def weights_digest(module: torch.nn.Module) -> str | None:
         bytes (a sparse tensor, a tensor subclass): ``ait.load`` then compares outputs instead (NOTE [eager
         fallback after load] in :mod:`aitune.torch.checkpoint.load`).
     """
-    from aitune.torch.search.cache import hash_tensor
-
     hasher = hashlib.sha256()
     for name, value in module.state_dict().items():
         if not isinstance(value, torch.Tensor):

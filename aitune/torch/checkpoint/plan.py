@@ -14,7 +14,7 @@ import torch
 from aitune import __version__
 from aitune.errors import AITuneError, CheckpointError, CheckpointIntegrityError, CheckpointVersionError
 from aitune.torch.backend.base import BuildMode, get_backend_class
-from aitune.torch.checkpoint.archive import check_member_name
+from aitune.torch.common.files import check_member_name
 from aitune.torch.checkpoint.manifest import check_state, graph_tolerance
 from aitune.torch.checkpoint.wrappers import path_text, resolve_path
 from aitune.torch.check.correctness import Tolerance

@@ -1,12 +1,15 @@
 """Facts about where aitune runs: library versions, the device, the CPU model and whether it runs bf16 natively.
 
 Reports record :func:`environment`; checkpoints record :func:`device_facts` per graph and compare them at
-load; the tuning cache keys builds by device facts too (:func:`aitune.torch.search.cache.device_key`).
+load; the tuning cache keys builds by device facts too (:func:`aitune.torch.search.cache.device_key`); the crash
+registry and the AOTInductor canary key what they remember by :func:`environment_id`.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import platform
 from typing import Any
 
@@ -84,3 +87,21 @@ def native_bf16(device: torch.device) -> bool:
         return any(probe is not None and probe() for probe in probes)
     except RuntimeError:  # a build without the cpuinfo probes
         return False
+
+
+def environment_key(device: torch.device | str) -> dict:
+    """What a native crash depends on: torch/CUDA versions, the CUDA driver, the device (name, capability)."""
+    facts = device_facts(device)
+    driver = None
+    if facts["type"] == "cuda" and torch.cuda.is_available():
+        try:
+            driver = int(torch._C._cuda_getDriverVersion())  # noqa: SLF001 - no public accessor in torch
+        except Exception:  # noqa: BLE001 - informative only
+            driver = None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver, "device": facts["type"],
+            "name": facts.get("name"), "capability": facts.get("capability"), "machine": facts.get("machine")}
+
+
+def environment_id(device: torch.device | str) -> str:
+    """A short stable id of :func:`environment_key`: the first 16 hex digits of the SHA-256 of its sorted JSON."""
+    return hashlib.sha256(json.dumps(environment_key(device), sort_keys=True).encode()).hexdigest()[:16]

@@ -11,6 +11,8 @@ from pathlib import Path
 from aitune.torch.jit.config import jit_config
 from aitune.torch.jit.inspection_records import InspectModule, record_lock
 from aitune.torch.jit.inspection_tracking import is_running, modules, session
+from aitune.torch.common.environment import environment
+from aitune.torch.report.html import render_jit_inspection
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +45,6 @@ def to_dict(model_name: str | None = None) -> dict:
         "overhead_s" (bookkeeping of inspected calls made inside others, s), "settings", "modules" (one
         :meth:`InspectModule.to_dict` tree per top-level module), "environment"}``.
     """
-    from aitune.torch.common.environment import environment
-
     nodes = modules()
     with record_lock:
         trees = [root.to_dict() for root in session.roots]
@@ -96,8 +96,6 @@ def save_report(path: str | os.PathLike | None = None, model_name: str | None = 
     Raises:
         OSError: the file cannot be written.
     """
-    from aitune.torch.report.html import render_jit_inspection
-
     target = _report_path(path)
     page = render_jit_inspection(to_dict(model_name))
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,7 @@ from aitune.torch.check.correctness import OutputComparator, Tolerance, cosine_s
 from aitune.torch.kernel_forge.kernel_provider import ORIGINAL_SDPA, KernelProvider, SDPACall, family_to_dict
 from aitune.torch.kernel_forge.plan import KernelChoice, KernelOptimizationPlan
 from aitune.torch.measure.profiling import Measurement, ProfilingConfig, beats, measure, measure_pair
+from aitune.torch.record.samples import clone_tree
 
 logger = logging.getLogger(__name__)
 
@@ -206,8 +207,6 @@ class KernelOptimizer:
     # ---- step 1
     def find_calls(self, module: torch.nn.Module, samples: Any) -> list[RecordedCall]:
         """Run ``module`` on every sample (cloned, ``no_grad``) and return its SDPA calls by site and shape."""
-        from aitune.torch.record.samples import clone_tree
-
         names = {id(sub): name or f"<root {type(sub).__name__}>" for name, sub in module.named_modules()}
         recorder = _RecordingMode(names, self.max_examples)
         with torch.no_grad():

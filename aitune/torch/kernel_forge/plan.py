@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -29,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from aitune.errors import ConfigError
+from aitune.torch.common.jsonsafe import json_safe
 from aitune.torch.kernel_forge.kernel_provider import (
     ORIGINAL_SDPA,
     SDPA_FUNCTION,
@@ -205,9 +205,9 @@ class KernelOptimizationPlan:
     # ---- serialisation
     def to_dict(self) -> dict:
         """Plain JSON data (non-finite numbers become None, so the file is strict JSON)."""
-        return _strict_json({"format": PLAN_FORMAT, "version": PLAN_VERSION, "device": self.device,
-                             "choices": [choice.to_dict() for choice in self.choices],
-                             "candidates": list(self.candidates)})
+        return json_safe({"format": PLAN_FORMAT, "version": PLAN_VERSION, "device": self.device,
+                          "choices": [choice.to_dict() for choice in self.choices],
+                          "candidates": list(self.candidates)})
 
     @classmethod
     def from_dict(cls, payload: dict) -> "KernelOptimizationPlan":
@@ -274,20 +274,6 @@ def _short_shape(shape: Any) -> str:
 
 def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else ""
-
-
-def _strict_json(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(key): _strict_json(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(item) for item in value]
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    if value is None or isinstance(value, (str, int, bool)):
-        return value
-    return str(value)
 
 
 class PlannedModule(torch.nn.Module):

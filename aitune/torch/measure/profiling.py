@@ -176,12 +176,6 @@ class Measurement:
         """Median latency of the smallest-batch sample (what MinLatencyStrategy minimises)."""
         return min(self.samples, key=lambda timing: timing.batch_size).p50_ms
 
-    def latency_for_batch(self, batch_size: int) -> float | None:
-        for timing in self.samples:
-            if timing.batch_size == batch_size:
-                return timing.p50_ms
-        return None
-
     def to_dict(self) -> dict:
         """JSON figures: throughput (samples/s), p50/p90/p99 (ms, reference sample), the median round, the
         number of rounds, their durations ``round_ms`` (ms, in timing order: the distribution reports draw),

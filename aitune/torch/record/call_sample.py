@@ -65,17 +65,22 @@ def same_call(first: Sample, second: Sample) -> bool:
     """Do two samples of one graph hold equal values in every leaf (tensors by value, NaN equal to NaN)?"""
     for a, b in zip(first.leaves(), second.leaves()):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            if not same_tensor_values(a, b):
+            if not same_values(a, b):
                 return False
         elif a is not b and a != b:
             return False
     return True
 
 
-def same_tensor_values(before: torch.Tensor, after: torch.Tensor) -> bool:
-    """Same shape, dtype and values (NaN equal to NaN)."""
+def same_values(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Do two tensors hold the same values? Same shape and dtype, equal elements, NaN equal to NaN where both
+    have one (floating and complex dtypes); ``before`` is compared on ``after``'s device."""
     if before.shape != after.shape or before.dtype != after.dtype:
         return False
+    before, after = before.detach(), after.detach()
     with torch.no_grad():
-        return bool(torch.equal(before.detach().cpu(), after.detach().cpu())) or bool(
-            torch.equal(before.isnan(), after.isnan()) and torch.equal(before.nan_to_num(), after.nan_to_num()))
+        before = before.to(after.device)
+        if torch.equal(before, after):
+            return True
+        return bool((before.is_floating_point() or before.is_complex()) and torch.equal(before.isnan(), after.isnan())
+                    and torch.equal(before.nan_to_num(), after.nan_to_num()))

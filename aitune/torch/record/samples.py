@@ -23,7 +23,7 @@ from aitune.torch.record.call_sample import (  # noqa: F401 - re-exported
     describe_leaf,
     infer_batch_size,
     same_call,
-    same_tensor_values,
+    same_values,
 )
 from aitune.torch.record.dims import BatchDim, DynamicDim  # noqa: F401 - re-exported
 from aitune.torch.record.graph_spec import (  # noqa: F401 - re-exported
@@ -82,7 +82,7 @@ class Recorder:
                 graph.stateful_reason = "forward changes " + ", ".join(changed[:3]) + more
         graph.training = module.training
         mutated = [path for path, before, after in zip(graph.input_paths, sample.leaves(), leaves)
-                   if isinstance(after, torch.Tensor) and not same_tensor_values(before, after)]
+                   if isinstance(after, torch.Tensor) and not same_values(before, after)]
         for path in mutated:
             if path not in graph.mutated_inputs:
                 graph.mutated_inputs.append(path)

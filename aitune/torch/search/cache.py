@@ -43,9 +43,11 @@ from typing import Any
 import torch
 
 from aitune import __version__
+from aitune.errors import CheckpointError
 from aitune.torch.backend.base import Backend, BackendState, BuildMode
-from aitune.torch.checkpoint.archive import check_files, digest_files
 from aitune.torch.common.environment import cpu_model_name
+from aitune.torch.common.files import check_files, digest_files
+from aitune.torch.record.serialization import tree_spec_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -243,9 +245,6 @@ class BuildCache:
 
 def graph_fingerprint(graph, include_values: bool = False) -> dict:
     """JSON-able identity of a graph for cache keys: structure, tensor specs, constants, sample shapes."""
-    from aitune.errors import CheckpointError
-    from aitune.torch.record.serialization import tree_spec_to_json
-
     try:
         structure: Any = tree_spec_to_json(graph.input_spec)
     except CheckpointError:

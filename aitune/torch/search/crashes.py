@@ -14,33 +14,17 @@ The record lives in ``<cache dir>/crashes.json``; ``aitune env`` lists it; delet
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import os
 from pathlib import Path
 
-import torch
-
-from aitune.torch.common.environment import device_facts
+from aitune.torch.common.environment import environment_id, environment_key
 
 logger = logging.getLogger(__name__)
 
 CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGABRT", "SIGBUS", "SIGILL", "SIGFPE"})
 FILE_NAME = "crashes.json"
-
-
-def environment_key(device: torch.device | str) -> dict:
-    """What a native crash depends on: torch/CUDA versions, the CUDA driver, the device (name, capability)."""
-    facts = device_facts(device)
-    driver = None
-    if facts["type"] == "cuda" and torch.cuda.is_available():
-        try:
-            driver = int(torch._C._cuda_getDriverVersion())  # noqa: SLF001 - no public accessor in torch
-        except Exception:  # noqa: BLE001 - informative only
-            driver = None
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver, "device": facts["type"],
-            "name": facts.get("name"), "capability": facts.get("capability"), "machine": facts.get("machine")}
 
 
 def crash_signal(exc: BaseException | None) -> str | None:
@@ -69,7 +53,7 @@ class CrashRegistry:
 
     @staticmethod
     def environment_id(device) -> str:
-        return hashlib.sha256(json.dumps(environment_key(device), sort_keys=True).encode()).hexdigest()[:16]
+        return environment_id(device)
 
     def _read(self) -> dict:
         try:

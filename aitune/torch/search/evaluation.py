@@ -20,6 +20,7 @@ from aitune.errors import (
     TuningError,
 )
 from aitune.torch.backend.base import Backend, BackendState, BuildMode, one_line
+from aitune.torch.backend.eager import TorchEagerBackend
 from aitune.torch.backend.isolation import BACKGROUND_BUILDS, BUILD_DEADLINE
 from aitune.torch.check.checks import check_against_eager, check_probes, verify_round_trip
 from aitune.torch.check.context import EvaluationSettings, GraphContext
@@ -308,8 +309,6 @@ def _build_failed(exc: BaseException, blueprint: Backend, context: GraphContext,
 
 def build_eager(context: GraphContext) -> Backend:
     """Plain eager (:class:`~aitune.torch.backend.eager.TorchEagerBackend`) built for the graph."""
-    from aitune.torch.backend.eager import TorchEagerBackend
-
     blueprint = TorchEagerBackend()
     return blueprint.copy().build(context.module, context.graph, context.device, context.workdir / blueprint.key())
 

@@ -17,7 +17,7 @@ The key (sha256 of canonical JSON): the module fingerprint of the build cache (c
 classes, every parameter and buffer's bytes, training flags), the graph fingerprint without sample values
 (structure, tensor specs, sample shapes), every candidate's class and config key, the strategy's class and
 settings (tolerance, profiling, probes, quantization, performance validation), the environment of
-:func:`aitune.torch.search.crashes.environment_key` and the aitune version.
+:func:`aitune.torch.common.environment.environment_key` and the aitune version.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ import os
 from pathlib import Path
 
 from aitune import __version__
-from aitune.torch.search.crashes import CrashRegistry, environment_key
+from aitune.torch.common.environment import environment_key
 from aitune.torch.common.jsonsafe import json_safe
+from aitune.torch.search.cache import graph_fingerprint
+from aitune.torch.search.crashes import CrashRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +59,6 @@ class RankingStore:
 
     def key(self, context, blueprints: list, strategy_facts: dict) -> str | None:
         """The key of a search, or None when the module cannot be fingerprinted (e.g. ``meta`` weights)."""
-        from aitune.torch.search.cache import graph_fingerprint
-
         try:
             material = {"format": FORMAT_VERSION, "aitune": __version__,
                         "module": self.fingerprint(context.module),

@@ -28,6 +28,8 @@ from aitune.torch.backend.inductor_aot.runtime import load_package
 from aitune.torch.common.dtypes import dtype_name
 from aitune.torch.common.requirements import torch_version_at_least
 from aitune.torch.record.serialization import output_template_from_json, outputs_to_json
+from aitune.torch.backend.isolation import resolve_target, run_isolated, submit_isolated
+from aitune.torch.common.files import checkpoint_path
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +160,6 @@ class TorchInductorAotBackend(Backend):
         self._io = flat_io
         self._package_path = package_path
         if self.config.isolate:
-            from aitune.torch.backend.isolation import submit_isolated
-
             # NOTE [background builds]: with an executor set, the child compile runs while other candidates
             # are evaluated; finish_build() waits for it.
             self._pending = submit_isolated(self.compile_step, step_kwargs, timeout_s=self.config.build_timeout_s,
@@ -167,13 +167,9 @@ class TorchInductorAotBackend(Backend):
             if self._pending is None:
                 self._finish_compile(lambda: self._run_compile_step(step_kwargs))
         else:
-            from aitune.torch.backend.isolation import resolve_target
-
             self._finish_compile(lambda: resolve_target(self.compile_step)(**step_kwargs))
 
     def _run_compile_step(self, step_kwargs: dict) -> dict:
-        from aitune.torch.backend.isolation import run_isolated
-
         return run_isolated(self.compile_step, step_kwargs, timeout_s=self.config.build_timeout_s,
                             log_path=self.workdir / CHILD_LOG_FILE)
 
@@ -255,8 +251,6 @@ class TorchInductorAotBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        from aitune.torch.checkpoint.archive import checkpoint_path
-
         package = metadata.get("package", PACKAGE_FILE)
         package_path = checkpoint_path(directory, package, f"{self.name} metadata 'package'", missing=CheckpointError(
             f"{self.name}: {Path(directory) / str(package)} is missing from the checkpoint"))

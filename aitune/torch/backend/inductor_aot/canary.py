@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from aitune.torch.backend.inductor_aot.runtime import load_package
+from aitune.torch.common.environment import environment_id
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +39,9 @@ def loads_here(device: str, folder: Path) -> None:
 
 
 def _canary(device: str, folder: Path) -> None:
-    from aitune.torch.search.crashes import CrashRegistry
-
     # A fact about the environment, not about a tune: kept in the user's cache, whatever AITUNE_CACHE_DIR says.
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    marker = base / "aitune" / "aoti_canary" / f"{CrashRegistry.environment_id(device)}.ok"
+    marker = base / "aitune" / "aoti_canary" / f"{environment_id(device)}.ok"
     if marker.exists():
         return
     logger.info("compiling and loading a one-op AOTInductor package on %s (canary: does any package load here?)",

@@ -19,8 +19,20 @@ from aitune.torch.backend.tensorrt.config import (
     TensorRTBackendConfig,
     TorchQuantizationConfig,
 )
-from aitune.torch.backend.tensorrt.quantization import MODELOPT_REQUIREMENT
+from aitune.torch.backend.tensorrt.quantization import (
+    MODELOPT_REQUIREMENT,
+    concatenated_calibration,
+    quantize_torch,
+    write_calibration_data,
+)
 from aitune.torch.common.dtypes import dtype_name
+from aitune.torch.common.files import checkpoint_path
+from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
+from aitune.torch.backend.isolation import run_isolated
+from aitune.torch.backend.onnx_export import export_onnx
+from aitune.torch.backend.tensorrt import engine_build
+from aitune.torch.backend.tensorrt.runtime import TensorRTRunner
+from aitune.torch.record.serialization import output_template_from_json, outputs_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -154,17 +166,12 @@ class TensorRTBackend(Backend):
 
     # ---- build
     def _build(self, module, graph, device, workdir: Path) -> None:
-        from aitune.torch.backend.onnx_export import export_onnx
-        from aitune.torch.backend.isolation import run_isolated
-
         config = self.config
         onnx_dir, trt_dir = workdir / "onnx", workdir / "tensorrt"
         trt_dir.mkdir(parents=True, exist_ok=True)
         source = module
         quantization = config.quantization_config
         if isinstance(quantization, TorchQuantizationConfig):
-            from aitune.torch.backend.tensorrt.quantization import quantize_torch
-
             source = quantize_torch(module, graph.samples[:quantization.calibration_samples],
                                     quantization.quantization_config)
             self.build_info["quantization"] = f"modelopt torch {quantization.quantization_config}"
@@ -193,8 +200,6 @@ class TensorRTBackend(Backend):
         sample_inputs = [self._io.sample_inputs(sample) for sample in graph.samples]
         bound_inputs = [[tensors[index] for index in export.input_indices] for tensors in sample_inputs]
         if isinstance(quantization, ONNXAutoCastConfig):
-            from aitune.torch.backend.tensorrt.quantization import write_calibration_data
-
             calibration_dir = write_calibration_data(bound_inputs, exported_names, workdir / "calibration")
             output = workdir / "onnx_autocast" / "model.onnx"
             result = run_isolated(self.autocast_step, {
@@ -205,8 +210,6 @@ class TensorRTBackend(Backend):
             self.build_info["quantization"] = f"modelopt onnx autocast {quantization.precision} ({result})"
         elif isinstance(quantization, ONNXQuantizationConfig):
             import numpy as np
-
-            from aitune.torch.backend.tensorrt.quantization import concatenated_calibration
 
             calibration_path = workdir / "calibration" / "calibration.npz"
             calibration_path.parent.mkdir(parents=True, exist_ok=True)
@@ -250,17 +253,12 @@ class TensorRTBackend(Backend):
         self._dtypes = [dtype_name(spec.dtype) for spec in specs]
 
     def _load_runner(self) -> None:
-        from aitune.torch.backend.tensorrt.engine_build import load_engine
-        from aitune.torch.backend.tensorrt.runtime import TensorRTRunner
-
-        trt, runtime, engine = load_engine(self._engine_path)
+        trt, runtime, engine = engine_build.load_engine(self._engine_path)
         self._trt_handles = (runtime, engine)
         self._runner = TensorRTRunner(engine, trt, self.device, self._names, self._output_names,
                                       output_dtypes=self._io.output_dtypes, input_paths=self._paths)
         self._graphs = None
         if self.config.use_cuda_graphs:
-            from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
-
             self._graphs = CUDAGraphRunner(self._run_engine, max_graphs=self.config.max_cuda_graphs, name=self.name,
                                            before_replay=self._restore_shapes)
 
@@ -322,8 +320,6 @@ class TensorRTBackend(Backend):
 
     # ---- checkpoints
     def _save(self, directory: Path) -> dict:
-        from aitune.torch.record.serialization import outputs_to_json
-
         target = directory / ENGINE_FILE
         if self._engine_path.resolve() != target.resolve():
             shutil.copyfile(self._engine_path, target)
@@ -341,10 +337,6 @@ class TensorRTBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        from aitune.torch.record.serialization import output_template_from_json
-
-        from aitune.torch.checkpoint.archive import checkpoint_path
-
         engine = metadata.get("engine", ENGINE_FILE)
         engine_path = checkpoint_path(directory, engine, f"{self.name} metadata 'engine'", missing=CheckpointError(
             f"{self.name}: {Path(directory) / str(engine)} is missing from the checkpoint"))

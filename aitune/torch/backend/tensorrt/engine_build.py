@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from aitune.torch.backend.tensorrt.config import COMPATIBILITY_LEVELS
+from aitune.torch.backend.tensorrt.runtime import TensorRTRunner
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +138,6 @@ def check_engine(*, engine_path: str, input_names: list[str], output_names: list
                  device_index: int = 0) -> list[list[int]]:
     """Load the engine and run it once on the saved inputs; returns the output shapes."""
     import torch
-
-    from aitune.torch.backend.tensorrt.runtime import TensorRTRunner
 
     device = torch.device("cuda", device_index)
     inputs = [tensor.to(device) for tensor in torch.load(inputs_path, weights_only=True)]

@@ -12,8 +12,6 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
 from aitune.errors import ConfigError
 from aitune.torch.backend.tensorrt.config import ProfileMode, TensorRTProfile
 
@@ -229,11 +227,6 @@ def out_of_profile_message(profiles: Sequence[Profile], shapes: dict[str, Shape]
         f"{paths.get(name, name)} {list(shape)}" for name, shape in shapes.items())
     return (f"input shape outside every TensorRT optimization profile: {given}; " + "; ".join(parts)
             + ". Record samples covering this shape (or add a TensorRTProfile) and tune again")
-
-
-def shapes_of(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> dict[str, Shape]:
-    """``{name: tuple(shape)}`` for tensors given in the same order as ``names``."""
-    return {name: tuple(tensor.shape) for name, tensor in zip(names, tensors)}
 
 
 def profiles_to_json(profiles: Sequence[Profile]) -> list[dict[str, list[list[int]]]]:

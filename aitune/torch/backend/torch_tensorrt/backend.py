@@ -22,6 +22,10 @@ from aitune.torch.backend.torch_tensorrt.config import (
     accepted_settings,
 )
 from aitune.torch.backend.torch_tensorrt.export import export_flat_module
+from aitune.torch.backend.isolation import run_isolated
+from aitune.torch.record.serialization import output_template_from_json, outputs_to_json
+from aitune.torch.backend.tensorrt.backend import StoredGraph, StoredTensorSpec
+from aitune.torch.common.files import checkpoint_path
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +132,6 @@ class TorchTensorRTAotBackend(Backend):
         return Check(True)
 
     def _build(self, module, graph, device, workdir: Path) -> None:
-        from aitune.torch.backend.isolation import run_isolated
-
         settings = self.config.compile_config.settings(accepted_settings())
         exported, flat_io, example, inputs = export_flat_module(module, graph, device)
         exported_path = workdir / "exported_program.pt2"
@@ -179,8 +181,6 @@ class TorchTensorRTAotBackend(Backend):
         self._compiled = None
 
     def _save(self, directory: Path) -> dict:
-        from aitune.torch.record.serialization import outputs_to_json
-
         target = directory / ARTIFACT_FILE
         if self._artifact.resolve() != target.resolve():
             shutil.copyfile(self._artifact, target)
@@ -192,11 +192,6 @@ class TorchTensorRTAotBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        from aitune.torch.record.serialization import output_template_from_json
-        from aitune.torch.backend.tensorrt.backend import StoredGraph, StoredTensorSpec
-
-        from aitune.torch.checkpoint.archive import checkpoint_path
-
         name = metadata.get("artifact", ARTIFACT_FILE)
         artifact = checkpoint_path(directory, name, f"{self.name} metadata 'artifact'", missing=CheckpointError(
             f"{self.name}: {Path(directory) / str(name)} is missing from the checkpoint"))

@@ -14,6 +14,7 @@ import torch
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import BackendConfig, parse_dtype
 from aitune.torch.common.requirements import validate_flags
+from aitune.torch.backend.tensorrt.config import describe_nested
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +192,6 @@ def accepted_settings() -> set[str]:
 
 class _NestedDescribe:
     def describe(self) -> str:
-        from aitune.torch.backend.tensorrt.config import describe_nested
-
         return describe_nested(self)
 
 

@@ -11,6 +11,7 @@ import torch
 from aitune.torch.backend.flat import FlatIO, eager_output
 from aitune.torch.common.dtypes import dtype_name
 from aitune.torch.record.samples import BATCH
+from aitune.torch.backend.onnx_export import export_example
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,6 @@ def export_flat_module(module, graph, device: torch.device) -> tuple[Any, FlatIO
     Returns:
         ``(ExportedProgram, FlatIO, example inputs, input specs)``. Runs anywhere torch.export runs (no TensorRT).
     """
-    from aitune.torch.backend.onnx_export import export_example
-
     flat_io = FlatIO(graph, eager_output(module, graph))
     example, notes = export_example(graph, flat_io, device)
     for note in notes:
