@@ -53,7 +53,7 @@ def _bad_ids():
     return bad
 
 
-# ------------------------------------------------------------------------------------------ C39
+# ---------------------------------------------------------------- indices outside the recorded range
 
 
 @pytest.mark.parametrize("which", ["onnxruntime", "eager"])
@@ -135,7 +135,7 @@ def test_nonfinite_inputs_give_eagers_nonfinite_outputs(which, fast_profiling):
         assert tuned.stats["eager_fallbacks"].get("values") == 1
 
 
-# ------------------------------------------------------------------------------------------ C40
+# --------------------------------------------------- quantized activations meeting an outlier channel
 
 
 def _sqnr_db(out, ref):
