@@ -19,6 +19,7 @@ import wrapt
 
 from aitune.errors import BackendRuntimeError, ConfigError
 from aitune.torch.config import config
+from aitune.torch.check.baked_state import BakedState
 from aitune.torch.check.guard import GuardConfig, StateWatch
 from aitune.torch.record.module_arguments import validate_dynamic_shapes, validate_strategies
 from aitune.torch.record.pytree import tree_flatten
@@ -123,6 +124,7 @@ class Module(wrapt.ObjectProxy):
         self._self_guard_config = guard or GuardConfig()
         self._self_guards: dict = {}  # id(graph) -> RuntimeGuard
         self._self_watch: StateWatch | None = None  # set when a dispatched backend bakes weights in
+        self._self_baked: BakedState | None = None  # what the backends took for granted (set with watch_state)
         self._self_fallbacks: dict = {}  # reason key -> calls that ran eager for it
         self._self_backend_calls = 0  # calls answered by a tuned (non-eager) backend
         self._self_tune_rows: dict[str, dict] = {}
@@ -279,8 +281,8 @@ class Module(wrapt.ObjectProxy):
     @property
     def needs_retune(self) -> str | None:
         """Why the tuned backends no longer fit the module (weights changed after tuning), or None."""
-        watch = self._self_watch
-        return watch.changed() if watch is not None else None
+        watch, baked = self._self_watch, self._self_baked
+        return (watch.changed() if watch is not None else None) or (baked.stale if baked is not None else None)
 
     @property
     def backend_calls(self) -> int:
@@ -330,6 +332,7 @@ class Module(wrapt.ObjectProxy):
         self._self_watch = StateWatch(self.__wrapped__) if bakes or stale else None
         if self._self_watch is not None:
             self._self_watch.reason = stale or previous
+        self._self_baked = BakedState(self.__wrapped__) if self._self_dispatch else None
 
     @property
     def max_samples(self) -> int:
@@ -424,6 +427,7 @@ class Module(wrapt.ObjectProxy):
         self._self_eager_fallback_error = None
         self._self_guards = {}
         self._self_watch = None
+        self._self_baked = None
         self._self_fallbacks = {}
         self._self_backend_calls = 0
 
@@ -479,6 +483,11 @@ class Module(wrapt.ObjectProxy):
                 return self._eager(args, kwargs, "graph", "a call whose input structure, constants or dtypes were "
                                                           "never recorded runs eager")
         backend = route.backend
+        # NOTE [what a backend follows] in aitune/torch/check/baked_state.py: grad mode, the caller's autocast,
+        # hooks, submodules' flags and attributes, weights edited through .data.
+        differs = self._self_baked.differs(backend, args, kwargs) if self._self_baked is not None else None
+        if differs is not None:
+            return self._eager(args, kwargs, *differs)
         if route.passthrough:  # plain eager: nothing to route around
             return backend.run(args, kwargs)
         leaves = [*args, *kwargs.values()] if route.flat else tree_flatten((args, kwargs))[0]
@@ -603,8 +612,8 @@ class Module(wrapt.ObjectProxy):
     def _call_eager(self, args, kwargs):
         if self._self_eager_fallback_error is not None:
             raise BackendRuntimeError(self._self_eager_fallback_error)
-        with torch.no_grad():
-            return self.__wrapped__(*args, **kwargs)
+        # the caller's grad mode: a call that needs autograd gets eager's grad_fn (BakedState routes it here)
+        return self.__wrapped__(*args, **kwargs)
 
     def _warn_once(self, key, message: str, *values) -> None:
         if key not in self._self_warned:
