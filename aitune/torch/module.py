@@ -295,7 +295,8 @@ class Module(wrapt.ObjectProxy):
         """What happened at run time: calls a tuned (non-eager) backend answered (``backend_calls``; a checked
         call counts when the check kept the backend's answer), calls that ran eager by reason (``eager_fallbacks``: ``graph`` untuned
         structure, ``range`` outside an artifact's accepted inputs, ``stale`` weights changed, ``error`` the
-        backend raised, ...), the guard's checks and events per graph, and whether the module needs a re-tune.
+        backend raised, ``grad``/``autocast``/``hooks``/``module`` what a backend baked in differs: see
+        :mod:`aitune.torch.check.baked_state`, ...), the guard's checks and events per graph, and whether the module needs a re-tune.
         JSON-able; counts since tuning (or loading)."""
         return {
             "state": self._self_state.value,

@@ -50,7 +50,8 @@ BAKED = {"inductor_jit_frozen", "inductor_aot", "torchao", "onnxruntime"}  # art
 def tune(model, name, backend):
     strategy = ait.OneBackendStrategy(backend, profiling_config=PROFILING,
                                       probe_config=ait.ProbeConfig(enabled=False))
-    tuned = ait.Module(model, name, strategy=strategy.enable_performance_validation(False))
+    tuned = ait.Module(model, name, strategy=strategy.enable_performance_validation(False),
+                       guard=ait.GuardConfig(enabled=False))  # the watch alone: no eager re-runs to hide behind
     report = ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
     assert not report.module_errors and tuned.backends["graph0"].name == backend.name
     return tuned
@@ -161,14 +162,20 @@ def test_a_submodule_put_in_training_mode_is_obeyed(net):
             output = tuned(x)
             torch.manual_seed(1)
             expected = model(x)
+        with torch.no_grad():
+            inference = model.eval()(x)
     finally:
         model.drop.eval()
-    torch.testing.assert_close(output, expected, rtol=0, atol=0)
+    if name == "inductor_jit":  # compiled dropout draws from Inductor's own random stream: it applies, other bits
+        assert not torch.allclose(output, inference)
+    else:
+        torch.testing.assert_close(output, expected, rtol=0, atol=0)
 
 
 def test_attributes_read_by_forward_are_obeyed(net):
     name, model, tuned = net
     x = torch.randn(4, 16)
+    before = fallbacks(tuned, "module")
     with torch.no_grad():
         model.scale = 3.0
         try:
@@ -188,7 +195,7 @@ def test_attributes_read_by_forward_are_obeyed(net):
             model.offset.sub_(7.0)
             tuned.watch_state()  # the version counter moved on: watch from the restored state
     if name in BAKED:
-        assert fallbacks(tuned, "module") == 3
+        assert fallbacks(tuned, "module") == before + 3
 
 
 def test_weights_edited_through_data_are_noticed(net):
