@@ -152,7 +152,10 @@ class BakedState:
         self.watched_index = kept
         self.watched_dicts = [self.dicts[index] for index in kept]
         self.getters = [operator.itemgetter(*self.watched[index]) for index in kept]
-        self.sizes = list(map(len, self.dicts))
+        # attributes added later matter where forward reads a name by string that the module lacks now
+        self.sized = [attributes for module, attributes in zip(self.modules, self.dicts)
+                      if not _optional_names(type(module)) <= attributes.keys()]
+        self.sizes = list(map(len, self.sized))
         self.attributes = self._attributes()
         tensors = [(f"{name}.{key}".lstrip("."), attributes[key])
                    for name, attributes in zip(self.names, self.dicts)
@@ -220,7 +223,7 @@ class BakedState:
             return None
         if self.stale is not None:
             return "stale", self.stale
-        if (list(map(len, self.dicts)) != self.sizes or not _same(self._attributes(), self.attributes)
+        if (list(map(len, self.sized)) != self.sizes or not _same(self._attributes(), self.attributes)
                 or sum(map(_VERSION, self.tensor_values)) != self.tensor_versions):
             return "module", (f"{self._what_attribute_changed()}; {backend.name} baked the module in as it was at "
                               "tuning, so calls run eager while it differs")
@@ -255,8 +258,8 @@ class BakedState:
         return f"the forward hooks differ from those at tuning ({where or 'removed'}): eager runs the call"
 
     def _what_attribute_changed(self) -> str:
-        for name, attributes, size in zip(self.names, self.dicts, self.sizes):
-            if len(attributes) != size:
+        for name, attributes in zip(self.names, self.dicts):
+            if any(attributes is sized and len(attributes) != size for sized, size in zip(self.sized, self.sizes)):
                 return f"attributes of {name or 'the module'} were added or deleted since tuning"
         for index, before in zip(self.watched_index, self.attributes):
             keys, attributes = self.watched[index], self.dicts[index]
@@ -295,12 +298,19 @@ def _read_names(klass: type) -> frozenset[str]:
     """Names ``klass.forward`` can read: attribute and global names and string constants of its code, of nested
     code, of wrapped or enclosed functions, and of the class's own methods and properties it names, transitively
     (``self._conv_forward`` -> ``self.stride``). ``torch.nn.Module``'s own methods are not followed."""
-    return _read_names_cached(klass)
+    return _read_names_cached(klass)[0]
+
+
+def _optional_names(klass: type) -> frozenset[str]:
+    """Names ``klass``'s forward reads by string (``getattr(self, "name", default)``, ``hasattr``): attributes
+    that may be added after tuning and still be read."""
+    return _read_names_cached(klass)[1]
 
 
 @functools.lru_cache(maxsize=None)
-def _read_names_cached(klass: type) -> frozenset[str]:
+def _read_names_cached(klass: type) -> tuple[frozenset[str], frozenset[str]]:
     names: set[str] = set()
+    strings: set[str] = set()
     todo = [klass.__dict__["forward"] for klass in klass.__mro__ if "forward" in klass.__dict__
             and klass is not torch.nn.Module]
     seen: set[int] = set()
@@ -311,8 +321,8 @@ def _read_names_cached(klass: type) -> frozenset[str]:
                 if name not in names:
                     names.add(name)
                     todo.extend(klass_dict[name] for klass_dict in _own_dicts(klass) if name in klass_dict)
-            names.update(value for value in code.co_consts if isinstance(value, str) and value.isidentifier())
-    return frozenset(names)
+            strings.update(value for value in code.co_consts if isinstance(value, str) and value.isidentifier())
+    return frozenset(names | strings), frozenset(strings)
 
 
 def _own_dicts(klass: type) -> list:
