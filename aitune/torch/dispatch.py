@@ -20,6 +20,7 @@ from aitune.errors import BackendRuntimeError
 from aitune.torch.backend.accepted import ValueGate
 from aitune.torch.backend.base import Backend
 from aitune.torch.backend.eager import TorchEagerBackend
+from aitune.torch.check.baked_state import BakedState
 from aitune.torch.check.guard import StateWatch
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 from aitune.torch.record.samples import make_graph_key
@@ -83,7 +84,7 @@ class Dispatch:
     """
 
     __slots__ = ("module", "name", "signature", "graphs", "_by_key", "_by_flat_key", "_by_id", "_routes", "watch",
-                 "fallbacks", "backend_calls", "_warned", "eager_fallback_error")
+                 "fallbacks", "backend_calls", "_warned", "eager_fallback_error", "baked")
 
     def __init__(self, module: torch.nn.Module, name: str, signature, entries=(),
                  eager_fallback_error: str | None = None) -> None:
@@ -102,6 +103,7 @@ class Dispatch:
                     self._by_flat_key[key] = tuned
         self._routes: dict = {}  # raw call key -> (TunedGraph, CallSignature.plan) (NOTE [dispatch fast path])
         self.watch: StateWatch | None = None  # set by watch_state when a backend bakes the weights in
+        self.baked: BakedState | None = None  # what the backends took for granted (set by watch_state)
         self.fallbacks: dict[str, int] = {}  # reason kind -> calls that ran eager for it
         self.backend_calls = 0  # calls answered by a tuned (non-eager) backend
         self._warned: set = set()
@@ -128,6 +130,7 @@ class Dispatch:
         self.watch = StateWatch(self.module) if bakes or stale else None
         if self.watch is not None:
             self.watch.reason = stale or previous
+        self.baked = BakedState(self.module) if self.graphs else None
 
     def release(self) -> None:
         """Release every backend (device memory, CUDA graphs); releasing never raises."""
@@ -169,6 +172,11 @@ class Dispatch:
                 return self.eager(args, kwargs, "graph", "a call whose input structure, constants or dtypes were "
                                                          "never recorded runs eager")
         backend = tuned.backend
+        # NOTE [what a backend follows] in aitune/torch/check/baked_state.py: grad mode, the caller's autocast,
+        # hooks, submodules' flags and attributes, weights edited through .data.
+        differs = self.baked.differs(backend, args, kwargs) if self.baked is not None else None
+        if differs is not None:
+            return self.eager(args, kwargs, *differs)
         if tuned.passthrough:
             return backend.run(args, kwargs)
         watch = self.watch if tuned.bakes_weights else None
@@ -278,11 +286,11 @@ class Dispatch:
         return self.run_eager(args, kwargs)
 
     def run_eager(self, args, kwargs):
-        """The original module on a normalised call, without autograd."""
+        """The original module on a normalised call, in the caller's grad mode: a call that needs autograd gets
+        eager's ``grad_fn`` (:class:`~aitune.torch.check.baked_state.BakedState` routes such calls here)."""
         if self.eager_fallback_error is not None:
             raise BackendRuntimeError(self.eager_fallback_error)
-        with torch.no_grad():
-            return self.module(*args, **kwargs)
+        return self.module(*args, **kwargs)
 
 
 _CONSTANT_TYPES = (int, float, bool, str, type(None))

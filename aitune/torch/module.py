@@ -285,9 +285,10 @@ class Module(wrapt.ObjectProxy):
 
     @property
     def needs_retune(self) -> str | None:
-        """Why the tuned backends no longer fit the module (weights changed after tuning), or None."""
-        watch = self._self_dispatch.watch
-        return watch.changed() if watch is not None else None
+        """Why the tuned backends no longer fit the module (weights changed after tuning, also through
+        ``.data``), or None."""
+        watch, baked = self._self_dispatch.watch, self._self_dispatch.baked
+        return (watch.changed() if watch is not None else None) or (baked.stale if baked is not None else None)
 
     @property
     def backend_calls(self) -> int:
@@ -301,8 +302,9 @@ class Module(wrapt.ObjectProxy):
         call counts when the check kept the backend's answer), calls that ran eager by reason (``eager_fallbacks``: ``graph`` untuned
         structure, ``range`` outside an artifact's accepted inputs, ``values`` values never recorded (integers
         outside the recorded range, nan/inf, a quantized candidate's input far beyond its checked range),
-        ``stale`` weights changed, ``error`` the backend raised, ...), the guard's checks and events per graph, and
-        whether the module needs a re-tune.
+        ``stale`` weights changed, ``error`` the backend raised, ``grad``/``autocast``/``hooks``/``module`` what a
+        backend baked in differs (:mod:`aitune.torch.check.baked_state`), ...), the guard's checks and events per
+        graph, and whether the module needs a re-tune.
         JSON-able; counts since tuning (or loading)."""
         dispatch = self._self_dispatch
         return {

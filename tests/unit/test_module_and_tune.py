@@ -227,6 +227,7 @@ def test_a_backend_that_raises_at_run_time_runs_eager_with_one_warning(fast_prof
     """README "A failing backend never takes the run down": a call whose backend raises runs eager, with one
     warning over every such call (recorded shapes and new ones alike)."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    model.requires_grad_(False)  # inference: no autograd that would send calls to eager
     strategy = ait.OneBackendStrategy(FailsAfterTuning(), profiling_config=fast_profiling)
     tuned = ait.Module(model, "raising", strategy=strategy.enable_performance_validation(False))
     ait.tune(tuned, [torch.randn(2, 8), torch.randn(4, 8)], ready_batches=True)

@@ -335,6 +335,15 @@ class Backend:
         the module's own parameters at every call return False."""
         return self.build_mode is BuildMode.AOT
 
+    @property
+    def bakes_module_state(self) -> bool:
+        """True when the built artifact runs the module as it was at build time rather than reading it at every
+        call: submodules' ``training`` flags, attributes ``forward`` reads and hooks are then watched per call,
+        and calls that find them changed, or made under the caller's autocast, run eagerly
+        (:class:`aitune.torch.check.baked_state.BakedState`). Default: :attr:`bakes_weights` (every artifact that
+        copies the weights copies the module)."""
+        return self.bakes_weights
+
     def accepts(self, leaves: list) -> bool:
         """Can this built backend take a call with these flattened canonical input leaves? See :meth:`rejects`."""
         return self.rejects(leaves) is None

@@ -105,6 +105,11 @@ class TorchEagerBackend(AutocastMixin, Backend):
         may call it without its routing checks, and it is the simplest candidate of all."""
         return not (self.config.use_cuda_graphs or self.config.autocast_enabled)
 
+    @property
+    def bakes_module_state(self) -> bool:
+        """A captured CUDA graph replays the kernels of the capture: the module's Python state is not read."""
+        return bool(self.config.use_cuda_graphs)
+
     def _supports(self, module, graph, device) -> Check:
         if self.config.use_cuda_graphs and device.type != "cuda":
             return Check(False, "use_cuda_graphs needs a CUDA device")

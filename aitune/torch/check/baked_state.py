@@ -1,0 +1,375 @@
+"""What a tuned backend took for granted when it was built, and a per-call check that it still holds.
+
+A backend that bakes the module in (an exported graph for ONNX Runtime or AOTInductor, a quantized copy, a
+frozen or channels-last ``torch.compile`` copy) runs what the module was at build time. Calls the module would
+answer differently must run eagerly instead. :class:`BakedState` is captured when a tuned module becomes active
+(after tuning, after loading) and asked on every call; :meth:`BakedState.differs` returns why the call must run
+eagerly, or None.
+
+What is watched, per backend (NOTE [what a backend follows]):
+
+``grad`` (every backend, plain eager included)
+    Backends run under ``no_grad``: with grad mode on and an input or a parameter that requires grad, eager's
+    output carries ``grad_fn`` and the call runs eagerly with autograd.
+``autocast`` (backends that bake the module in, and those that apply their own autocast)
+    The caller's ``torch.autocast`` for the backend's device type: eager's dtypes and values change under it,
+    an artifact built without it does not. A plain ``torch.compile`` (Inductor JIT without freezing) follows it
+    through Dynamo's guards.
+``hooks`` (every backend but plain eager)
+    Forward and forward-pre hooks on any submodule, and the global ones of ``torch.nn.modules.module``. A
+    baked artifact never runs a Python hook, so a call while any is registered runs eagerly; a compiled module
+    that traced the hooks present at build runs eagerly once they differ from those.
+``module`` (backends that bake the module in)
+    The attributes ``forward`` reads, in every submodule: names found in the code of each submodule class's
+    ``forward`` and of the methods and properties it names, transitively (``self._conv_forward`` ->
+    ``self.stride``), and names read off any object by any of these classes; ``training`` where the class's
+    own code reads it. Plain values (bool, int, float, str, None, enums, tuples) compare by value, other
+    objects (tensors that are not parameters or buffers, configs, callables) by identity or their own ``==``;
+    tensor attributes' version counters, and attributes added or deleted, count too. One C-level
+    ``operator.itemgetter`` per submodule reads its ``__dict__``; the comparison short-cuts on identity.
+``stale`` (backends that bake the module in)
+    Values of parameters, buffers and tensor attributes edited through ``.data`` (which bumps no version
+    counter and keeps the data pointer): a few elements of each tensor, evenly spaced, are compared bit for bit
+    with their values at capture every ``VALUES_CHECK_EVERY`` calls. The other weight changes (in-place edits,
+    ``load_state_dict``, ``.to()``) are :class:`aitune.torch.check.guard.StateWatch`'s.
+
+Known limits: an attribute read only by a free function the module passes itself to, or ``training`` read
+only from outside the module's class, is not watched; the contents of lists, dicts and other objects held in attributes are not inspected (a list
+appended to, a config object's field changed); a ``.data`` edit that touches none of the sampled elements goes
+unnoticed, and one that does is noticed within ``VALUES_CHECK_EVERY`` calls; state read from globals or from
+outside the module is not watched. Inductor JIT without freezing reads the module at every call and Dynamo
+guards on what its trace read (training flags, attributes, autocast), so only grad mode and hooks are watched
+for it.
+
+Cost per call on CPU: ``benchmarks/baked_state_cost.py`` measures it on a ResNet-50 and a BERT-base sized module,
+mostly the attribute comparison; the values check adds its share every ``VALUES_CHECK_EVERY`` calls.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import operator
+import types
+from typing import Any, Callable
+
+import torch
+import torch.nn.modules.module as nn_module
+from torch.utils.hooks import RemovableHandle
+
+from aitune.torch.record.pytree import tree_flatten
+
+VALUES_CHECK_EVERY = 64  # calls between comparisons of sampled weight values (see the module docstring)
+SAMPLED_ELEMENTS = 8  # elements per tensor compared by the values check
+
+_INTERNAL = frozenset(torch.nn.Module().__dict__) - {"training"}  # nn.Module's own bookkeeping
+_PLAIN = (bool, int, float, str, type(None), enum.Enum, torch.dtype, torch.device)
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
+_VERSION = operator.attrgetter("_version")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class Policy:
+    """What one backend follows by itself and what must be watched for it (NOTE [what a backend follows])."""
+
+    __slots__ = ("grad_only", "autocast", "hooks", "module", "device_type")
+
+    def __init__(self, backend: Any) -> None:
+        passthrough = bool(getattr(backend, "passthrough", False))
+        bakes = bool(getattr(backend, "bakes_module_state", getattr(backend, "bakes_weights", False)))
+        own_autocast = bool(getattr(getattr(backend, "config", None), "autocast_enabled", False))
+        self.grad_only = passthrough
+        self.autocast = not passthrough and (bakes or own_autocast)
+        self.hooks = not passthrough
+        self.module = not passthrough and bakes
+        device = getattr(backend, "device", None)
+        self.device_type = torch.device(device).type if device is not None else "cpu"
+
+
+def _hooks_of(modules: list[torch.nn.Module]) -> tuple:
+    """Every forward/forward-pre hook registered now: ``(module index, kind, handle ids)``, and the global ones."""
+    found = []
+    for index, module in enumerate(modules):
+        if module._forward_hooks:
+            found.append((index, "forward", tuple(module._forward_hooks)))
+        if module._forward_pre_hooks:
+            found.append((index, "forward pre", tuple(module._forward_pre_hooks)))
+    for name in _GLOBAL_HOOKS:
+        hooks = getattr(nn_module, name, None)
+        if hooks:
+            found.append((-1, name, tuple(hooks)))
+    return tuple(found)
+
+
+def _sampled_view(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A view of up to SAMPLED_ELEMENTS elements of ``tensor``, evenly spaced, sharing its storage (None for an
+    empty tensor or a layout without a flat view)."""
+    data = tensor.detach()
+    if data.numel() == 0 or data.is_meta or data.is_sparse or data.is_quantized or data.element_size() not in _BITS:
+        return None
+    if data.is_contiguous():
+        flat = data.view(-1)
+    elif data.dim() == 4 and data.is_contiguous(memory_format=torch.channels_last):
+        flat = data.as_strided((data.numel(),), (1,), data.storage_offset())
+    else:
+        return None
+    step = max(1, flat.numel() // SAMPLED_ELEMENTS)
+    return flat[::step][:SAMPLED_ELEMENTS].view(_BITS[data.element_size()])  # bits: NaN equals NaN
+
+
+class BakedState:
+    """A module's state as a baked backend took it, captured at activation; :meth:`differs` per call.
+
+    Args:
+        module: the user's module (observed, never modified).
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.modules = list(dict.fromkeys(module.modules()))
+        self.names = [name for name, _ in module.named_modules(remove_duplicate=True)]
+        self.parameters = [p for p in module.parameters() if p is not None]
+        self.policies: dict[int, Policy] = {}
+        self.stale: str | None = None
+        self.calls = 0
+        self._capture_hooks()
+        self._capture_attributes()
+        self._capture_values()
+
+    # ---- capture
+    def _capture_hooks(self) -> None:
+        self.hook_handles = RemovableHandle.next_id
+        self.hooks = _hooks_of(self.modules)
+
+    def _capture_attributes(self) -> None:
+        reads = {klass: _read_names(klass) for klass in {type(module) for module in self.modules}}
+        elsewhere = frozenset().union(*reads.values()) - {"training"}  # names any of the classes reads off any object
+        self.dicts = [vars(module) for module in self.modules]
+        self.watched = [sorted(key for key in attributes if key not in _INTERNAL
+                               and (key in reads[type(module)] or key in elsewhere))
+                        for module, attributes in zip(self.modules, self.dicts)]
+        kept = [index for index, keys in enumerate(self.watched) if keys]
+        self.watched_index = kept
+        self.watched_dicts = [self.dicts[index] for index in kept]
+        self.getters = [operator.itemgetter(*self.watched[index]) for index in kept]
+        # attributes added later matter where forward reads a name by string that the module lacks now
+        self.sized = [attributes for module, attributes in zip(self.modules, self.dicts)
+                      if not _optional_names(type(module)) <= attributes.keys()]
+        self.sizes = list(map(len, self.sized))
+        self.attributes = self._attributes()
+        tensors = [(f"{name}.{key}".lstrip("."), attributes[key])
+                   for name, attributes in zip(self.names, self.dicts)
+                   for key in attributes if key not in _INTERNAL and isinstance(attributes[key], torch.Tensor)]
+        self.tensor_names = [name for name, _ in tensors]
+        self.tensor_values = [tensor for _, tensor in tensors]
+        self.tensor_version_list = [tensor._version for tensor in self.tensor_values]
+        self.tensor_versions = sum(self.tensor_version_list)
+
+    def _attributes(self) -> list | None:
+        try:
+            return list(map(_CALL, self.getters, self.watched_dicts))
+        except KeyError:  # an attribute was deleted
+            return None
+
+    def _capture_values(self) -> None:
+        views = [(name, _sampled_view(tensor)) for name, tensor in self._named_tensors()]
+        self.value_names = [name for name, view in views if view is not None]
+        self.value_views = [view for _, view in views if view is not None]
+        self.values = [view.clone() for view in self.value_views]
+        groups: dict[tuple, list[torch.Tensor]] = {}  # one torch.cat per dtype and device: a few ops per check
+        for view in self.value_views:
+            groups.setdefault((view.dtype, view.device), []).append(view)
+        self.value_groups = [(group, torch.cat(group)) for group in groups.values()]
+
+    def _named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        owner = self.modules[0]
+        named = list(owner.named_parameters(remove_duplicate=True)) + list(owner.named_buffers(remove_duplicate=True))
+        return ([(name, tensor) for name, tensor in named if tensor is not None]
+                + list(zip(self.tensor_names, self.tensor_values)))
+
+    def policy(self, backend: Any) -> Policy:
+        """What is watched for ``backend`` (computed once per backend object)."""
+        policy = self.policies.get(id(backend))
+        if policy is None:
+            policy = self.policies[id(backend)] = Policy(backend)
+        return policy
+
+    # ---- per call
+    def differs(self, backend: Any, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+        """Why this call cannot run on ``backend``, as ``(kind, message)`` (kinds: ``grad``, ``autocast``,
+        ``hooks``, ``module``, ``stale``), or None when what the backend baked in still holds.
+
+        Args:
+            backend: the tuned backend the call would run on.
+            args: the call's positional arguments (any nesting).
+            kwargs: the call's keyword arguments.
+        """
+        if torch.is_grad_enabled():
+            reason = self._needs_grad(args, kwargs)
+            if reason is not None:
+                return "grad", reason
+        policy = self.policies.get(id(backend)) or self.policy(backend)
+        if policy.grad_only:
+            return None
+        if policy.autocast and torch.is_autocast_enabled(policy.device_type):
+            dtype = str(torch.get_autocast_dtype(policy.device_type)).removeprefix("torch.")
+            return "autocast", (f"the call runs under torch.autocast({policy.device_type!r}, dtype={dtype}), which "
+                                f"{backend.name} was not built for: eager runs it")
+        if policy.hooks and (self.hooks or RemovableHandle.next_id != self.hook_handles):
+            reason = self._hooks_differ(policy)
+            if reason is not None:
+                return "hooks", reason
+        if not policy.module:
+            return None
+        if self.stale is not None:
+            return "stale", self.stale
+        if (list(map(len, self.sized)) != self.sizes or not _same(self._attributes(), self.attributes)
+                or sum(map(_VERSION, self.tensor_values)) != self.tensor_versions):
+            return "module", (f"{self._what_attribute_changed()}; {backend.name} baked the module in as it was at "
+                              "tuning, so calls run eager while it differs")
+        self.calls += 1
+        if self.calls % VALUES_CHECK_EVERY == 0:
+            reason = self.values_changed()
+            if reason is not None:
+                return "stale", reason
+        return None
+
+    def _needs_grad(self, args: tuple, kwargs: dict) -> str | None:
+        leaves = [*args, *kwargs.values()]
+        if not all(isinstance(leaf, torch.Tensor) or type(leaf) in _PLAIN for leaf in leaves):
+            leaves = tree_flatten((args, kwargs))[0]
+        if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
+            return "grad mode is on and an input requires grad: eager runs it with autograd"
+        if any(map(_REQUIRES_GRAD, self.parameters)):
+            return ("grad mode is on and parameters require grad: eager runs it with autograd (call the module under "
+                    "torch.inference_mode() or torch.no_grad(), or freeze the parameters, to use the tuned backend)")
+        return None
+
+    def _hooks_differ(self, policy: Policy) -> str | None:
+        hooks = _hooks_of(self.modules)
+        if hooks == self.hooks:
+            self.hook_handles = RemovableHandle.next_id  # a handle made elsewhere (another module, a tensor)
+            if not hooks or not policy.module:
+                return None
+        where = ", ".join(f"{kind} hook on {self.names[index] or 'the module' if index >= 0 else 'every module'}"
+                          for index, kind, _ in (hooks or self.hooks)[:3])
+        if policy.module:
+            return f"forward hooks are registered ({where}); a baked artifact never runs them: eager runs the call"
+        return f"the forward hooks differ from those at tuning ({where or 'removed'}): eager runs the call"
+
+    def _what_attribute_changed(self) -> str:
+        for name, attributes in zip(self.names, self.dicts):
+            if any(attributes is sized and len(attributes) != size for sized, size in zip(self.sized, self.sizes)):
+                return f"attributes of {name or 'the module'} were added or deleted since tuning"
+        for index, before in zip(self.watched_index, self.attributes):
+            keys, attributes = self.watched[index], self.dicts[index]
+            values = before if len(keys) > 1 else (before,)
+            for key, value in zip(keys, values):
+                now = attributes.get(key, _DELETED)
+                if now is _DELETED:
+                    return f"{self.names[index] or 'the module'}.{key} was deleted"
+                if not _same([now], [value]):
+                    return f"{self.names[index] or 'the module'}.{key} is {_short(now)} (tuned with {_short(value)})"
+        for name, tensor, version in zip(self.tensor_names, self.tensor_values, self.tensor_version_list):
+            if tensor._version != version:
+                return f"tensor attribute '{name}' was changed in place"
+        return "the module's attributes changed"
+
+    def values_changed(self) -> str | None:
+        """The first parameter/buffer/tensor attribute whose sampled values differ from capture (edited through
+        ``.data``), as a message; sticky once found."""
+        if self.stale is not None:
+            return self.stale
+        if all(torch.equal(torch.cat(group), before) for group, before in self.value_groups):
+            return None
+        for name, view, before in zip(self.value_names, self.value_views, self.values):
+            if not torch.equal(view, before):
+                self.stale = (f"'{name}' holds other values than at tuning (edited through .data, which PyTorch "
+                              "does not count as a change); the artifact baked the old ones in: calls run eager "
+                              "until the module is re-tuned")
+                return self.stale
+        return None
+
+
+_CALL = getattr(operator, "call", None) or (lambda function, argument: function(argument))  # Python 3.10
+
+
+def _read_names(klass: type) -> frozenset[str]:
+    """Names ``klass.forward`` can read: attribute and global names and string constants of its code, of nested
+    code, of wrapped or enclosed functions, and of the class's own methods and properties it names, transitively
+    (``self._conv_forward`` -> ``self.stride``). ``torch.nn.Module``'s own methods are not followed."""
+    return _read_names_cached(klass)[0]
+
+
+def _optional_names(klass: type) -> frozenset[str]:
+    """Names ``klass``'s forward reads by string (``getattr(self, "name", default)``, ``hasattr``): attributes
+    that may be added after tuning and still be read."""
+    return _read_names_cached(klass)[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _read_names_cached(klass: type) -> tuple[frozenset[str], frozenset[str]]:
+    names: set[str] = set()
+    strings: set[str] = set()
+    todo = [klass.__dict__["forward"] for klass in klass.__mro__ if "forward" in klass.__dict__
+            and klass is not torch.nn.Module]
+    seen: set[int] = set()
+    while todo:
+        function = todo.pop()
+        for code in _codes_of(function, seen):
+            for name in code.co_names:
+                if name not in names:
+                    names.add(name)
+                    todo.extend(klass_dict[name] for klass_dict in _own_dicts(klass) if name in klass_dict)
+            strings.update(value for value in code.co_consts if isinstance(value, str) and value.isidentifier())
+    return frozenset(names | strings), frozenset(strings)
+
+
+def _own_dicts(klass: type) -> list:
+    return [base.__dict__ for base in klass.__mro__ if base not in (torch.nn.Module, object)]
+
+
+def _codes_of(function: Any, seen: set[int]) -> list:
+    """Code objects behind a function, method, property, static/class method, or decorator wrapper."""
+    found, todo = [], [function]
+    while todo:
+        item = todo.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, property):
+            todo.extend((item.fget, item.fset))
+        elif isinstance(item, (staticmethod, classmethod)):
+            todo.append(item.__func__)
+        elif isinstance(item, types.CodeType):
+            found.append(item)
+            todo.extend(value for value in item.co_consts if isinstance(value, types.CodeType))
+        elif isinstance(item, types.FunctionType):
+            todo.append(item.__code__)
+            todo.append(getattr(item, "__wrapped__", None))
+            todo.extend(cell.cell_contents for cell in item.__closure__ or () if _callable_cell(cell))
+    return found
+
+
+def _callable_cell(cell: Any) -> bool:
+    try:
+        return isinstance(cell.cell_contents, (types.FunctionType, property, staticmethod, classmethod))
+    except ValueError:  # an empty cell
+        return False
+
+
+_DELETED = object()
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _same(now: list, before: list) -> bool:
+    """Equal attribute values: identity first (list and tuple comparison), then ``==``; a comparison that raises
+    (a tensor replaced by another of several elements) counts as different."""
+    try:
+        return bool(now == before)
+    except Exception:  # noqa: BLE001 - an object whose == raises or is ambiguous: treat as changed
+        return False

@@ -1,0 +1,233 @@
+"""A tuned backend serves a call only while what it baked in still holds (aitune/torch/check/baked_state.py).
+
+Each backend that runs here is tuned once (module-scoped) on a small net whose forward reads a submodule's
+training flag (dropout), a float attribute and a plain tensor attribute. Every test changes one kind of state,
+compares the tuned module with eager under the same state, and puts the state back.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aitune.torch as ait
+from aitune.torch.backend import (TorchAOBackend, TorchEagerBackend, TorchInductorAotBackend, TorchInductorJitBackend,
+                                  TorchInductorJitBackendConfig)
+from aitune.torch.check.baked_state import VALUES_CHECK_EVERY
+from aitune.torch.measure.profiling import ProfilingConfig
+
+PROFILING = ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=3, max_rounds=20, time_budget_s=0.2)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.drop, self.fc2 = nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 4)
+        self.scale = 1.0
+        self.offset = torch.zeros(16)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.act(self.fc1(x * self.scale + self.offset))))
+
+
+def _backends():
+    backends = {"eager": TorchEagerBackend, "inductor_jit": TorchInductorJitBackend,
+                "inductor_jit_frozen": lambda: TorchInductorJitBackend(TorchInductorJitBackendConfig(freezing=True)),
+                "inductor_aot": TorchInductorAotBackend, "torchao": TorchAOBackend}
+    try:
+        import onnxruntime  # noqa: F401
+        from aitune.torch.backend import ONNXRuntimeBackend
+
+        backends["onnxruntime"] = ONNXRuntimeBackend
+    except ImportError:
+        pass
+    return backends
+
+
+BACKENDS = _backends()
+BAKED = {"inductor_jit_frozen", "inductor_aot", "torchao", "onnxruntime"}  # artifacts that copy the module
+
+
+def tune(model, name, backend):
+    strategy = ait.OneBackendStrategy(backend, profiling_config=PROFILING,
+                                      probe_config=ait.ProbeConfig(enabled=False))
+    tuned = ait.Module(model, name, strategy=strategy.enable_performance_validation(False),
+                       guard=ait.GuardConfig(enabled=False))  # the watch alone: no eager re-runs to hide behind
+    report = ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
+    assert not report.module_errors and tuned.backends["graph0"].name == backend.name
+    return tuned
+
+
+@pytest.fixture(scope="module", params=sorted(BACKENDS))
+def net(request):
+    torch.manual_seed(0)
+    model = Net().eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)  # a frozen encoder
+    return request.param, model, tune(model, request.param, BACKENDS[request.param]())
+
+
+def fallbacks(tuned, kind):
+    return tuned.stats["eager_fallbacks"].get(kind, 0)
+
+
+def test_calls_without_autograd_or_changes_use_the_backend(net):
+    name, model, tuned = net
+    before = tuned.backend_calls
+    x = torch.randn(4, 16)
+    tuned(x)  # grad mode on, nothing requires grad: no autograd graph either way
+    with torch.no_grad():
+        tuned(x)
+    assert tuned.backend_calls == before + (0 if name == "eager" else 2)  # plain eager counts no backend call
+
+
+def test_an_input_that_requires_grad_gets_eagers_gradients(net):
+    name, model, tuned = net
+    x = torch.randn(4, 16)
+    prompt = torch.zeros(4, 16, requires_grad=True)
+    output = tuned(prompt + x)
+    assert output.grad_fn is not None
+    (output.pow(2).sum() + 1e-3 * prompt.pow(2).sum()).backward()
+    expected_prompt = torch.zeros(4, 16, requires_grad=True)
+    (model(expected_prompt + x).pow(2).sum() + 1e-3 * expected_prompt.pow(2).sum()).backward()
+    torch.testing.assert_close(prompt.grad, expected_prompt.grad, rtol=0, atol=0)
+    assert fallbacks(tuned, "grad") >= 1
+
+
+def test_parameters_that_require_grad_get_their_gradients(net):
+    name, model, tuned = net
+    x = torch.randn(4, 16)
+    model.fc2.weight.requires_grad_(True)
+    try:
+        tuned(x).sum().backward()
+        expected = model.fc2.weight.grad.clone()
+        model.fc2.weight.grad = None
+        model(x).sum().backward()
+        torch.testing.assert_close(expected, model.fc2.weight.grad, rtol=0, atol=0)
+    finally:
+        model.fc2.weight.grad = None
+        model.fc2.weight.requires_grad_(False)
+
+
+def test_the_callers_autocast_gives_eagers_dtype(net):
+    name, model, tuned = net
+    x = torch.randn(4, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        output, expected = tuned(x), model(x)
+    assert output.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(output, expected, rtol=2e-2, atol=2e-2)
+    if name in BAKED:
+        assert fallbacks(tuned, "autocast") >= 1
+
+
+def test_hooks_added_after_tuning_run_and_shape_the_output(net):
+    name, model, tuned = net
+    x = torch.randn(4, 16)
+    features = []
+    handles = [model.act.register_forward_hook(lambda module, args, output: features.append(output)),
+               model.fc1.register_forward_hook(lambda module, args, output: output * (output.abs() > 0.1))]
+    try:
+        with torch.no_grad():
+            output = tuned(x)
+            assert len(features) == 1
+            torch.testing.assert_close(output, model(x), rtol=0, atol=0)
+    finally:
+        for handle in handles:
+            handle.remove()
+    before = tuned.backend_calls
+    with torch.no_grad():
+        tuned(x)
+    assert tuned.backend_calls == before + (0 if name == "eager" else 1)  # hooks gone: the backend serves again
+
+
+def test_a_global_forward_hook_runs(net):
+    name, model, tuned = net
+    x = torch.randn(4, 16)
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: seen.append(module))
+    try:
+        with torch.no_grad():
+            tuned(x)
+    finally:
+        handle.remove()
+    assert model.fc2 in seen
+
+
+def test_a_submodule_put_in_training_mode_is_obeyed(net):
+    name, model, tuned = net
+    x = torch.randn(4, 16)
+    model.drop.train()
+    try:
+        with torch.no_grad():
+            torch.manual_seed(1)
+            output = tuned(x)
+            torch.manual_seed(1)
+            expected = model(x)
+        with torch.no_grad():
+            inference = model.eval()(x)
+    finally:
+        model.drop.eval()
+    if name == "inductor_jit":  # compiled dropout draws from Inductor's own random stream: it applies, other bits
+        assert not torch.allclose(output, inference)
+    else:
+        torch.testing.assert_close(output, expected, rtol=0, atol=0)
+
+
+def test_attributes_read_by_forward_are_obeyed(net):
+    name, model, tuned = net
+    x = torch.randn(4, 16)
+    before = fallbacks(tuned, "module")
+    with torch.no_grad():
+        model.scale = 3.0
+        try:
+            torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
+        finally:
+            model.scale = 1.0
+        original = model.offset
+        model.offset = torch.full((16,), 5.0)  # a new tensor
+        try:
+            torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
+        finally:
+            model.offset = original
+        model.offset.add_(7.0)  # in place
+        try:
+            torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
+        finally:
+            model.offset.sub_(7.0)
+            tuned.watch_state()  # the version counter moved on: watch from the restored state
+    if name in BAKED:
+        assert fallbacks(tuned, "module") == before + 3
+
+
+def test_weights_edited_through_data_are_noticed(net):
+    name, model, tuned = net
+    x = torch.randn(4, 16)
+    model.fc1.weight.data.mul_(2)  # no version bump, same data pointer
+    try:
+        with torch.no_grad():
+            for _ in range(VALUES_CHECK_EVERY):
+                tuned(x)
+            for _ in range(3):  # from then on every call matches the edited module
+                torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
+        if name in BAKED:
+            assert "fc1.weight" in tuned.needs_retune and ".data" in tuned.needs_retune
+    finally:
+        model.fc1.weight.data.div_(2)
+        tuned.watch_state()
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torchao"])
+def test_hooks_registered_before_tuning_run_on_every_call(backend):
+    if backend not in BACKENDS:
+        pytest.skip("onnxruntime is not installed")
+    model = Net().eval()
+    features = []
+    model.act.register_forward_hook(lambda module, args, output: features.append(output))
+    model.fc1.register_forward_hook(lambda module, args, output: output * (output.abs() > 0.1))
+    tuned = tune(model, "hooked", BACKENDS[backend]())
+    features.clear()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        output = tuned(x)
+        assert len(features) == 1
+        torch.testing.assert_close(output, model(x), rtol=0, atol=0)
+    assert fallbacks(tuned, "hooks") == 1
