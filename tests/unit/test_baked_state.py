@@ -231,3 +231,29 @@ def test_hooks_registered_before_tuning_run_on_every_call(backend):
         assert len(features) == 1
         torch.testing.assert_close(output, model(x), rtol=0, atol=0)
     assert fallbacks(tuned, "hooks") == 1
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "inductor_aot"])
+def test_a_built_in_layers_hyper_parameter_is_obeyed_from_the_next_full_check_on(backend):
+    """torch.nn's own layers (LeakyReLU's negative_slope here) are compared with the sampled weights every
+    VALUES_CHECK_EVERY calls; from then on every call runs eager until the value is put back."""
+    if backend not in BACKENDS:
+        pytest.skip("onnxruntime is not installed")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.LeakyReLU(0.1)).eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    tuned = tune(model, "leaky", BACKENDS[backend]())
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        model[1].negative_slope = 0.5
+        for _ in range(VALUES_CHECK_EVERY):
+            tuned(x)
+        assert fallbacks(tuned, "module") == 1
+        for _ in range(3):
+            torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
+        assert fallbacks(tuned, "module") == 4
+        model[1].negative_slope = 0.1
+        served = tuned.backend_calls
+        torch.testing.assert_close(tuned(x), model(x))  # the backend's own rounding again
+        assert tuned.backend_calls == served + 1  # put back: the backend serves again

@@ -26,7 +26,11 @@ What is watched, per backend (NOTE [what a backend follows]):
     own code reads it. Plain values (bool, int, float, str, None, enums, tuples) compare by value, other
     objects (tensors that are not parameters or buffers, configs, callables) by identity or their own ``==``;
     tensor attributes' version counters, and attributes added or deleted, count too. One C-level
-    ``operator.itemgetter`` per submodule reads its ``__dict__``; the comparison short-cuts on identity.
+    ``operator.itemgetter`` per submodule reads its ``__dict__``; the comparison short-cuts on identity. Per call:
+    every such attribute of the user's own classes and ``training`` of every submodule; the hyper-parameters of
+    ``torch.nn``'s built-in layers (a ``Conv2d``'s ``stride``, a ``BatchNorm``'s ``eps``, a ``LeakyReLU``'s
+    ``negative_slope``), set at construction and almost never changed after, only every ``VALUES_CHECK_EVERY``
+    calls with the sampled values — once one is found changed, every call runs eagerly until it is put back.
 ``stale`` (backends that bake the module in)
     Values of parameters, buffers and tensor attributes edited through ``.data`` (which bumps no version
     counter and keeps the data pointer): a few elements of each tensor, evenly spaced, are compared bit for bit
@@ -36,7 +40,8 @@ What is watched, per backend (NOTE [what a backend follows]):
 Known limits: an attribute read only by a free function the module passes itself to, or ``training`` read
 only from outside the module's class, is not watched; the contents of lists, dicts and other objects held in attributes are not inspected (a list
 appended to, a config object's field changed); a ``.data`` edit that touches none of the sampled elements goes
-unnoticed, and one that does is noticed within ``VALUES_CHECK_EVERY`` calls; state read from globals or from
+unnoticed, and one that does — like a changed hyper-parameter of a built-in layer — is noticed within
+``VALUES_CHECK_EVERY`` calls; state read from globals or from
 outside the module is not watched. Inductor JIT without freezing reads the module at every call and Dynamo
 guards on what its trace read (training flags, attributes, autocast), so only grad mode and hooks are watched
 for it.
@@ -152,11 +157,20 @@ class BakedState:
         self.watched_index = kept
         self.watched_dicts = [self.dicts[index] for index in kept]
         self.getters = [operator.itemgetter(*self.watched[index]) for index in kept]
+        # per call: every watched attribute of the user's own classes, and `training` of torch.nn's built-in
+        # layers; their hyper-parameters (a Conv2d's stride, a BatchNorm's eps) only with the sampled values,
+        # every VALUES_CHECK_EVERY calls (NOTE [what a backend follows])
+        fast = [(index, keys) for index in kept
+                if (keys := self.watched[index] if not _built_in(self.modules[index]) else
+                    [key for key in self.watched[index] if key == "training"])]
+        self.fast_dicts = [self.dicts[index] for index, _ in fast]
+        self.fast_getters = [operator.itemgetter(*keys) for _, keys in fast]
         # attributes added later matter where forward reads a name by string that the module lacks now
         self.sized = [attributes for module, attributes in zip(self.modules, self.dicts)
                       if not _optional_names(type(module)) <= attributes.keys()]
         self.sizes = list(map(len, self.sized))
         self.attributes = self._attributes()
+        self.fast_attributes = self._fast_attributes()
         tensors = [(f"{name}.{key}".lstrip("."), attributes[key])
                    for name, attributes in zip(self.names, self.dicts)
                    for key in attributes if key not in _INTERNAL and isinstance(attributes[key], torch.Tensor)]
@@ -168,6 +182,12 @@ class BakedState:
     def _attributes(self) -> list | None:
         try:
             return list(map(_CALL, self.getters, self.watched_dicts))
+        except KeyError:  # an attribute was deleted
+            return None
+
+    def _fast_attributes(self) -> list | None:
+        try:
+            return list(map(_CALL, self.fast_getters, self.fast_dicts))
         except KeyError:  # an attribute was deleted
             return None
 
@@ -223,12 +243,15 @@ class BakedState:
             return None
         if self.stale is not None:
             return "stale", self.stale
-        if (list(map(len, self.sized)) != self.sizes or not _same(self._attributes(), self.attributes)
-                or sum(map(_VERSION, self.tensor_values)) != self.tensor_versions):
+        self.calls += 1
+        every = self.calls % VALUES_CHECK_EVERY == 0
+        if (list(map(len, self.sized)) != self.sizes or not _same(self._fast_attributes(), self.fast_attributes)
+                or sum(map(_VERSION, self.tensor_values)) != self.tensor_versions
+                or (every and not _same(self._attributes(), self.attributes))):
+            self.calls -= 1  # checked in full again on the next call
             return "module", (f"{self._what_attribute_changed()}; {backend.name} baked the module in as it was at "
                               "tuning, so calls run eager while it differs")
-        self.calls += 1
-        if self.calls % VALUES_CHECK_EVERY == 0:
+        if every:
             reason = self.values_changed()
             if reason is not None:
                 return "stale", reason
@@ -292,6 +315,12 @@ class BakedState:
 
 
 _CALL = getattr(operator, "call", None) or (lambda function, argument: function(argument))  # Python 3.10
+
+
+def _built_in(module: torch.nn.Module) -> bool:
+    """A layer class of ``torch.nn`` itself (``torch.nn.modules.conv.Conv2d``), whose hyper-parameters are set
+    at construction: checked with the sampled values, not per call."""
+    return type(module).__module__.startswith("torch.nn.")
 
 
 def _read_names(klass: type) -> frozenset[str]:
