@@ -77,3 +77,23 @@ def test_onnxruntime_refuses_batch_axes_that_disagree(tmp_path):
     backend = ONNXRuntimeBackend().build(module, graph, "cpu", tmp_path)
     assert backend.rejects([torch.randn(3, 4), torch.randn(3, 4)]) is None
     assert "disagree" in backend.rejects([torch.randn(3, 4), torch.randn(5, 4)])
+
+
+def test_the_value_gate_reads_only_cpu_tensors():
+    """Reading a CUDA tensor's values would synchronize the device on every call: tensors off the CPU (meta here,
+    CUDA on a GPU machine) are not read, CPU ones are."""
+    from aitune.torch.backend.accepted import ValueGate
+    from aitune.torch.record.samples import Recorder
+
+    class Lookup(torch.nn.Module):
+        def forward(self, ids, scale):
+            return ids.float() * scale
+
+    recorder = Recorder(Lookup())
+    recorder.record(Lookup(), (torch.tensor([0, 3, 5]), torch.ones(3)), {}, None)
+    graph = next(iter(recorder.graphs.values()))
+    gate = ValueGate.for_graph(graph, quantizing=False)
+    assert "outside the recorded [0, 5]" in gate.rejects([torch.tensor([0, 9, 5]), torch.ones(3)])
+    assert "nan/inf" in gate.rejects([torch.tensor([0, 3, 5]), torch.tensor([1.0, float("nan"), 1.0])])
+    assert gate.rejects([torch.tensor([0, 9, 5], device="meta"), torch.ones(3, device="meta")]) is None
+    assert "nan/inf" in gate.rejects([torch.tensor([0, 3, 5], device="meta"), torch.tensor([1.0, float("inf"), 1.0])])

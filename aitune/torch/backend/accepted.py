@@ -165,8 +165,10 @@ def _range_text(low: list[int], high: list[int]) -> str:
 # - for a quantizing candidate, a floating input whose largest magnitude exceeds QUANTIZED_RANGE_FACTOR times
 #   the recorded one: dynamic int8 activation scales fitted to an outlier lose the other values' precision
 #   (pytorch/ao PR#3089).
-# Each check reads the whole tensor once and waits for the result (a device sync on CUDA); the cost per call is
-# measured by benchmarks/value_gate_cost.py and stated in docs/promises.md.
+# Each check reads the whole tensor once and waits for the result, so only CPU tensors are checked: on CUDA the
+# wait would synchronize the device on every call (tens of µs of host time, and the launch queue drained),
+# and an out-of-range index there is a device-side assert in eager too. The cost per call is measured by
+# benchmarks/value_gate_cost.py and stated in docs/promises.md.
 QUANTIZED_RANGE_FACTOR = 2.0
 
 
@@ -184,6 +186,7 @@ class ValueGate:
     integers: list[tuple[int, str, int, int]] = dataclasses.field(default_factory=list)
     finite: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     magnitudes: list[tuple[int, str, float]] = dataclasses.field(default_factory=list)
+    leaf_indices: list[int] = dataclasses.field(default_factory=list)  # the leaves any check reads
 
     @classmethod
     def for_graph(cls, graph, quantizing: bool) -> "ValueGate | None":
@@ -208,23 +211,33 @@ class ValueGate:
                 gate.magnitudes.append((spec.leaf_index, spec.path, limit))
             elif getattr(spec, "finite", True):
                 gate.finite.append((spec.leaf_index, spec.path))
-        return gate if gate.integers or gate.finite or gate.magnitudes else None
+        gate.leaf_indices = sorted({entry[0] for entry in (*gate.integers, *gate.finite, *gate.magnitudes)})
+        return gate if gate.leaf_indices else None
 
     def rejects(self, leaves: list[Any]) -> str | None:
-        """Why a call with these flattened input leaves runs eager, or None when the backend takes its values."""
+        """Why a call with these flattened input leaves runs eager, or None when the backend takes its values.
+        Tensors on other devices than the CPU are not read (NOTE [value gate])."""
+        if not all(leaves[index].device.type == "cpu" for index in self.leaf_indices):
+            leaves = [leaf if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" else None for leaf in leaves]
         for index, path, low, high in self.integers:
+            if leaves[index] is None:
+                continue
             found_low, found_high = torch.aminmax(leaves[index])
             if int(found_low) < low or int(found_high) > high:
                 return (f"input '{path}' holds values in [{int(found_low)}, {int(found_high)}], outside the "
                         f"recorded [{low}, {high}]")
         for index, path in self.finite:
             tensor = leaves[index]
+            if tensor is None:
+                continue
             if not bool(torch.isfinite(tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64
                                                   else torch.float32))):
                 if not bool(torch.isfinite(tensor).all()):
                     return f"input '{path}' holds nan/inf, which no recorded call had"
         for index, path, limit in self.magnitudes:
             tensor = leaves[index]
+            if tensor is None:
+                continue
             largest = float(tensor.detach().abs().amax()) if tensor.numel() else 0.0
             if not largest <= limit:  # nan fails too
                 return (f"input '{path}' reaches |x| = {largest:.4g}, beyond {QUANTIZED_RANGE_FACTOR:g}x the "
