@@ -38,10 +38,11 @@ class TunedGraph:
     """
 
     __slots__ = ("graph", "backend", "guard", "passthrough", "bakes_weights", "training", "checks_inputs",
-                 "values")
+                 "values", "tables")
 
-    def __init__(self, graph, backend) -> None:
+    def __init__(self, graph, backend, tables: list[int] = ()) -> None:
         self.graph = graph
+        self.tables = list(tables)  # num_embeddings of the module's embedding tables (for the value gate)
         self.guard = None  # a RuntimeGuard (aitune.torch.check.guard), or None: no checks against eager
         self.training = bool(graph.training)
         self.set_backend(backend)
@@ -54,7 +55,8 @@ class TunedGraph:
         # Backend.rejects accepts everything; only a backend that overrides it is asked per call.
         self.checks_inputs = getattr(backend.rejects, "__func__", None) is not Backend.rejects
         # values the recorded calls never had (NOTE [value gate] in aitune/torch/backend/accepted.py)
-        self.values = None if self.passthrough else ValueGate.for_graph(self.graph, bool(backend.is_quantizing))
+        self.values = None if self.passthrough else ValueGate.for_graph(self.graph, bool(backend.is_quantizing),
+                                                                           self.tables)
 
     def refusal(self, module: torch.nn.Module) -> tuple[Any, str] | None:
         """Why this graph's artifact may not serve a call of ``module`` now, as ``(fallback key, message)``, or
@@ -91,7 +93,9 @@ class Dispatch:
         self.module = module
         self.name = name
         self.signature = signature
-        self.graphs: list[TunedGraph] = [TunedGraph(graph, backend) for graph, backend in entries]
+        tables = [layer.num_embeddings for layer in module.modules()
+                  if isinstance(layer, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+        self.graphs: list[TunedGraph] = [TunedGraph(graph, backend, tables) for graph, backend in entries]
         self._by_key = {tuned.graph.key: tuned for tuned in self.graphs}
         self._by_id = {id(tuned.graph): tuned for tuned in self.graphs}
         self._by_flat_key = {}  # flat key of a graph's first sample -> TunedGraph (no flattening for such calls)

@@ -11,7 +11,7 @@ import torch
 
 from aitune.torch.backend import Backend, BackendConfig, BuildMode
 from aitune.torch.backend.accepted import AcceptedInputs
-from aitune.torch.checkpoint.archive import checkpoint_path
+from aitune.torch.common.files import checkpoint_path
 
 PROGRAM_FILE = "program.pt2"
 

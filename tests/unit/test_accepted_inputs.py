@@ -93,7 +93,27 @@ def test_the_value_gate_reads_only_cpu_tensors():
     recorder.record(Lookup(), (torch.tensor([0, 3, 5]), torch.ones(3)), {}, None)
     graph = next(iter(recorder.graphs.values()))
     gate = ValueGate.for_graph(graph, quantizing=False)
-    assert "outside the recorded [0, 5]" in gate.rejects([torch.tensor([0, 9, 5]), torch.ones(3)])
+    assert "outside the accepted [0, 5]" in gate.rejects([torch.tensor([0, 9, 5]), torch.ones(3)])
     assert "nan/inf" in gate.rejects([torch.tensor([0, 3, 5]), torch.tensor([1.0, float("nan"), 1.0])])
     assert gate.rejects([torch.tensor([0, 9, 5], device="meta"), torch.ones(3, device="meta")]) is None
     assert "nan/inf" in gate.rejects([torch.tensor([0, 3, 5], device="meta"), torch.tensor([1.0, float("inf"), 1.0])])
+
+
+def test_the_value_gate_lets_through_every_valid_id_of_an_embedding_table():
+    """Ids the samples did not hold but the table has are served (the next request's tokens); ids past the
+    smallest table that fits the recorded ones, and negative ids, are not."""
+    from aitune.torch.backend.accepted import ValueGate
+    from aitune.torch.record.samples import Recorder
+
+    class Tokens(torch.nn.Module):
+        def forward(self, ids, positions):
+            return ids + positions
+
+    recorder = Recorder(Tokens())
+    recorder.record(Tokens(), (torch.tensor([3, 17, 40]), torch.tensor([0, 1, 2])), {}, None)
+    graph = next(iter(recorder.graphs.values()))
+    gate = ValueGate.for_graph(graph, quantizing=False, table_sizes=[50, 64, 2])  # vocabulary, positions, types
+    assert gate.rejects([torch.tensor([0, 49, 1]), torch.tensor([0, 1, 2])]) is None
+    assert "outside the accepted [0, 49]" in gate.rejects([torch.tensor([0, 50, 1]), torch.tensor([0, 1, 2])])
+    assert "outside" in gate.rejects([torch.tensor([-1, 5, 1]), torch.tensor([0, 1, 2])])
+    assert ValueGate.for_graph(graph, quantizing=False).rejects([torch.tensor([0, 5, 1]), torch.tensor([0, 1, 2])])

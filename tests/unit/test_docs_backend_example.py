@@ -41,6 +41,7 @@ def test_importing_the_example_registers_it_by_name(example):
     assert example.ExportBackend.availability().ok  # torch only: nothing optional to install
 
 
+@torch.no_grad()  # inference calls: with autograd on, a tuned module runs eager (README, "What a backend baked in")
 def test_the_example_backend_tunes_answers_like_eager_and_round_trips_a_checkpoint(example, fast_profiling,
                                                                                      tmp_path):
     model = _model()
