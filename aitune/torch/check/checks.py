@@ -7,9 +7,10 @@ on the first violation; :mod:`aitune.torch.search.evaluation` turns that into th
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -43,14 +44,16 @@ def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tole
     """
     comparator = comparator or comparator_for(backend, tolerance)
     graph = context.graph
+    context.require_comparable()
     if context.restore_state is not None:
         context.restore_state()
     for index, sample in enumerate(graph.samples):
         inputs = sample.clone()
-        with torch.no_grad():
+        with torch.no_grad(), context.rng():
             output = owned_outputs(backend.infer(*inputs.args, **inputs.kwargs))
-        _compare(comparator, context.reference_outputs[index], output,
-                 lambda: context.fp32_reference(index))
+        with _nondeterminism_named(context):
+            _compare(comparator, context.reference_outputs[index], output,
+                     lambda: context.fp32_reference(index))
         if graph.mutated_inputs and context.reference_inputs_after is not None:
             try:
                 comparator.compare(context.reference_inputs_after[index], inputs.leaves())
@@ -74,6 +77,20 @@ def owned_outputs(value: Any) -> Any:
         return value
     return tree_unflatten(spec, [leaf.detach().clone() if isinstance(leaf, torch.Tensor) and leaf.is_cuda else leaf
                                  for leaf in leaves])
+
+
+@contextlib.contextmanager
+def _nondeterminism_named(context: GraphContext) -> Iterator[None]:
+    """A failed comparison on a nondeterministic graph says so: the candidate ran under eager's seed and did not
+    reproduce eager's draws (NOTE [nondeterministic forward] in :mod:`aitune.torch.check.context`)."""
+    try:
+        yield
+    except CorrectnessError as exc:
+        if getattr(context.graph, "nondeterministic", None) is not None and exc.args and \
+                not str(exc.args[0]).startswith("forward is nondeterministic"):
+            exc.args = ("forward is nondeterministic (random numbers drawn in forward) and, run under the seed of "
+                        f"eager's reference, the candidate does not reproduce eager: {exc.args[0]}",) + exc.args[1:]
+        raise
 
 
 def _compare(comparator: OutputComparator, reference, output, fp32_reference) -> None:
@@ -120,7 +137,7 @@ def check_probes(backend: Backend, context: GraphContext, settings: EvaluationSe
         if context.restore_state is not None:
             context.restore_state()
         inputs = probe.sample.clone()
-        with torch.no_grad():
+        with torch.no_grad(), context.rng():
             output = owned_outputs(backend.infer(*inputs.args, **inputs.kwargs))
         before = comparator.snapshot()
         fp32_outputs: list = []
@@ -150,7 +167,8 @@ def check_probes(backend: Backend, context: GraphContext, settings: EvaluationSe
             at_scale.append(probe.kind)
 
     try:
-        counts = run_probes(probes, backend.accepts, check, settings.probes.max_seconds)
+        with _nondeterminism_named(context):
+            counts = run_probes(probes, backend.accepts, check, settings.probes.max_seconds)
     except Exception as exc:
         failed_counts = getattr(exc, "probe_counts", None)
         if failed_counts is not None and probe_set.dropped_memory:
@@ -196,11 +214,12 @@ def verify_round_trip(backend: Backend, context: GraphContext, tolerance: Tolera
         restored = type(backend).from_checkpoint(Path(directory), backend.config, metadata, None, context.graph,
                                                  context.device)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), context.rng():
                 inputs = sample.clone()
                 actual = owned_outputs(restored.infer(*inputs.args, **inputs.kwargs))
         finally:
             restored.deactivate()
             del restored
-    _compare(comparator_for(backend, tolerance), context.reference_outputs[0], actual,
-             lambda: context.fp32_reference(0))
+    with _nondeterminism_named(context):
+        _compare(comparator_for(backend, tolerance), context.reference_outputs[0], actual,
+                 lambda: context.fp32_reference(0))

@@ -12,13 +12,15 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from aitune.torch.check.correctness import Tolerance, exact_fp32
+from aitune.errors import CorrectnessError, ToleranceExceededError
+from aitune.torch.check.correctness import OutputComparator, Tolerance, exact_fp32
 from aitune.torch.check.guard import signature
 from aitune.torch.check.probes import ProbeConfig, ProbeSet, make_probes
 from aitune.torch.check.references import ReferenceStore, leaf_magnitudes, spill_bytes_from_env
@@ -56,6 +58,10 @@ class GraphContext:
         crashes: candidates that crashed this environment before (:class:`~aitune.torch.search.crashes.CrashRegistry`).
         rankings: earlier searches' rankings (:class:`~aitune.torch.search.rankings.RankingStore`).
         deadline: ``time.perf_counter()`` by which this graph should be done (from the time budget), or None.
+        seeded: the graph is nondeterministic (``graph.nondeterministic``) and eager repeats itself under a fixed
+            seed: eager's references and every candidate's checked call run under :data:`CHECK_SEED`
+            (:meth:`rng`). False for a deterministic graph, and for a nondeterministic one that no seed
+            controls (then no candidate can be compared with eager: :meth:`require_comparable`).
     """
 
     def remaining_s(self) -> float | None:
@@ -87,6 +93,7 @@ class GraphContext:
     _probes: dict = dataclasses.field(default_factory=dict)
     _fp32_outputs: dict = dataclasses.field(default_factory=dict)
     _fp32_unavailable: bool = False
+    seeded: bool = False
 
     @classmethod
     def from_eager(cls, module: torch.nn.Module, module_name: str, graph, device: torch.device, workdir: Path, *,
@@ -95,6 +102,12 @@ class GraphContext:
         under no_grad, in order (for a stateful graph from the module's starting state, which ``restore_state``
         puts back).
 
+        First the graph's first sample runs through eager twice: outputs that differ between the two runs (by
+        more than the default :class:`Tolerance`) mark the graph nondeterministic (``graph.nondeterministic``
+        holds the reason; NOTE [nondeterministic forward]). The references of such a graph are made under
+        :data:`CHECK_SEED`, and one more seeded run tells whether the seed makes eager repeat itself
+        (``seeded``). These extra runs leave the caller's random number generators as they were.
+
         The outputs — and, for a graph that changes its inputs in place, the inputs after the call — are kept by
         a :class:`~aitune.torch.check.references.ReferenceStore`: on the host, spilled to a temporary file in
         ``workdir`` once they pass ``spill_bytes`` (default ``$AITUNE_REFERENCE_SPILL_BYTES`` or 256 MiB).
@@ -102,19 +115,70 @@ class GraphContext:
         """
         store = ReferenceStore(workdir, module=module,
                                spill_bytes=spill_bytes_from_env() if spill_bytes is None else spill_bytes)
+        context = cls(module=module, module_name=module_name, graph=graph, device=device, workdir=workdir,
+                      reference_outputs=[], cache=cache, restore_state=restore_state, references=store)
+        graph.nondeterministic = context._repeat_difference(seed=False) if graph.samples else None
+        context.seeded = graph.nondeterministic is not None
         outputs, inputs_after = [], [] if graph.mutated_inputs else None
         if restore_state is not None:
             restore_state()
         with torch.no_grad():
             for sample in graph.samples:
                 inputs = sample.clone()
-                outputs.append(store.keep(module(*inputs.args, **inputs.kwargs)))
+                with context.rng():  # seeded per call, as each candidate's call is
+                    outputs.append(store.keep(module(*inputs.args, **inputs.kwargs)))
                 if inputs_after is not None:
                     inputs_after.append(store.keep(inputs.leaves()))
                 del inputs
-        return cls(module=module, module_name=module_name, graph=graph, device=device, workdir=workdir,
-                   reference_outputs=outputs, reference_inputs_after=inputs_after, cache=cache,
-                   restore_state=restore_state, references=store)
+        context.reference_outputs, context.reference_inputs_after = outputs, inputs_after
+        if context.seeded:
+            still = context._repeat_difference(seed=True, first=outputs[0])
+            context.seeded = still is None
+            graph.nondeterministic += ("; under a fixed seed eager repeats itself: candidates are checked under "
+                                       "that seed, without the fp32-parity rule" if still is None else
+                                       "; eager differs between runs even under a fixed seed: eager is kept")
+            logger.info("aitune: %s/%s: forward is nondeterministic: %s", module_name, graph.name,
+                        graph.nondeterministic)
+        return context
+
+    def rng(self):
+        """The random number generators a checked call runs under: for a :attr:`seeded` graph, the CPU's and the
+        graph's CUDA device's seeded with :data:`CHECK_SEED` (the caller's states restored after), else as they
+        are (a no-op)."""
+        return seeded_rng(self.device) if self.seeded else contextlib.nullcontext()
+
+    def require_comparable(self) -> None:
+        """Raise CorrectnessError for a nondeterministic graph that no seed makes repeat itself: eager differs from
+        eager there, so no candidate can be shown to compute what eager computes (eager is kept)."""
+        reason = getattr(self.graph, "nondeterministic", None)
+        if reason is not None and not self.seeded:
+            raise CorrectnessError(f"forward is nondeterministic: {reason}; no candidate can be compared with "
+                                   "eager, eager is kept")
+
+    def _repeat_difference(self, *, seed: bool, first: Any = None) -> str | None:
+        """Run the first sample through eager (twice, or once more against ``first``), the caller's random
+        generators left as they were; None when the outputs agree, else what differs."""
+        sample = self.graph.samples[0]
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=_cuda_indices(self.device)))
+            runs = [first] if first is not None else []
+            while len(runs) < 2:
+                if self.restore_state is not None:
+                    self.restore_state()
+                with seeded_rng(self.device) if seed else contextlib.nullcontext(), torch.no_grad():
+                    inputs = sample.clone()
+                    runs.append(self.module(*inputs.args, **inputs.kwargs))
+        if self.restore_state is not None:
+            self.restore_state()
+        try:
+            OutputComparator(Tolerance()).compare(runs[0], runs[1])
+        except ToleranceExceededError as exc:
+            if math.isfinite(exc.max_abs_error):
+                return f"two eager runs on one input differ (output {exc.leaf}: max abs error {exc.max_abs_error:.3g})"
+            return f"two eager runs on one input differ ({str(exc)[:120]})"
+        except CorrectnessError as exc:
+            return f"two eager runs on one input differ ({str(exc)[:120]})"
+        return None
 
     def run_eager(self, sample) -> Any:
         """Eager's outputs on a clone of ``sample``, under no_grad, from the starting state (as returned: pass
@@ -122,7 +186,7 @@ class GraphContext:
         if self.restore_state is not None:
             self.restore_state()
         inputs = sample.clone()
-        with torch.no_grad():
+        with torch.no_grad(), self.rng():
             return self.module(*inputs.args, **inputs.kwargs)
 
     def output_magnitudes(self) -> list[float | None]:
@@ -176,9 +240,10 @@ class GraphContext:
         Computed lazily, only when a candidate misses the plain tolerance on an fp16/bf16 leaf, or on an fp32
         leaf that eager computed in TF32 (correctness rule 5),
         and kept like eager's references (``references``); the copy is dropped right after. None when the copy
-        or the call fails (e.g. out of memory).
+        or the call fails (e.g. out of memory), and for a nondeterministic graph (rule 5 off there: eager's own
+        distance from an fp32 run measures its random draws, not its rounding; NOTE [nondeterministic forward]).
         """
-        if self._fp32_unavailable:
+        if self._fp32_unavailable or getattr(self.graph, "nondeterministic", None) is not None:
             return None
         if index not in self._fp32_outputs:
             try:
@@ -195,8 +260,9 @@ class GraphContext:
         return self._fp32_outputs.get(index)
 
     def fp32_reference_for(self, sample) -> Any:
-        """Outputs of a float32 copy of the module on ``sample`` (a probe), or None; the copy is dropped after."""
-        if self._fp32_unavailable:
+        """Outputs of a float32 copy of the module on ``sample`` (a probe), or None (as :meth:`fp32_reference`);
+        the copy is dropped after."""
+        if self._fp32_unavailable or getattr(self.graph, "nondeterministic", None) is not None:
             return None
         try:
             if self.restore_state is not None:
@@ -208,6 +274,39 @@ class GraphContext:
         except Exception:  # noqa: BLE001 - rule 5 is a second chance, never a new failure
             logger.debug("no fp32 reference for a probe of %s/%s", self.module_name, self.graph.name, exc_info=True)
             return None
+
+
+# NOTE [nondeterministic forward]: a ``forward`` that draws random numbers (``torch.randn_like`` noise,
+# ``F.dropout(x, training=True)``) differs from itself between runs, so "close to eager" says nothing unless both
+# sides draw the same numbers; and correctness rule 5's "no further from an fp32 run than eager" is met by any
+# output of the right scale, since eager's own distance from that run is the spread of its draws (a bf16
+# candidate passed it at SQNR -3 dB, cosine -0.02). Such a graph (two eager runs on its first sample disagree by
+# the default tolerance) is judged thus: eager's references and every candidate's checked call run with the
+# random generators seeded alike (``torch.manual_seed``); rule 5 is off; rules 3 and 6 decide. A candidate that
+# draws eager's stream (eager-based ones, TorchAO's quantized eager) can pass; one that draws its own (Inductor's
+# generator, ONNX Runtime's) fails with a reason that says the forward is nondeterministic. Where even a fixed
+# seed does not make eager repeat itself, every candidate is rejected and eager kept. The run-time guard does
+# not re-check such a graph (two runs of it cannot be compared). Documented in docs/design.md (correctness).
+CHECK_SEED = 20240917  # the seed of a nondeterministic graph's checked calls (any fixed number)
+
+
+def _cuda_indices(device: torch.device) -> list[int]:
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
+@contextlib.contextmanager
+def seeded_rng(device: torch.device) -> Iterator[None]:
+    """The CPU generator and ``device``'s CUDA generator seeded with :data:`CHECK_SEED`; their states before are
+    restored after (``torch.random.fork_rng``), so the caller's stream of random numbers does not move."""
+    indices = _cuda_indices(device)
+    with torch.random.fork_rng(devices=indices):
+        torch.default_generator.manual_seed(CHECK_SEED)
+        for index in indices:
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(CHECK_SEED)
+        yield
 
 
 def _float32(module: torch.nn.Module) -> torch.nn.Module:

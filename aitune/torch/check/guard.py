@@ -213,8 +213,9 @@ class RuntimeGuard:
 def guard_for(config: GuardConfig, graph, backend, tolerance, row: dict | None, checked: set,
               fallbacks: list | None = None) -> RuntimeGuard | None:
     """The run-time guard of one tuned graph, or None where re-running eager is not possible or pointless:
-    guard off, eager itself chosen, a stateful graph (a second run would advance the module's state), or a
-    graph whose ``forward`` changes its inputs in place.
+    guard off, eager itself chosen, a stateful graph (a second run would advance the module's state), a
+    graph whose ``forward`` changes its inputs in place, or a nondeterministic graph (``graph.nondeterministic``:
+    two runs of it differ, and seeding the caller's own call would change what it returns).
 
     Args:
         config: the module's :class:`GuardConfig`. graph: the tuned graph. backend: the chosen backend.
@@ -226,7 +227,8 @@ def guard_for(config: GuardConfig, graph, backend, tolerance, row: dict | None, 
     accurate than eager against an fp32 run) cannot be re-judged that way per call without an fp32 copy of
     the module; the guard then allows twice the largest error measured at tuning.
     """
-    if not config.enabled or getattr(backend, "passthrough", False) or graph.stateful or graph.mutated_inputs:
+    if not config.enabled or getattr(backend, "passthrough", False) or graph.stateful or graph.mutated_inputs \
+            or getattr(graph, "nondeterministic", None) is not None:
         return None
     row = row or {}
     comparison = row.get("comparison") or {}

@@ -135,6 +135,9 @@ class GraphSpec:
             statistics, step counters, caches): candidates are judged from the same starting state as eager, over
             the same sequence, and tuning puts that state back after its own runs.
         stateful_reason: what ``forward`` changed, e.g. ``forward changes attribute `count```; None when stateless.
+        nondeterministic: why two eager runs of ``forward`` on one input differ (random numbers drawn in
+            ``forward``), and how candidates are judged then; None when they agree or before tuning looked
+            (set by :meth:`aitune.torch.check.context.GraphContext.from_eager`).
     """
 
     def __init__(self, index: int, key: Hashable, input_spec: TreeSpec, leaves: list[Any], max_samples: int = 8,
@@ -168,6 +171,7 @@ class GraphSpec:
         self.mutated_inputs: list[str] = []
         self.stateful = False
         self.stateful_reason: str | None = None
+        self.nondeterministic: str | None = None
         self.training: bool | None = None
         self.signature: CallSignature | None = None  # set by the Recorder: normalises direct backend calls
         self._apply_dynamic_shapes(dynamic_shapes or {})
@@ -310,6 +314,7 @@ class GraphSpec:
             "mutated_inputs": list(self.mutated_inputs),
             "stateful": self.stateful,
             "stateful_reason": self.stateful_reason,
+            "nondeterministic": self.nondeterministic,
             "training": self.training,
         }
 
@@ -324,7 +329,8 @@ class GraphSpec:
         Returns:
             ``{"index", "input_structure", "input_paths", "input_names", "tensor_specs" (each with the
             ``"device"`` type its tensor was recorded on), "constants" ([{"leaf_index", "path", "value"}]),
-            "max_samples", "num_calls", "mutated_inputs", "stateful", "training"}``.
+            "max_samples", "num_calls", "mutated_inputs", "stateful", "stateful_reason", "nondeterministic",
+            "training"}``.
 
         Raises:
             CheckpointError: an input constant or structure type that has no JSON form.
@@ -347,6 +353,7 @@ class GraphSpec:
             "mutated_inputs": list(self.mutated_inputs),
             "stateful": self.stateful,
             "stateful_reason": self.stateful_reason,
+            "nondeterministic": self.nondeterministic,
             "training": self.training,
         }
 
@@ -387,6 +394,7 @@ class GraphSpec:
         graph.mutated_inputs = list(data.get("mutated_inputs", []))
         graph.stateful = bool(data.get("stateful", False))
         graph.stateful_reason = data.get("stateful_reason")
+        graph.nondeterministic = data.get("nondeterministic")
         graph.training = data.get("training")
         graph.signature = signature
         graph.output_spec = output_spec

@@ -249,6 +249,8 @@ class TuneReport:
         for graph in self.graphs:
             chosen = graph.selected or ("nothing built" if self.dry_run else "eager (fallback)")
             lines.append(f"{graph.module}/{graph.graph}: {chosen} — {graph.selection_reason}")
+            if (graph.spec or {}).get("nondeterministic"):
+                lines.append(f"  forward is nondeterministic: {graph.spec['nondeterministic']}")
             search = graph.max_batch_size
             if search:
                 found = f"{search['max_batch_size']} ({search.get('stopped_by', '')})" if search.get(

@@ -1,0 +1,156 @@
+"""A ``forward`` that draws random numbers (NOTE [nondeterministic forward] in aitune/torch/check/context.py):
+two eager runs on one input differ, so candidates are checked under one seed, without the fp32-parity rule
+(eager's own distance from an fp32 run is then the spread of its draws), and eager is kept where no seed makes
+eager repeat itself. A deterministic module is judged as before."""
+
+import pytest
+import torch
+
+import aitune.torch as ait
+from aitune.torch.backend import (ONNXRuntimeBackend, TorchAOBackend, TorchEagerBackend, TorchEagerBackendConfig,
+                                  TorchInductorAotBackend, TorchInductorJitBackend)
+from aitune.torch.check.context import GraphContext
+from aitune.torch.check.correctness import Tolerance
+from aitune.torch.check.guard import GuardConfig, guard_for
+
+NONDETERMINISTIC = "ToleranceExceededError: forward is nondeterministic"
+BF16_AUTOCAST = TorchEagerBackendConfig(autocast_enabled=True, autocast_dtype=torch.bfloat16)
+
+
+class Noisy(torch.nn.Module):
+    """A linear layer plus standard normal noise drawn in ``forward``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y + torch.randn_like(y)
+
+
+class OwnGenerator(torch.nn.Module):
+    """Noise from the module's own generator: no global seed makes two calls alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+        self.generator = torch.Generator().manual_seed(1)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y + torch.randn(y.shape, generator=self.generator, dtype=y.dtype)
+
+
+class Plain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.fc(x))
+
+
+def _tune(model, backends, dtype, fast_profiling, tmp_path):
+    strategy = ait.FirstWinsStrategy(backends, profiling_config=fast_profiling, allow_quantization=True,
+                                     allow_reduced_precision=True,
+                                     probe_config=ait.ProbeConfig(max_probes=2)).enable_performance_validation(False)
+    tuned = ait.Module(model, "m", strategy=strategy)
+    report = ait.tune(tuned, [torch.randn(b, 32, dtype=dtype) for b in (4, 8)], ready_batches=True,
+                      cache_dir_path=tmp_path / "cache")
+    return tuned, report
+
+
+def _accepted(report):
+    return [row for row in report.rows if row.status in ("passed", "selected")]
+
+
+def _noise_statistics(tuned, model, dtype):
+    """Mean and standard deviation of ``tuned(x) - fc(x)`` over many calls (eager: 0 and 1)."""
+    x = torch.randn(8, 32, dtype=dtype)
+    with torch.no_grad():
+        clean = model.fc(x).float()
+        residuals = torch.stack([tuned(x).float() - clean for _ in range(100)])
+    return float(residuals.mean()), float(residuals.std()), residuals
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16_model", "fp32_model"])
+def test_no_candidate_of_a_random_forward_passes_on_a_rule_eager_itself_fails(dtype, fast_profiling, tmp_path):
+    model = Noisy().eval().to(dtype)
+    backends = [TorchInductorJitBackend(), TorchInductorAotBackend(), TorchAOBackend(),
+                TorchEagerBackend(BF16_AUTOCAST)]
+    if dtype == torch.float32:
+        backends.insert(2, ONNXRuntimeBackend())  # ONNX Runtime binds no bf16 inputs
+    tuned, report = _tune(model, backends, dtype, fast_profiling, tmp_path)
+    graph = tuned.graphs[0]
+    assert graph.nondeterministic.startswith("two eager runs on one input differ")
+    assert "candidates are checked under that seed" in graph.nondeterministic
+    assert report.graphs[0].spec["nondeterministic"] == graph.nondeterministic
+    assert "forward is nondeterministic: two eager runs" in report.describe()
+    rows = {row.backend: row for row in report.rows if row.description != "TorchEagerBackend()"}
+    # The fp32-parity rule accepted the bf16 ones at SQNR -3 dB (eager's own distance from an fp32 run is its
+    # noise): it is off here, and no accepted row passed by it.
+    for row in _accepted(report):
+        assert "fp32-parity" not in str((row.comparison or {}).get("metric"))
+        assert (row.comparison or {}).get("max_abs_error", 0.0) < 0.1  # the same draws as eager, rounding only
+    # Inductor (its own random generator) and ONNX Runtime (its own RandomNormalLike) draw other numbers than
+    # eager: rejected, and the reason says why.
+    for name in ("inductor_jit", "inductor_aot") + (("onnxruntime",) if dtype == torch.float32 else ()):
+        assert rows[name].status == "rejected (correctness)", rows[name]
+        assert rows[name].reason.startswith(NONDETERMINISTIC), rows[name].reason
+    if rows["torchao"].status != "passed":
+        assert rows["torchao"].reason.startswith(NONDETERMINISTIC)
+    # The tuned module's noise is eager's: mean 0, standard deviation 1, and a fresh draw on every call.
+    mean, std, residuals = _noise_statistics(tuned, model, dtype)
+    assert abs(mean) < 0.05 and 0.9 < std < 1.1
+    assert not torch.equal(residuals[0], residuals[1])
+
+
+def test_a_forward_no_seed_controls_keeps_eager_with_the_reason(fast_profiling, tmp_path):
+    model = OwnGenerator().eval()
+    tuned, report = _tune(model, [TorchEagerBackend(BF16_AUTOCAST), TorchInductorJitBackend()], torch.float32,
+                          fast_profiling, tmp_path)
+    assert "even under a fixed seed: eager is kept" in tuned.graphs[0].nondeterministic
+    candidates = [row for row in report.rows if row.description != "TorchEagerBackend()"]
+    assert {row.status for row in candidates} == {"rejected (correctness)"}
+    for row in candidates:
+        assert row.reason.startswith("CorrectnessError: forward is nondeterministic: two eager runs"), row.reason
+        assert "eager is kept" in row.reason
+    assert report.graphs[0].selected == "TorchEagerBackend()"
+
+
+def test_references_of_a_random_forward_are_seeded_and_leave_the_callers_generator_alone(tmp_path):
+    model = Noisy().eval()
+    tuned = ait.Module(model, "m")
+    tuned(torch.randn(4, 32))
+    graph = tuned.graphs[0]
+    state = torch.get_rng_state()
+    context = GraphContext.from_eager(model, "m", graph, torch.device("cpu"), tmp_path)
+    assert torch.equal(torch.get_rng_state(), state)  # detection and seeded references draw on a forked stream
+    assert context.seeded and graph.nondeterministic is not None
+    assert context.fp32_reference(0) is None  # rule 5 is off for such a graph
+    # a probe's reference and the samples' are made under the same seed as a candidate's checked call
+    sample = graph.samples[0].clone()
+    with torch.no_grad(), context.rng():
+        again = model(*sample.args, **sample.kwargs)
+    assert torch.equal(again, context.reference_outputs[0].leaves[0].tensor())
+    assert torch.equal(context.run_eager(graph.samples[0]), again)
+    # no run-time guard: two runs of the graph cannot be compared
+    assert guard_for(GuardConfig(), graph, TorchEagerBackend(BF16_AUTOCAST), Tolerance(), None, set()) is None
+
+
+def test_a_deterministic_module_is_judged_as_before(fast_profiling, tmp_path):
+    model = Plain().eval().to(torch.bfloat16)
+    tuned, report = _tune(model, [TorchInductorJitBackend(), TorchEagerBackend(BF16_AUTOCAST)], torch.bfloat16,
+                          fast_profiling, tmp_path)
+    graph = tuned.graphs[0]
+    assert graph.nondeterministic is None and report.graphs[0].spec["nondeterministic"] is None
+    assert "nondeterministic" not in report.describe()
+    assert report.graphs[0].selected == "TorchInductorJitBackend()"  # first passing candidate, as before
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x), model(x), atol=1e-2, rtol=1e-2)
+    state = torch.get_rng_state()
+    context = GraphContext.from_eager(model, "m", graph, torch.device("cpu"), tmp_path)
+    assert not context.seeded and torch.equal(torch.get_rng_state(), state)
+    assert guard_for(GuardConfig(), graph, TorchEagerBackend(BF16_AUTOCAST), Tolerance(), None, set()) is not None
