@@ -180,7 +180,15 @@ class Dispatch:
         # hooks, submodules' flags and attributes, weights edited through .data.
         differs = self.baked.differs(backend, args, kwargs) if self.baked is not None else None
         if differs is not None:
-            return self.eager(args, kwargs, *differs)
+            if differs[0] == "grad" and self.eager_fallback_error is not None:
+                # eager may not run here (weights moved to 'meta', or other weights than the artifacts'): the
+                # backend answers as at tuning, without autograd, and says so once
+                if ("grad", "served") not in self._warned:
+                    self._warned.add(("grad", "served"))
+                    logger.warning("%s: %s — but eager may not run here (%s); the tuned backend answers without "
+                                   "autograd", self.name, differs[1], self.eager_fallback_error)
+            else:
+                return self.eager(args, kwargs, *differs)
         if tuned.passthrough:
             return backend.run(args, kwargs)
         watch = self.watch if tuned.bakes_weights else None

@@ -10,6 +10,7 @@ import torch.nn as nn
 from fake_clock import pause
 
 import aitune.torch as ait
+from aitune.torch.dispatch import Dispatch
 from aitune.errors import ConfigError
 from aitune.torch.backend import TorchEagerBackend, TorchInductorAotBackend
 from aitune.torch.check.guard import FULL_SCAN_EVERY, GuardConfig, RuntimeGuard, StateWatch
@@ -123,13 +124,13 @@ def test_guard_with_a_full_table_on_a_tuned_module(fast_profiling, fake_clock, m
     ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
     assert tuned.backends["graph0"].name == "test_slower_but_right"
     eager_runs = [0]
-    call_eager = ait.Module._call_eager  # counted there: a hook on the module would itself send calls to eager
+    call_eager = Dispatch.run_eager  # counted there: a hook on the module would itself send calls to eager
 
     def counted(self, args, kwargs):
         eager_runs[0] += 1
         return call_eager(self, args, kwargs)
 
-    monkeypatch.setattr(ait.Module, "_call_eager", counted)
+    monkeypatch.setattr(Dispatch, "run_eager", counted)
     expected = []
     with torch.no_grad():
         for batch in range(5, 65):  # 60 batch sizes, all but a few never recorded nor probed
