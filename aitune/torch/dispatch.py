@@ -38,7 +38,7 @@ class TunedGraph:
     """
 
     __slots__ = ("graph", "backend", "guard", "passthrough", "bakes_weights", "training", "checks_inputs",
-                 "values", "tables")
+                 "values", "tables", "drops_state")
 
     def __init__(self, graph, backend, tables: list[int] = ()) -> None:
         self.graph = graph
@@ -52,6 +52,8 @@ class TunedGraph:
         self.backend = backend
         self.passthrough = bool(getattr(backend, "passthrough", False))  # plain eager: nothing to route around
         self.bakes_weights = bool(backend.bakes_weights)
+        # a copy of the module (an exported graph, a frozen compile) would drop the state forward updates
+        self.drops_state = bool(self.graph.stateful) and bool(getattr(backend, "bakes_module_state", False))
         # Backend.rejects accepts everything; only a backend that overrides it is asked per call.
         self.checks_inputs = getattr(backend.rejects, "__func__", None) is not Backend.rejects
         # values the recorded calls never had (NOTE [value gate] in aitune/torch/backend/accepted.py)
@@ -69,6 +71,9 @@ class TunedGraph:
         if module.training != self.training:
             return "training", (f"module.training is {module.training} but it was tuned with {self.training}: "
                                 "eager runs")
+        if self.drops_state:
+            return "stateful", (f"{self.graph.stateful_reason or 'forward changes the module state'}, which "
+                                f"{self.backend.name}'s copy of the module would not: eager runs")
         return None
 
 
@@ -134,7 +139,12 @@ class Dispatch:
         self.watch = StateWatch(self.module) if bakes or stale else None
         if self.watch is not None:
             self.watch.reason = stale or previous
+        stale_values = None
+        if self.baked is not None:  # a .data edit found (or about to be) stays found
+            stale_values = self.baked.values_changed()
         self.baked = BakedState(self.module) if self.graphs else None
+        if self.baked is not None:
+            self.baked.stale = stale_values
 
     def release(self) -> None:
         """Release every backend (device memory, CUDA graphs); releasing never raises."""

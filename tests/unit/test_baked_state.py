@@ -257,3 +257,98 @@ def test_a_built_in_layers_hyper_parameter_is_obeyed_from_the_next_full_check_on
         served = tuned.backend_calls
         torch.testing.assert_close(tuned(x), model(x))  # the backend's own rounding again
         assert tuned.backend_calls == served + 1  # put back: the backend serves again
+
+
+class Scaled(nn.Module):
+    scale = 1.0  # a class-level default that an instance attribute may later shadow
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.body(x * self.scale)
+
+
+@pytest.fixture(scope="module")
+def scaled():
+    if "onnxruntime" not in BACKENDS:
+        pytest.skip("onnxruntime is not installed")
+    torch.manual_seed(0)
+    model = Scaled().eval().requires_grad_(False)
+    return model, tune(model, "scaled", BACKENDS["onnxruntime"]())
+
+
+def test_an_instance_attribute_shadowing_a_class_default_is_obeyed(scaled):
+    model, tuned = scaled
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        model.scale = 3.0
+        try:
+            torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
+        finally:
+            del model.scale
+        served = tuned.backend_calls
+        torch.testing.assert_close(tuned(x), model(x), atol=1e-5, rtol=1e-4)
+    assert tuned.backend_calls == served + 1
+
+
+def test_a_swapped_submodule_is_obeyed():
+    if "onnxruntime" not in BACKENDS:
+        pytest.skip("onnxruntime is not installed")
+    model = Scaled().eval().requires_grad_(False)
+    tuned = tune(model, "swapped", BACKENDS["onnxruntime"]())  # its own: needing a re-tune is sticky
+    x = torch.randn(4, 16)
+    original = model.body[1]
+    model.body[1] = nn.Tanh()  # no new parameters: only the module changed
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
+        assert "submodule" in tuned.needs_retune
+    finally:
+        model.body[1] = original
+
+
+def test_jit_discovery_hooks_do_not_count_as_the_users(scaled):
+    """JIT tuning registers global forward hooks of its own: a tuned module's watch ignores them."""
+    from aitune.torch.jit import discovery
+
+    model, tuned = scaled
+    x = torch.randn(4, 16)
+    installed = not discovery._hooks
+    discovery.install(False)
+    try:
+        served = tuned.backend_calls
+        with torch.no_grad():
+            tuned(x)
+        assert tuned.backend_calls == served + 1
+    finally:
+        if installed:
+            discovery.uninstall()
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x)
+
+
+def test_a_stateful_forward_is_not_served_by_a_copy_of_the_module():
+    """An exported copy would answer without counting: the calls run eager and the counter moves as eager's."""
+    if "onnxruntime" not in BACKENDS:
+        pytest.skip("onnxruntime is not installed")
+    model = Counting().eval().requires_grad_(False)
+    tuned = tune(model, "counting", BACKENDS["onnxruntime"]())
+    assert "calls" in tuned.graphs[0].stateful_reason
+    before = model.calls
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(tuned(x), model.fc(x), rtol=0, atol=0)
+    assert model.calls == before + 3
+    assert tuned.backend_calls == 0 and fallbacks(tuned, "stateful") >= 1  # then the changed counter says so too

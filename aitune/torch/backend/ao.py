@@ -292,7 +292,7 @@ class TorchAOBackend(Backend):
     _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
 
     def search_space(self, module, graph, device) -> list["Backend"]:
-        """Issue "Search": at the default configuration, the device's preset compiled with ``freezing`` (on CUDA
+        """At the default configuration, the device's preset compiled with ``freezing`` (on CUDA
         also with CUDA graphs), then — with a time budget — without freezing. A configuration the user chose
         is tried as given."""
         if self.config != TorchAOBackendConfig():

@@ -280,8 +280,8 @@ class Backend:
             handler.close()
 
     def search_space(self, module: torch.nn.Module | None, graph, device: torch.device | str) -> list["Backend"]:
-        """The configurations of this backend worth trying for ``module``/``graph`` on ``device`` (issue
-        "Search"): each one is a candidate and a report row. Default: this blueprint as configured.
+        """The configurations of this backend worth trying for ``module``/``graph`` on ``device``
+        (docs/adding_a_backend.md, "Variants and the default search"): each one is a candidate and a report row. Default: this blueprint as configured.
         Backends override it to offer variants when they are at their default configuration."""
         return [self]
 

@@ -149,7 +149,7 @@ class ONNXRuntimeBackend(Backend):
         return fused_path
 
     def search_space(self, module, graph, device) -> list["Backend"]:
-        """Issue "Search": at the default configuration (graph optimization level ``all``), plus ONNX Runtime's
+        """At the default configuration (graph optimization level ``all``), plus ONNX Runtime's
         transformer fusions for a BERT-like encoder; with a time budget (tier 1) also level ``extended``, which
         leaves out the layout optimizations of ``all`` (on CPU: NCHWc conversions, which do not pay off for
         every graph; ONNX Runtime's "Graph optimizations" documentation). A configuration the user chose is tried

@@ -33,8 +33,9 @@ What is watched, per backend (NOTE [what a backend follows]):
     calls with the sampled values — once one is found changed, every call runs eagerly until it is put back.
 ``stale`` (backends that bake the module in)
     Values of parameters, buffers and tensor attributes edited through ``.data`` (which bumps no version
-    counter and keeps the data pointer): a few elements of each tensor, evenly spaced, are compared bit for bit
-    with their values at capture every ``VALUES_CHECK_EVERY`` calls. The other weight changes (in-place edits,
+    counter and keeps the data pointer): a few elements of each CPU tensor, evenly spaced, are compared bit for
+    bit with their values at capture every ``VALUES_CHECK_EVERY`` calls (CUDA tensors are not read: that would
+    synchronize the device). The other weight changes (in-place edits,
     ``load_state_dict``, ``.to()``) are :class:`aitune.torch.check.guard.StateWatch`'s.
 
 Known limits: an attribute read only by a free function the module passes itself to, or ``training`` read
@@ -92,8 +93,12 @@ class Policy:
         self.device_type = torch.device(device).type if device is not None else "cpu"
 
 
+OWN_HOOK_IDS: set[int] = set()  # handle ids of aitune's own global hooks (JIT discovery): not the user's
+
+
 def _hooks_of(modules: list[torch.nn.Module]) -> tuple:
-    """Every forward/forward-pre hook registered now: ``(module index, kind, handle ids)``, and the global ones."""
+    """Every forward/forward-pre hook registered now: ``(module index, kind, handle ids)``, and the global ones
+    (except aitune's own, :data:`OWN_HOOK_IDS`)."""
     found = []
     for index, module in enumerate(modules):
         if module._forward_hooks:
@@ -103,7 +108,9 @@ def _hooks_of(modules: list[torch.nn.Module]) -> tuple:
     for name in _GLOBAL_HOOKS:
         hooks = getattr(nn_module, name, None)
         if hooks:
-            found.append((-1, name, tuple(hooks)))
+            users = tuple(key for key in hooks if key not in OWN_HOOK_IDS)
+            if users:
+                found.append((-1, name, users))
     return tuple(found)
 
 
@@ -111,6 +118,8 @@ def _sampled_view(tensor: torch.Tensor) -> torch.Tensor | None:
     """A view of up to SAMPLED_ELEMENTS elements of ``tensor``, evenly spaced, sharing its storage (None for an
     empty tensor or a layout without a flat view)."""
     data = tensor.detach()
+    if data.device.type != "cpu":  # comparing would synchronize the device every VALUES_CHECK_EVERY calls
+        return None
     if data.numel() == 0 or data.is_meta or data.is_sparse or data.is_quantized or data.element_size() not in _BITS:
         return None
     if data.is_contiguous():
@@ -134,7 +143,7 @@ class BakedState:
         self.modules = list(dict.fromkeys(module.modules()))
         self.names = [name for name, _ in module.named_modules(remove_duplicate=True)]
         self.parameters = [p for p in module.parameters() if p is not None]
-        self.policies: dict[int, Policy] = {}
+        self.policies: dict[int, tuple[Any, Policy]] = {}
         self.stale: str | None = None
         self.calls = 0
         self._capture_hooks()
@@ -166,8 +175,10 @@ class BakedState:
         self.fast_dicts = [self.dicts[index] for index, _ in fast]
         self.fast_getters = [operator.itemgetter(*keys) for _, keys in fast]
         # attributes added later matter where forward reads a name by string that the module lacks now
+        # ... and where forward reads a plain class attribute that an instance attribute may later shadow
         self.sized = [attributes for module, attributes in zip(self.modules, self.dicts)
-                      if not _optional_names(type(module)) <= attributes.keys()]
+                      if not _optional_names(type(module)) <= attributes.keys()
+                      or _class_defaults(type(module), reads[type(module)]) - attributes.keys()]
         self.sizes = list(map(len, self.sized))
         self.attributes = self._attributes()
         self.fast_attributes = self._fast_attributes()
@@ -209,10 +220,10 @@ class BakedState:
 
     def policy(self, backend: Any) -> Policy:
         """What is watched for ``backend`` (computed once per backend object)."""
-        policy = self.policies.get(id(backend))
-        if policy is None:
-            policy = self.policies[id(backend)] = Policy(backend)
-        return policy
+        entry = self.policies.get(id(backend))
+        if entry is None or entry[0] is not backend:  # an id can be reused once a replaced backend is freed
+            entry = self.policies[id(backend)] = (backend, Policy(backend))
+        return entry[1]
 
     # ---- per call
     def differs(self, backend: Any, args: tuple, kwargs: dict) -> tuple[str, str] | None:
@@ -228,7 +239,8 @@ class BakedState:
             reason = self._needs_grad(args, kwargs)
             if reason is not None:
                 return "grad", reason
-        policy = self.policies.get(id(backend)) or self.policy(backend)
+        entry = self.policies.get(id(backend))
+        policy = entry[1] if entry is not None and entry[0] is backend else self.policy(backend)
         if policy.grad_only:
             return None
         if policy.autocast and torch.is_autocast_enabled(policy.device_type):
@@ -315,6 +327,13 @@ class BakedState:
 
 
 _CALL = getattr(operator, "call", None) or (lambda function, argument: function(argument))  # Python 3.10
+
+
+def _class_defaults(klass: type, names: frozenset[str]) -> set[str]:
+    """The names among ``names`` that ``klass`` holds as plain class-level values (``scale = 1.0`` in the class
+    body), which ``self.scale = ...`` later shadows."""
+    return {name for name in names if isinstance(getattr(klass, name, None), _PLAIN)
+            and not name.startswith("__") and name != "training"}
 
 
 def _built_in(module: torch.nn.Module) -> bool:

@@ -291,6 +291,7 @@ class StateWatch:
         self.version_sum = sum(self.versions)
         self.pointer_sum = sum(self.pointers)
         self.registrations = _REGISTRATIONS[0]
+        self.submodules = list(map(id, self.module.modules()))  # a submodule swapped for another (no new weights)
         self.first = self.tensors[0] if self.tensors else None
         self.first_facts = (self.pointers[0], self.dtypes[0]) if self.tensors else None
         self.calls = 0
@@ -313,6 +314,8 @@ class StateWatch:
         return self.reason
 
     def _what_changed(self) -> str | None:
+        if list(map(id, self.module.modules())) != self.submodules:
+            return "a submodule was replaced or added since tuning"
         named = _named_state(self.module)
         current = dict(named)
         if [name for name, _ in named] != self.names:

@@ -27,6 +27,7 @@ from aitune.torch.jit import inspection, patching, state
 from aitune.torch.jit.config import JITMode, jit_config
 from aitune.torch.jit.patched_module import JitState, PatchedModule, track
 from aitune.torch.record.locate import MODULE, walk
+from aitune.torch.check.baked_state import OWN_HOOK_IDS
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ def install(global_enable: bool) -> None:
         return
     _hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(_pre_hook))
     _hooks.append(torch.nn.modules.module.register_module_forward_hook(_post_hook, always_call=True))
+    OWN_HOOK_IDS.update(handle.id for handle in _hooks)  # a tuned module's watch ignores these
     warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING, category=UserWarning)
 
 
@@ -62,6 +64,7 @@ def uninstall() -> None:
     """Remove the hooks and every patch; forget every module."""
     for handle in _hooks:
         handle.remove()
+        OWN_HOOK_IDS.discard(handle.id)
     _hooks.clear()
     _global["enabled"] = False
     warnings.filters[:] = [entry for entry in warnings.filters
