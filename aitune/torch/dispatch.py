@@ -38,11 +38,10 @@ class TunedGraph:
     """
 
     __slots__ = ("graph", "backend", "guard", "passthrough", "bakes_weights", "training", "checks_inputs",
-                 "values", "tables", "drops_state")
+                 "values", "drops_state")
 
-    def __init__(self, graph, backend, tables: list[int] = ()) -> None:
+    def __init__(self, graph, backend) -> None:
         self.graph = graph
-        self.tables = list(tables)  # num_embeddings of the module's embedding tables (for the value gate)
         self.guard = None  # a RuntimeGuard (aitune.torch.check.guard), or None: no checks against eager
         self.training = bool(graph.training)
         self.set_backend(backend)
@@ -57,8 +56,7 @@ class TunedGraph:
         # Backend.rejects accepts everything; only a backend that overrides it is asked per call.
         self.checks_inputs = getattr(backend.rejects, "__func__", None) is not Backend.rejects
         # values the recorded calls never had (NOTE [value gate] in aitune/torch/backend/accepted.py)
-        self.values = None if self.passthrough else ValueGate.for_graph(self.graph, bool(backend.is_quantizing),
-                                                                           self.tables)
+        self.values = None if self.passthrough else ValueGate.for_graph(self.graph, bool(backend.is_quantizing))
 
     def refusal(self, module: torch.nn.Module) -> tuple[Any, str] | None:
         """Why this graph's artifact may not serve a call of ``module`` now, as ``(fallback key, message)``, or
@@ -98,9 +96,7 @@ class Dispatch:
         self.module = module
         self.name = name
         self.signature = signature
-        tables = [layer.num_embeddings for layer in module.modules()
-                  if isinstance(layer, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
-        self.graphs: list[TunedGraph] = [TunedGraph(graph, backend, tables) for graph, backend in entries]
+        self.graphs: list[TunedGraph] = [TunedGraph(graph, backend) for graph, backend in entries]
         self._by_key = {tuned.graph.key: tuned for tuned in self.graphs}
         self._by_id = {id(tuned.graph): tuned for tuned in self.graphs}
         self._by_flat_key = {}  # flat key of a graph's first sample -> TunedGraph (no flattening for such calls)

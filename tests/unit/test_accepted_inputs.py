@@ -100,20 +100,29 @@ def test_the_value_gate_reads_only_cpu_tensors():
 
 
 def test_the_value_gate_lets_through_every_valid_id_of_an_embedding_table():
-    """Ids the samples did not hold but the table has are served (the next request's tokens); ids past the
-    smallest table that fits the recorded ones, and negative ids, are not."""
+    """Ids the samples did not hold but the table they index has are served (the next request's tokens); ids past
+    that table, negative ids, and an integer input that indexes something else (a plain tensor) keep the
+    recorded range."""
     from aitune.torch.backend.accepted import ValueGate
     from aitune.torch.record.samples import Recorder
 
     class Tokens(torch.nn.Module):
-        def forward(self, ids, positions):
-            return ids + positions
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(50, 4)
+            self.bias = torch.zeros(8)  # 8 rows, indexed by `relative` (not an embedding table)
+            self.wide = torch.nn.Embedding(1000, 4)  # never given `relative` directly
 
-    recorder = Recorder(Tokens())
-    recorder.record(Tokens(), (torch.tensor([3, 17, 40]), torch.tensor([0, 1, 2])), {}, None)
+        def forward(self, ids, relative):
+            return self.embed(ids).sum(-1) + self.bias[relative] + self.wide(relative % 3).sum(-1)
+
+    model = Tokens()
+    recorder = Recorder(model)
+    recorder.record(model, (torch.tensor([3, 17, 40]), torch.tensor([0, 1, 2])), {}, None)
     graph = next(iter(recorder.graphs.values()))
-    gate = ValueGate.for_graph(graph, quantizing=False, table_sizes=[50, 64, 2])  # vocabulary, positions, types
+    assert [spec.table_rows for spec in graph.tensor_specs] == [50, None]
+    gate = ValueGate.for_graph(graph, quantizing=False)
     assert gate.rejects([torch.tensor([0, 49, 1]), torch.tensor([0, 1, 2])]) is None
     assert "outside the accepted [0, 49]" in gate.rejects([torch.tensor([0, 50, 1]), torch.tensor([0, 1, 2])])
     assert "outside" in gate.rejects([torch.tensor([-1, 5, 1]), torch.tensor([0, 1, 2])])
-    assert ValueGate.for_graph(graph, quantizing=False).rejects([torch.tensor([0, 5, 1]), torch.tensor([0, 1, 2])])
+    assert "outside the accepted [0, 2]" in gate.rejects([torch.tensor([0, 5, 1]), torch.tensor([0, 1, 7])])

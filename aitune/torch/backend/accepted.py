@@ -157,8 +157,8 @@ def _range_text(low: list[int], high: list[int]) -> str:
 
 # NOTE [value gate]: a built artifact was checked on the recorded calls' values only. Three kinds of value it
 # never saw go to eager instead, which gives eager's answer or raises eager's error:
-# - integer inputs outside the recorded range (widened to a whole embedding table when the recorded ids fit
-#   one: ValueGate.for_graph): an out-of-range index makes Inductor's bounds check abort the
+# - integer inputs outside the recorded range (widened to a whole embedding table for an input the recorded
+#   calls passed straight to one: ValueGate.for_graph): an out-of-range index makes Inductor's bounds check abort the
 #   whole process (pytorch/pytorch#126691) and ONNX Runtime's Gather wrap a negative index around
 #   (microsoft/onnxruntime#1533) where eager raises IndexError;
 # - nan/inf in a floating input whose recorded calls were all finite: compiled and exported kernels may
@@ -190,20 +190,16 @@ class ValueGate:
     leaf_indices: list[int] = dataclasses.field(default_factory=list)  # the leaves any check reads
 
     @classmethod
-    def for_graph(cls, graph, quantizing: bool, table_sizes: list[int] = ()) -> "ValueGate | None":
+    def for_graph(cls, graph, quantizing: bool) -> "ValueGate | None":
         """The gate of a graph's recorded value ranges (``TensorSpec.value_range``/``finite``); None when there is
-        nothing to check.
+        nothing to check. An integer input that the recorded calls passed straight to an embedding table
+        (``TensorSpec.table_rows``) accepts every row of it, ``[0, rows)``, not only the ids the samples held.
 
         Args:
             graph: a :class:`~aitune.torch.record.samples.GraphSpec`.
             quantizing: the backend quantizes activations or weights (``Backend.is_quantizing``).
-            table_sizes: ``num_embeddings`` of the module's embedding tables. An integer input recorded within
-                ``[0, high]`` is taken as indices into one of them: every id below the smallest table larger than
-                ``high`` is valid for the table it feeds, so the gate lets through ``[0, that size)``, not only the
-                ids the samples happened to hold. Without such a table the recorded range itself is the limit.
         """
         gate = cls()
-        sizes = sorted(set(table_sizes))
         for spec in graph.tensor_specs:
             value_range = getattr(spec, "value_range", None)
             if spec.dtype == torch.bool or spec.dtype.is_complex:
@@ -211,9 +207,9 @@ class ValueGate:
             if not spec.dtype.is_floating_point:
                 if value_range is not None:
                     low, high = int(value_range[0]), int(value_range[1])
-                    table = next((size for size in sizes if size > high), None) if low >= 0 else None
-                    if table is not None:
-                        low, high = 0, table - 1
+                    rows = getattr(spec, "table_rows", None)
+                    if rows is not None and 0 <= low and high < rows:
+                        low, high = 0, rows - 1
                     gate.integers.append((spec.leaf_index, spec.path, low, high))
                 continue
             if quantizing and value_range is not None:

@@ -38,6 +38,9 @@ class TensorSpec:
             tensors or before any call); aitune's value gate (:mod:`aitune.torch.backend.accepted`) routes
             integer inputs outside it, and quantized candidates' inputs far outside it, to eager.
         finite: every recorded call's values were finite (no nan/inf) — non-finite inputs then run eager.
+        table_rows: for an integer input that a recorded call passed straight to an ``nn.Embedding`` (or
+            ``EmbeddingBag``), the rows of that table (the smallest, if several): every id in ``[0, rows)`` is
+            valid, so the value gate accepts them all, not only the ids the samples held. None otherwise.
     """
 
     name: str
@@ -51,6 +54,7 @@ class TensorSpec:
     dims: list[DynamicDim | None]
     value_range: list[float] | None = None
     finite: bool = True
+    table_rows: int | None = None
 
     def record_values(self, tensor: torch.Tensor) -> None:
         """Widen :attr:`value_range` (and clear :attr:`finite`) by one call's tensor."""
@@ -86,7 +90,7 @@ class TensorSpec:
         return {"name": self.name, "path": self.path, "leaf_index": self.leaf_index,
                 "dtype": dtype_name(self.dtype), "min_shape": self.min_shape,
                 "max_shape": self.max_shape, "axes": self.axes, "value_range": self.value_range,
-                "finite": self.finite}
+                "finite": self.finite, "table_rows": self.table_rows}
 
     def to_json(self) -> dict:
         """Every field as JSON (checkpoint manifests): NaN multipliers as None, declared dims as
@@ -96,7 +100,7 @@ class TensorSpec:
         return {"name": self.name, "path": self.path, "leaf_index": self.leaf_index, "dtype": dtype_name(self.dtype),
                 "min_shape": list(self.min_shape), "max_shape": list(self.max_shape), "axes": list(self.axes),
                 "multipliers": [None if math.isnan(m) else m for m in self.multipliers], "dims": dims,
-                "value_range": self.value_range, "finite": self.finite}
+                "value_range": self.value_range, "finite": self.finite, "table_rows": self.table_rows}
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorSpec":
@@ -113,7 +117,8 @@ class TensorSpec:
                    max_shape=[int(v) for v in data["max_shape"]], axes=list(data["axes"]),
                    multipliers=[math.nan if m is None else float(m) for m in data["multipliers"]], dims=dims,
                    value_range=None if data.get("value_range") is None else list(data["value_range"]),
-                   finite=bool(data.get("finite", True)))
+                   finite=bool(data.get("finite", True)),
+                   table_rows=None if data.get("table_rows") is None else int(data["table_rows"]))
 
 
 class GraphSpec:

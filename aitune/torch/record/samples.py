@@ -13,7 +13,9 @@ and keeps every name importable.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Iterable
+import contextlib
+
+from typing import Any, Hashable, Iterable, Iterator
 
 import torch
 
@@ -72,7 +74,12 @@ class Recorder:
             batch_size = infer_batch_size(leaves)
         sample = Sample(cloned_args, cloned_kwargs, batch_size)
         state_before, kept = state_marks(module)
-        output = module(*args, **kwargs)
+        with _embedding_inputs(module, leaves) as tables:
+            output = module(*args, **kwargs)
+        for spec in graph.tensor_specs:
+            rows = tables.get(spec.leaf_index)
+            if rows is not None:
+                spec.table_rows = rows if spec.table_rows is None else min(spec.table_rows, rows)
         changed = changed_state(state_before, state_marks(module)[0])
         del kept
         if changed:
@@ -89,6 +96,30 @@ class Recorder:
         graph.output_spec = tree_flatten(output)[1]
         graph.add(sample, leaves)
         return output
+
+
+@contextlib.contextmanager
+def _embedding_inputs(module: torch.nn.Module, leaves: list) -> Iterator[dict[int, int]]:
+    """While the call runs: which integer input leaves reach an embedding table as they are (by identity), as
+    ``{leaf index: rows of the smallest such table}`` (filled in as the call runs)."""
+    found: dict[int, int] = {}
+    integer_leaves = {id(leaf): index for index, leaf in enumerate(leaves)
+                      if isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex()
+                      and leaf.dtype != torch.bool}
+    handles = []
+    if integer_leaves:
+        def seen(layer, inputs):
+            index = integer_leaves.get(id(inputs[0])) if inputs else None
+            if index is not None:
+                found[index] = min(found.get(index, layer.num_embeddings), layer.num_embeddings)
+
+        handles = [layer.register_forward_pre_hook(seen) for layer in module.modules()
+                   if isinstance(layer, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def record_graphs(module: torch.nn.Module, calls: Iterable[tuple[tuple, dict]], **recorder_options) -> list[GraphSpec]:
