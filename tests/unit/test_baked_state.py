@@ -143,13 +143,21 @@ def test_a_global_forward_hook_runs(net):
     name, model, tuned = net
     x = torch.randn(4, 16)
     seen = []
-    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: seen.append(module))
+
+    def hook(module, args, output):  # records the call and shapes the output, as a feature hook might
+        seen.append(module)
+        return output * 2 if module is model.fc2 else None
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
     try:
         with torch.no_grad():
-            tuned(x)
+            output = tuned(x)
+            seen.clear()
+            expected = model(x)  # eager with the hook: fc2's output doubled
     finally:
         handle.remove()
     assert model.fc2 in seen
+    torch.testing.assert_close(output, expected, rtol=0, atol=0)
 
 
 def test_a_submodule_put_in_training_mode_is_obeyed(net):

@@ -26,6 +26,7 @@ from aitune.errors import (  # noqa: F401 - one_line: re-exported
     BackendBuildError,
     BackendStateError,
     BackendUnavailableError,
+    CheckpointError,
     ConfigError,
     one_line,
 )
@@ -36,6 +37,7 @@ from aitune.torch.backend.backend_config import (  # noqa: F401 - re-exported fo
     parse_dtype,
 )
 from aitune.torch.backend.build_log import into_build_log
+from aitune.torch.common.files import checkpoint_path
 from aitune.torch.backend.registry import (  # noqa: F401 - re-exported
     get_backend_class,
     register_backend_class,
@@ -480,3 +482,10 @@ class Backend:
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot be loaded from a checkpoint")
+
+    def _stored_file(self, directory: Path, metadata: dict, key: str, default: str) -> Path:
+        """The file ``metadata[key]`` (``default`` when absent) names below ``directory``, checked by
+        :func:`~aitune.torch.common.files.checkpoint_path`; CheckpointError when it is not there."""
+        name = metadata.get(key, default)
+        return checkpoint_path(directory, name, f"{self.name} metadata {key!r}", missing=CheckpointError(
+            f"{self.name}: {Path(directory) / str(name)} is missing from the checkpoint"))

@@ -57,21 +57,22 @@ import enum
 import functools
 import operator
 import types
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.modules.module as nn_module
 from torch.utils.hooks import RemovableHandle
 
+from aitune.torch.check.guard import VERSION, named_state
 from aitune.torch.record.pytree import tree_flatten
+from aitune.torch.record.state import MODULE_INTERNALS
 
 VALUES_CHECK_EVERY = 64  # calls between comparisons of sampled weight values (see the module docstring)
 SAMPLED_ELEMENTS = 8  # elements per tensor compared by the values check
 
-_INTERNAL = frozenset(torch.nn.Module().__dict__) - {"training"}  # nn.Module's own bookkeeping
+_INTERNAL = MODULE_INTERNALS - {"training"}  # nn.Module's own bookkeeping; `training` is watched
 _PLAIN = (bool, int, float, str, type(None), enum.Enum, torch.dtype, torch.device)
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
-_VERSION = operator.attrgetter("_version")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -213,10 +214,7 @@ class BakedState:
         self.value_groups = [(group, torch.cat(group)) for group in groups.values()]
 
     def _named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        owner = self.modules[0]
-        named = list(owner.named_parameters(remove_duplicate=True)) + list(owner.named_buffers(remove_duplicate=True))
-        return ([(name, tensor) for name, tensor in named if tensor is not None]
-                + list(zip(self.tensor_names, self.tensor_values)))
+        return named_state(self.modules[0]) + list(zip(self.tensor_names, self.tensor_values))
 
     def policy(self, backend: Any) -> Policy:
         """What is watched for ``backend`` (computed once per backend object)."""
@@ -258,7 +256,7 @@ class BakedState:
         self.calls += 1
         every = self.calls % VALUES_CHECK_EVERY == 0
         if (list(map(len, self.sized)) != self.sizes or not _same(self._fast_attributes(), self.fast_attributes)
-                or sum(map(_VERSION, self.tensor_values)) != self.tensor_versions
+                or sum(map(VERSION, self.tensor_values)) != self.tensor_versions
                 or (every and not _same(self._attributes(), self.attributes))):
             self.calls -= 1  # checked in full again on the next call
             return "module", (f"{self._what_attribute_changed()}; {backend.name} baked the module in as it was at "

@@ -248,7 +248,7 @@ def guard_for(config: GuardConfig, graph, backend, tolerance, row: dict | None, 
 FULL_SCAN_EVERY = 16  # calls between full data-pointer scans (see StateWatch)
 _REGISTRATIONS = [0]  # bumped by PyTorch's global parameter/buffer/module registration hooks
 _HOOKS: list = []
-_VERSION = operator.attrgetter("_version")
+VERSION = operator.attrgetter("_version")  # a tensor's version counter (bumped by in-place writes)
 _DATA_PTR = torch.Tensor.data_ptr
 
 
@@ -282,7 +282,7 @@ class StateWatch:
         self.reason: str | None = None
 
     def _snapshot(self) -> None:
-        named = _named_state(self.module)
+        named = named_state(self.module)
         self.names = [name for name, _ in named]
         self.tensors = [tensor for _, tensor in named]
         self.versions = [tensor._version for tensor in self.tensors]
@@ -304,7 +304,7 @@ class StateWatch:
         tensors = self.tensors
         self.calls += 1
         first = self.first
-        if (sum(map(_VERSION, tensors)) == self.version_sum and _REGISTRATIONS[0] == self.registrations
+        if (sum(map(VERSION, tensors)) == self.version_sum and _REGISTRATIONS[0] == self.registrations
                 and (first is None or (first.data_ptr(), (first.dtype, first.device)) == self.first_facts)
                 and (self.calls % FULL_SCAN_EVERY or sum(map(_DATA_PTR, tensors)) == self.pointer_sum)):
             return None
@@ -316,7 +316,7 @@ class StateWatch:
     def _what_changed(self) -> str | None:
         if list(map(id, self.module.modules())) != self.submodules:
             return "a submodule was replaced or added since tuning"
-        named = _named_state(self.module)
+        named = named_state(self.module)
         current = dict(named)
         if [name for name, _ in named] != self.names:
             missing = sorted(set(self.names) - set(current))
@@ -338,6 +338,7 @@ class StateWatch:
         return None
 
 
-def _named_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def named_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every parameter and buffer of ``module`` (shared ones once, None ones skipped)."""
     named = list(module.named_parameters(remove_duplicate=True)) + list(module.named_buffers(remove_duplicate=True))
     return [(name, tensor) for name, tensor in named if tensor is not None]

@@ -315,14 +315,14 @@ class GraphSpec:
             "inputs": [spec.to_dict() for spec in self.tensor_specs],
             "constants": {path: repr(value) for path, value in self.constants.items()},
             "num_samples": len(self.samples),
-            "num_calls": self.num_calls,
-            "mutated_inputs": list(self.mutated_inputs),
-            "stateful": self.stateful,
-            "stateful_reason": self.stateful_reason,
-            "nondeterministic": self.nondeterministic,
-            "training": self.training,
+            **self._behaviour(),
         }
 
+    def _behaviour(self) -> dict:
+        """What the recorded calls showed of ``forward`` (shared by :meth:`describe` and :meth:`to_json`)."""
+        return {"num_calls": self.num_calls, "mutated_inputs": list(self.mutated_inputs), "stateful": self.stateful,
+                "stateful_reason": self.stateful_reason, "nondeterministic": self.nondeterministic,
+                "training": self.training}
 
     # ---- JSON (checkpoint manifests)
     def to_json(self, module_name: str | None = None) -> dict:
@@ -354,12 +354,7 @@ class GraphSpec:
                              for spec in self.tensor_specs],
             "constants": constants,
             "max_samples": self.max_samples,
-            "num_calls": self.num_calls,
-            "mutated_inputs": list(self.mutated_inputs),
-            "stateful": self.stateful,
-            "stateful_reason": self.stateful_reason,
-            "nondeterministic": self.nondeterministic,
-            "training": self.training,
+            **self._behaviour(),
         }
 
     @classmethod

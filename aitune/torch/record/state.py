@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 # nn.Module's own bookkeeping (hooks, registries, flags), never user state.
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"training", "_compiled_call_impl"}
+# nn.Module's own bookkeeping (and the flag `train()` sets): not state a forward keeps
+MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"training", "_compiled_call_impl"}
 _SCALARS = (int, float, bool, str, bytes, complex, type(None))
 _CONTAINER_ITEMS = 256  # items of a container read one by one; a longer one is marked by identity and length
 
@@ -43,7 +44,7 @@ def _mark(value: Any, keep: list, depth: int = 0) -> Any:
 def _attributes(module: torch.nn.Module):
     for prefix, sub in module.named_modules():
         for name, value in list(vars(sub).items()):
-            if name in _MODULE_INTERNALS or isinstance(value, torch.nn.Module):
+            if name in MODULE_INTERNALS or isinstance(value, torch.nn.Module):
                 continue
             yield (f"{prefix}.{name}" if prefix else name), sub, name, value
 

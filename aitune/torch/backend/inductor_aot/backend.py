@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from aitune.errors import BackendBuildError, CheckpointError, IsolatedStepError
+from aitune.errors import BackendBuildError, IsolatedStepError
 from aitune.torch.backend.accepted import AcceptedInputs, batch_axes
 from aitune.torch.backend.base import Backend, BuildMode, Check
 from aitune.torch.backend.flat import FlatIO, eager_output
@@ -29,7 +29,6 @@ from aitune.torch.common.dtypes import dtype_name
 from aitune.torch.common.requirements import torch_version_at_least
 from aitune.torch.record.serialization import output_template_from_json, outputs_to_json
 from aitune.torch.backend.isolation import resolve_target, run_isolated, submit_isolated
-from aitune.torch.common.files import checkpoint_path
 
 logger = logging.getLogger(__name__)
 
@@ -251,9 +250,7 @@ class TorchInductorAotBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        package = metadata.get("package", PACKAGE_FILE)
-        package_path = checkpoint_path(directory, package, f"{self.name} metadata 'package'", missing=CheckpointError(
-            f"{self.name}: {Path(directory) / str(package)} is missing from the checkpoint"))
+        package_path = self._stored_file(directory, metadata, "package", PACKAGE_FILE)
         self._accepted = AcceptedInputs.from_json({"inputs": metadata["inputs"],
                                                    "batch_axes": metadata.get("batch_axes", []),
                                                    "device_type": metadata.get("device_type", device.type)})

@@ -26,7 +26,6 @@ from aitune.torch.backend.tensorrt.quantization import (
     write_calibration_data,
 )
 from aitune.torch.common.dtypes import dtype_name
-from aitune.torch.common.files import checkpoint_path
 from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
 from aitune.torch.backend.isolation import run_isolated
 from aitune.torch.backend.onnx_export import export_onnx
@@ -337,9 +336,7 @@ class TensorRTBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        engine = metadata.get("engine", ENGINE_FILE)
-        engine_path = checkpoint_path(directory, engine, f"{self.name} metadata 'engine'", missing=CheckpointError(
-            f"{self.name}: {Path(directory) / str(engine)} is missing from the checkpoint"))
+        engine_path = self._stored_file(directory, metadata, "engine", ENGINE_FILE)
         inputs = metadata["inputs"]
         self._names = [entry["name"] for entry in inputs]
         self._leaf_indices = [int(entry["leaf_index"]) for entry in inputs]

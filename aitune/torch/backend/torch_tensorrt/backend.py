@@ -25,7 +25,6 @@ from aitune.torch.backend.torch_tensorrt.export import export_flat_module
 from aitune.torch.backend.isolation import run_isolated
 from aitune.torch.record.serialization import output_template_from_json, outputs_to_json
 from aitune.torch.backend.tensorrt.backend import StoredGraph, StoredTensorSpec
-from aitune.torch.common.files import checkpoint_path
 
 logger = logging.getLogger(__name__)
 
@@ -192,9 +191,7 @@ class TorchTensorRTAotBackend(Backend):
         }
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
-        name = metadata.get("artifact", ARTIFACT_FILE)
-        artifact = checkpoint_path(directory, name, f"{self.name} metadata 'artifact'", missing=CheckpointError(
-            f"{self.name}: {Path(directory) / str(name)} is missing from the checkpoint"))
+        artifact = self._stored_file(directory, metadata, "artifact", ARTIFACT_FILE)
         self._inputs = [{key: value for key, value in entry.items() if key != "leaf_index"}
                         for entry in metadata["inputs"]]
         self._leaf_indices = [int(entry["leaf_index"]) for entry in metadata["inputs"]]
