@@ -22,7 +22,8 @@ from aitune.torch.backend.base import Backend
 from aitune.torch.backend.eager import TorchEagerBackend
 from aitune.torch.check.baked_state import BakedState
 from aitune.torch.check.guard import StateWatch
-from aitune.torch.record.pytree import tree_flatten, tree_unflatten
+from aitune.torch.record.llm import PhaseCall, llm_phase, phase_call
+from aitune.torch.record.pytree import LEAF, tree_flatten, tree_unflatten
 from aitune.torch.record.samples import make_graph_key
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ class Dispatch:
     """
 
     __slots__ = ("module", "name", "signature", "graphs", "_by_key", "_by_flat_key", "_by_id", "_routes", "watch",
-                 "fallbacks", "backend_calls", "_warned", "eager_fallback_error", "baked")
+                 "fallbacks", "backend_calls", "_warned", "eager_fallback_error", "baked", "phases",
+                 "_phase_routes")
 
     def __init__(self, module: torch.nn.Module, name: str, signature, entries=(),
                  eager_fallback_error: str | None = None) -> None:
@@ -98,10 +100,12 @@ class Dispatch:
         self.signature = signature
         self.graphs: list[TunedGraph] = [TunedGraph(graph, backend) for graph, backend in entries]
         self._by_key = {tuned.graph.key: tuned for tuned in self.graphs}
+        self.phases = any(tuned.graph.phase is not None for tuned in self.graphs)  # route by LLM phase too
+        self._phase_routes: dict = {}  # PhaseCall.route -> (TunedGraph, top-level leaf offsets, leaf count)
         self._by_id = {id(tuned.graph): tuned for tuned in self.graphs}
         self._by_flat_key = {}  # flat key of a graph's first sample -> TunedGraph (no flattening for such calls)
         for tuned in self.graphs:
-            if tuned.graph.samples:
+            if tuned.graph.samples and tuned.graph.phase is None:  # a phase is read from values, not the key
                 sample = tuned.graph.samples[0]
                 key = flat_call_key(sample.args, sample.kwargs)
                 if key is not None:
@@ -170,14 +174,18 @@ class Dispatch:
         # (the wrapped module should stay within 3 % of the backend called directly: benchmarks/gpu_wrapper_cost.py).
         raw_key = flat_call_key(args, kwargs)
         route = self._routes.get(raw_key) if raw_key is not None else None
+        phase = None
         if route is not None:
             tuned, normalize = route
             args, kwargs = normalize(args, kwargs)
-            flat = True
+            leaves = [*args, *kwargs.values()]
         else:
             raw_args, raw_kwargs = args, kwargs
             args, kwargs = self.signature.normalize(args, kwargs)
-            tuned, flat = self._route(raw_key, args, kwargs, raw_args, raw_kwargs)
+            if self.phases and (phase := phase_call(args, kwargs)) is not None:
+                tuned, leaves = self._phase_route(phase, args, kwargs)
+            else:
+                tuned, leaves = self._route(raw_key, args, kwargs, raw_args, raw_kwargs)
             if tuned is None:
                 return self.eager(args, kwargs, "graph", "a call whose input structure, constants or dtypes were "
                                                          "never recorded runs eager")
@@ -203,8 +211,12 @@ class Dispatch:
         refusal = tuned.refusal(self.module)
         if refusal is not None:
             return self.eager(args, kwargs, *refusal)
-        leaves = [*args, *kwargs.values()] if flat else tree_flatten((args, kwargs))[0]
         graph = tuned.graph
+        if phase is not None and phase.cached is not None and phase.capacity is not None and \
+                phase.query is not None and phase.cached + phase.query > phase.capacity:
+            return self.eager(args, kwargs, ("values", graph.name), f"{graph.name}: the call adds {phase.query} "
+                                                                    f"position(s) to a key/value cache holding "
+                                                                    f"{phase.cached} of {phase.capacity}")
         contiguous = True
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
@@ -221,7 +233,7 @@ class Dispatch:
                 return self.eager(args, kwargs, ("range", graph.name), f"{graph.name}: {rejection} ({backend.name}'s "
                                                                        "accepted inputs); such calls run eager")
         if tuned.values is not None:
-            rejection = tuned.values.rejects(leaves)
+            rejection = tuned.values.rejects(leaves, phase.capacity if phase is not None else None)
             if rejection is not None:
                 return self.eager(args, kwargs, ("values", graph.name), f"{graph.name}: {rejection}; such calls "
                                                                         f"run eager instead of {backend.name}")
@@ -253,20 +265,41 @@ class Dispatch:
         self.backend_calls += 1
         return output
 
-    def _route(self, raw_key, args, kwargs, raw_args, raw_kwargs) -> tuple[TunedGraph | None, bool]:
-        """The graph of a normalised call (None: no tuned graph takes it) and whether the call's leaves are its
-        canonical args and kwargs values in order (flat). A flat call's route is kept under ``raw_key``, so the
-        next call shaped the same way finds it without flattening, and normalises it with the plan made from
-        this call (``raw_args``/``raw_kwargs``: the call as given)."""
+    def _route(self, raw_key, args, kwargs, raw_args, raw_kwargs) -> tuple[TunedGraph | None, list]:
+        """The graph of a normalised call (None: no tuned graph takes it) and the call's flattened leaves. A flat
+        call's route (its leaves are its canonical args and kwargs values in order) is kept under ``raw_key``,
+        so the next call shaped the same way finds it without flattening, and normalises it with the plan made
+        from this call (``raw_args``/``raw_kwargs``: the call as given)."""
         fast_key = flat_call_key(args, kwargs)
         tuned = self._by_flat_key.get(fast_key) if fast_key is not None else None
-        flat = tuned is not None
         if tuned is None:
             leaves, spec = tree_flatten((args, kwargs))
-            tuned = self._by_key.get(make_graph_key(leaves, spec))
-        elif raw_key is not None:
+            return self._by_key.get(make_graph_key(leaves, spec, llm_phase(args, kwargs) if self.phases else None)), \
+                leaves
+        if raw_key is not None:
             self._routes[raw_key] = (tuned, self.signature.plan(raw_args, raw_kwargs))
-        return tuned, flat
+        return tuned, [*args, *kwargs.values()]
+
+    def _phase_route(self, phase: PhaseCall, args, kwargs) -> tuple[TunedGraph | None, list]:
+        """The graph of a decoder call with a key/value cache, found by :attr:`PhaseCall.route` (the cache is
+        flattened once per route, not per call), and the call's leaves with only its top-level tensors filled
+        in (None elsewhere): the per-call checks read those; the cache's own tensors are the artifact's business
+        and its fill is checked from :class:`PhaseCall` (NOTE [caches as inputs] in aitune/torch/record/llm.py)."""
+        entry = self._phase_routes.get(phase.route)
+        if entry is None:
+            leaves, spec = tree_flatten((args, kwargs))
+            tuned = self._by_key.get(make_graph_key(leaves, spec, phase.phase))
+            offsets, offset = {}, 0
+            for name, child in zip(spec.children[1].context, spec.children[1].children):
+                if child.kind == LEAF:
+                    offsets[name] = offset
+                offset += child.num_leaves
+            entry = self._phase_routes[phase.route] = (tuned, offsets, offset)
+        tuned, offsets, count = entry
+        leaves = [None] * count
+        for name, index in offsets.items():
+            leaves[index] = kwargs[name]
+        return tuned, leaves
 
     def _stale(self, args, kwargs, backend):
         return self.eager(args, kwargs, "stale", f"{self.watch.reason}: {backend.name} baked the old weights "

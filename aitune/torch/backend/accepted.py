@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from aitune.torch.common.dtypes import dtype_name
+from aitune.torch.record.llm import POSITION_INPUTS
 from aitune.torch.record.samples import BATCH
 
 
@@ -187,6 +188,8 @@ class ValueGate:
     integers: list[tuple[int, str, int, int]] = dataclasses.field(default_factory=list)
     finite: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     magnitudes: list[tuple[int, str, float]] = dataclasses.field(default_factory=list)
+    # (leaf index, path, recorded bound) per position into a key/value cache: [0, the call's cache capacity)
+    positions: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
     leaf_indices: list[int] = dataclasses.field(default_factory=list)  # the leaves any check reads
 
     @classmethod
@@ -204,10 +207,15 @@ class ValueGate:
             value_range = getattr(spec, "value_range", None)
             if spec.dtype == torch.bool or spec.dtype.is_complex:
                 continue
+            cache = getattr(graph, "cache_input", None)
+            if cache is not None and (spec.path == cache or spec.path.startswith(cache + "[")):
+                continue  # a key/value cache's own tensors and counters: the dispatch checks the fill (llm.py)
             if not spec.dtype.is_floating_point:
-                if value_range is not None:
+                rows = getattr(spec, "table_rows", None)
+                if getattr(graph, "phase", None) is not None and spec.path in POSITION_INPUTS and rows is not None:
+                    gate.positions.append((spec.leaf_index, spec.path, int(rows)))
+                elif value_range is not None:
                     low, high = int(value_range[0]), int(value_range[1])
-                    rows = getattr(spec, "table_rows", None)
                     if rows is not None and 0 <= low and high < rows:
                         low, high = 0, rows - 1
                     gate.integers.append((spec.leaf_index, spec.path, low, high))
@@ -217,14 +225,29 @@ class ValueGate:
                 gate.magnitudes.append((spec.leaf_index, spec.path, limit))
             elif getattr(spec, "finite", True):
                 gate.finite.append((spec.leaf_index, spec.path))
-        gate.leaf_indices = sorted({entry[0] for entry in (*gate.integers, *gate.finite, *gate.magnitudes)})
+        gate.leaf_indices = sorted({entry[0] for entry in (*gate.integers, *gate.finite, *gate.magnitudes,
+                                                           *gate.positions)})
         return gate if gate.leaf_indices else None
 
-    def rejects(self, leaves: list[Any]) -> str | None:
+    def rejects(self, leaves: list[Any], capacity: int | None = None) -> str | None:
         """Why a call with these flattened input leaves runs eager, or None when the backend takes its values.
-        Tensors on other devices than the CPU are not read (NOTE [value gate])."""
-        if not all(leaves[index].device.type == "cpu" for index in self.leaf_indices):
+        Tensors on other devices than the CPU are not read (NOTE [value gate]).
+
+        Args:
+            leaves: the call's flattened canonical input leaves (None where a leaf is not to be read).
+            capacity: positions the call's key/value cache holds (``max_cache_len``), for a phase graph's
+                position inputs; None: the smallest capacity recorded.
+        """
+        if not all(leaves[index] is None or leaves[index].device.type == "cpu" for index in self.leaf_indices):
             leaves = [leaf if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" else None for leaf in leaves]
+        for index, path, recorded in self.positions:
+            if leaves[index] is None or not leaves[index].numel():
+                continue
+            bound = recorded if capacity is None else capacity
+            found_low, found_high = torch.aminmax(leaves[index])
+            if int(found_low) < 0 or int(found_high) >= bound:
+                return (f"input '{path}' holds positions in [{int(found_low)}, {int(found_high)}], outside the "
+                        f"key/value cache's [0, {bound})")
         for index, path, low, high in self.integers:
             if leaves[index] is None:
                 continue

@@ -137,6 +137,14 @@ def make_probes(graph, run_eager: Callable[[Sample], Any], config: ProbeConfig, 
     """
     if not config.enabled or config.max_probes == 0 or not graph.samples:
         return ProbeSet([])
+    if getattr(graph, "phase", None) is not None:
+        # NOTE [no probes for caches]: a phase graph's inputs describe one state of a key/value cache (the
+        # positions written, the mask over them, the tensors holding the past). A probe would change one of them
+        # alone — a cache cropped along its length under unchanged positions, positions redrawn out of order —
+        # a state generation never reaches, and on CUDA an out-of-range position is a device-side assert in the
+        # cache's index_copy_ that leaves the process's CUDA context unusable. Candidates are checked on the
+        # recorded calls only.
+        return ProbeSet([])
     generator = torch.Generator().manual_seed(config.seed)
     candidates: list[tuple[str, Sample]] = []
     size_budget = max(1, config.max_probes // 2) if graph.is_dynamic else 0

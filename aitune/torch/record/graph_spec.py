@@ -16,6 +16,7 @@ from aitune.torch.record.serialization import constant_to_json, tree_spec_from_j
 from aitune.torch.record.signature import CallSignature
 from aitune.torch.record.call_sample import Sample, describe_leaf, same_call
 from aitune.torch.record.dims import BatchDim, DynamicDim
+from aitune.torch.record.llm import phase_structure
 
 
 STATIC, DYNAMIC, BATCH = "static", "dynamic", "batch"
@@ -143,6 +144,10 @@ class GraphSpec:
         nondeterministic: why two eager runs of ``forward`` on one input differ (random numbers drawn in
             ``forward``), and how candidates are judged then; None when they agree or before tuning looked
             (set by :meth:`aitune.torch.check.context.GraphContext.from_eager`).
+        phase: ``"prefill"``/``"decode"`` for a decoder called with a key/value cache (the graph's name too),
+            else None (:mod:`aitune.torch.record.llm`).
+        untunable: why no compiled backend may serve this graph (a dynamic key/value cache), or None; its
+            candidates are then reported unsupported with this reason and eager serves it.
     """
 
     def __init__(self, index: int, key: Hashable, input_spec: TreeSpec, leaves: list[Any], max_samples: int = 8,
@@ -178,6 +183,9 @@ class GraphSpec:
         self.stateful_reason: str | None = None
         self.nondeterministic: str | None = None
         self.training: bool | None = None
+        self.phase: str | None = None
+        self.untunable: str | None = None
+        self.cache_input: str | None = None  # the keyword argument holding a key/value cache (phase graphs)
         self.signature: CallSignature | None = None  # set by the Recorder: normalises direct backend calls
         self._apply_dynamic_shapes(dynamic_shapes or {})
 
@@ -322,7 +330,8 @@ class GraphSpec:
         """What the recorded calls showed of ``forward`` (shared by :meth:`describe` and :meth:`to_json`)."""
         return {"num_calls": self.num_calls, "mutated_inputs": list(self.mutated_inputs), "stateful": self.stateful,
                 "stateful_reason": self.stateful_reason, "nondeterministic": self.nondeterministic,
-                "training": self.training}
+                "training": self.training, "phase": self.phase, "untunable": self.untunable,
+                "cache_input": self.cache_input}
 
     # ---- JSON (checkpoint manifests)
     def to_json(self, module_name: str | None = None) -> dict:
@@ -335,7 +344,7 @@ class GraphSpec:
             ``{"index", "input_structure", "input_paths", "input_names", "tensor_specs" (each with the
             ``"device"`` type its tensor was recorded on), "constants" ([{"leaf_index", "path", "value"}]),
             "max_samples", "num_calls", "mutated_inputs", "stateful", "stateful_reason", "nondeterministic",
-            "training"}``.
+            "training", "phase", "untunable", "cache_input"}``.
 
         Raises:
             CheckpointError: an input constant or structure type that has no JSON form.
@@ -377,7 +386,7 @@ class GraphSpec:
         first = samples[0].leaves()
         if len(first) != input_spec.num_leaves or len(data["input_paths"]) != len(first):
             raise CheckpointError(f"{data.get('name')}: the samples do not fit the graph's input structure")
-        graph = cls(int(data["index"]), make_graph_key(first, input_spec), input_spec, first,
+        graph = cls(int(data["index"]), make_graph_key(first, input_spec, data.get("phase")), input_spec, first,
                     max_samples=int(data.get("max_samples", len(samples))))
         graph.name = data["name"]
         graph.input_paths = list(data["input_paths"])
@@ -396,6 +405,9 @@ class GraphSpec:
         graph.stateful_reason = data.get("stateful_reason")
         graph.nondeterministic = data.get("nondeterministic")
         graph.training = data.get("training")
+        graph.phase = data.get("phase")
+        graph.untunable = data.get("untunable")
+        graph.cache_input = data.get("cache_input")
         graph.signature = signature
         graph.output_spec = output_spec
         return graph
@@ -412,6 +424,9 @@ def _readable_path(path: tuple, positional_names: list[str]) -> tuple:
     return tuple(path[1:])
 
 
-def make_graph_key(leaves: list[Any], spec: TreeSpec) -> Hashable:
-    """Graph identity of a call: its structure plus every leaf's descriptor."""
+def make_graph_key(leaves: list[Any], spec: TreeSpec, phase: str | None = None) -> Hashable:
+    """Graph identity of a call: its structure plus every leaf's descriptor; for a decoder call with a key/value
+    cache, its phase too, and the cache's sizes left out (:mod:`aitune.torch.record.llm`)."""
+    if phase is not None:
+        return (phase_structure(spec), tuple(describe_leaf(leaf) for leaf in leaves), phase)
     return (spec, tuple(describe_leaf(leaf) for leaf in leaves))

@@ -74,7 +74,7 @@ def _children(value: Any) -> tuple[str, Any, tuple, list] | None:
     return _registered_node(value, value_type)
 
 
-class _Context:
+class Context:
     """A torch pytree node's context (any object), hashed by its repr so a TreeSpec stays hashable."""
 
     __slots__ = ("value",)
@@ -83,7 +83,7 @@ class _Context:
         self.value = value
 
     def __eq__(self, other: Any) -> bool:
-        if not isinstance(other, _Context):
+        if not isinstance(other, Context):
             return NotImplemented
         try:
             return bool(self.value == other.value)
@@ -94,7 +94,7 @@ class _Context:
         return hash(repr(self.value))
 
     def __repr__(self) -> str:
-        return f"_Context({self.value!r})"
+        return f"Context({self.value!r})"
 
 
 def _registered_node(value: Any, value_type: type):
@@ -111,12 +111,20 @@ def _registered_node(value: Any, value_type: type):
     if node is None:
         return None
     children, context = node.flatten_fn(value)
-    return "torch_pytree", (value_type, _Context(context)), (), list(children)
+    return "torch_pytree", (value_type, Context(context)), (), list(children)
 
 
 def _is_transformers_cache(value_type: type) -> bool:
     return value_type.__module__.startswith("transformers") and any(
         klass.__name__ == "Cache" for klass in value_type.__mro__)
+
+
+def registered_node(value_type: type) -> None:
+    """Register a transformers cache type with torch's pytree if it is one and is not registered yet."""
+    import torch.utils._pytree as torch_pytree
+
+    if value_type not in torch_pytree.SUPPORTED_NODES and _is_transformers_cache(value_type):
+        _register_transformers_cache(value_type)
 
 
 def _register_transformers_cache(value_type: type) -> None:

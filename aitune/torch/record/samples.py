@@ -37,6 +37,13 @@ from aitune.torch.record.graph_spec import (  # noqa: F401 - re-exported
     TensorSpec,
     make_graph_key,
 )
+from aitune.torch.record.llm import (
+    POSITION_INPUTS,
+    cache_argument,
+    cache_capacity,
+    dynamic_cache_reason,
+    llm_phase,
+)
 from aitune.torch.record.pytree import tree_flatten
 from aitune.torch.record.state import AttributeSnapshot, changed_state, state_marks
 from aitune.torch.record.signature import CallSignature, positional_parameter_names  # noqa: F401 - re-exported
@@ -62,13 +69,22 @@ class Recorder:
         """Run ``module`` on the call (the caller's tensors, as eager would) and record a cloned sample."""
         args, kwargs = self.signature.normalize(args, kwargs)
         leaves, spec = tree_flatten((args, kwargs))
-        key = make_graph_key(leaves, spec)
+        phase = llm_phase(args, kwargs)
+        key = make_graph_key(leaves, spec, phase)
         graph = self.graphs.get(key)
         if graph is None:
             graph = GraphSpec(len(self.graphs), key, spec, leaves, self.max_samples, self.dynamic_shapes,
                               self.positional_names)
             graph.signature = self.signature
+            if phase is not None:  # NOTE [caches as inputs] in aitune/torch/record/llm.py
+                taken = {other.name for other in self.graphs.values()}
+                graph.name = phase if phase not in taken else f"{phase}{len(self.graphs)}"
+                graph.phase = phase
+                graph.untunable = dynamic_cache_reason(args, kwargs)
+                graph.cache_input = cache_argument(kwargs)
             self.graphs[key] = graph
+        if phase is not None:
+            _bound_positions(graph, cache_capacity(kwargs, args))
         cloned_args, cloned_kwargs = clone_tree((args, kwargs))
         if batch_size is None:
             batch_size = infer_batch_size(leaves)
@@ -96,6 +112,16 @@ class Recorder:
         graph.output_spec = tree_flatten(output)[1]
         graph.add(sample, leaves)
         return output
+
+
+def _bound_positions(graph: GraphSpec, capacity: int | None) -> None:
+    """The positions a phase graph's call may hold: ``[0, capacity)`` of its static cache (the value gate's
+    ``table_rows``, kept at the smallest capacity recorded; a call's own cache bounds it at run time)."""
+    if capacity is None:
+        return
+    for spec in graph.tensor_specs:
+        if spec.path in POSITION_INPUTS and not spec.dtype.is_floating_point and spec.dtype != torch.bool:
+            spec.table_rows = capacity if spec.table_rows is None else min(spec.table_rows, capacity)
 
 
 @contextlib.contextmanager

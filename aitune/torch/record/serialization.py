@@ -16,7 +16,7 @@ import torch
 
 from aitune.errors import CheckpointError
 from aitune.torch.common.dtypes import dtype_from_name, dtype_name
-from aitune.torch.record.pytree import LEAF, TreeSpec, tree_unflatten
+from aitune.torch.record.pytree import LEAF, Context, TreeSpec, registered_node, tree_unflatten
 
 
 def type_name(node_type: type) -> str:
@@ -92,6 +92,8 @@ def tree_spec_to_json(spec: TreeSpec, where: str = "structure") -> dict:
     if spec.kind == LEAF:
         return {"kind": LEAF}
     data: dict[str, Any] = {"kind": spec.kind}
+    if spec.kind == "torch_pytree":
+        return _torch_pytree_to_json(spec, where)
     if spec.node_type is not None:
         name = type_name(spec.node_type)
         if "<locals>" in spec.node_type.__qualname__ or _lookup(name) is not spec.node_type:
@@ -126,6 +128,8 @@ def tree_spec_from_json(data: dict) -> TreeSpec:
     kind = data.get("kind")
     if kind == LEAF:
         return TreeSpec(LEAF, None, (), ())
+    if kind == "torch_pytree":
+        return _torch_pytree_from_json(data)
     if kind not in ("tuple", "list", "namedtuple", "dict", "dataclass", "model_output"):
         raise CheckpointError(f"unknown structure kind {kind!r} in the checkpoint")
     node_type = resolve_type(data["type"], kind) if data.get("type") else None
@@ -134,6 +138,69 @@ def tree_spec_from_json(data: dict) -> TreeSpec:
     context = tuple(data.get("context", ()))
     children = tuple(tree_spec_from_json(child) for child in data.get("children", []))
     return TreeSpec(kind, node_type, context, children)
+
+
+# NOTE [pytree nodes in checkpoints]: a type registered with torch's pytree (transformers' key/value caches,
+# registered through the helper transformers has for torch.export) is stored as its type and its flatten
+# context. transformers' context is JSON-native by design (transformers/exporters/exporter_dynamo.py,
+# ``_flatten_to_context``): plain values, and classes named ``"module:qualname"`` that its unflatten imports.
+# Before anything is rebuilt, every class the context names must resolve without an import (a module already
+# imported, or one of IMPORTABLE_MODULES): a checkpoint never makes this process import a module.
+def _torch_pytree_to_json(spec: TreeSpec, where: str) -> dict:
+    import json
+
+    node_type, context = spec.node_type
+    name = type_name(node_type)
+    if "<locals>" in node_type.__qualname__ or _lookup(name) is not node_type:
+        raise CheckpointError(f"{where} uses the type {node_type.__qualname__!r}, which cannot be found by name at "
+                              "load; define it at module level")
+    value = getattr(context, "value", context)
+    try:
+        value = json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: the flatten context of {node_type.__qualname__!r} (a torch pytree node) has "
+                              f"no JSON form ({exc}); checkpoints never pickle") from exc
+    return {"kind": "torch_pytree", "type": name, "context": value,
+            "children": [tree_spec_to_json(child, where) for child in spec.children]}
+
+
+def _torch_pytree_from_json(data: dict) -> TreeSpec:
+    import torch.utils._pytree as torch_pytree
+
+    name = data.get("type")
+    if not isinstance(name, str):
+        raise CheckpointError("a torch pytree node without a type in the checkpoint")
+    node_type = _lookup(name)
+    if node_type is None and name.partition(":")[0] in IMPORTABLE_MODULES:
+        _import_allowed(name.partition(":")[0])
+        node_type = _lookup(name)
+    if not isinstance(node_type, type):
+        raise CheckpointError(f"the checkpoint's input structure uses the type {name!r}, which is not defined in "
+                              "this process; import its module first and load again")
+    if node_type not in torch_pytree.SUPPORTED_NODES:
+        registered_node(node_type)
+    if node_type not in torch_pytree.SUPPORTED_NODES:
+        raise CheckpointError(f"{name!r} is not a type registered with torch's pytree in this process")
+    context = data.get("context")
+    for path in _context_classes(context):
+        if _lookup(path) is None and path.partition(":")[0] not in IMPORTABLE_MODULES:
+            raise CheckpointError(f"the checkpoint's {name!r} structure names the class {path!r}, whose module is "
+                                  "not imported in this process; import it first — aitune never imports modules "
+                                  "named by a checkpoint")
+    children = tuple(tree_spec_from_json(child) for child in data.get("children", []))
+    return TreeSpec("torch_pytree", (node_type, Context(context)), (), children)
+
+
+def _context_classes(context: Any):
+    """Every ``"module:qualname"`` a transformers flatten context names (NOTE [pytree nodes in checkpoints])."""
+    if isinstance(context, list):
+        for item in context:
+            yield from _context_classes(item)
+    elif isinstance(context, dict):
+        if context.get("_t") in ("type", "map", "seq", "obj") and isinstance(context.get("p"), str):
+            yield context["p"]
+        for value in context.values():
+            yield from _context_classes(value)
 
 
 def constant_to_json(value: Any, where: str) -> Any:

@@ -361,6 +361,9 @@ def search_for_graph(strategy, module: torch.nn.Module, graph, device: torch.dev
     settings = getattr(strategy, "max_batch_size_search", None)
     if settings is None:
         return None
+    if getattr(graph, "phase", None) is not None:  # NOTE [no probes for caches] in aitune/torch/check/probes.py
+        return {"enabled": True, "status": "skipped", "reason": f"a {graph.phase} graph's batch is its key/value "
+                                                                "cache's: larger batches would need another cache"}
     cap = getattr(strategy.profiling_config, "max_batch_size", None)
     if cap is not None:
         if cap <= 1:

@@ -1,0 +1,188 @@
+"""Text generation: the prefill and decode phases of a decoder called with a key/value cache.
+
+A decoder inside ``model.generate(...)`` is called once per prompt (*prefill*: the whole prompt, the cache
+empty) and then once per new token (*decode*: one position, the cache holding everything before it). The two
+calls differ in their work (a prompt-long matrix product against one row), so each is its own graph, named
+after its phase; a call's phase is read from its inputs:
+
+* an input named ``cache_position`` (transformers before 5.20 passes one): prefill when its first position is
+  0, else decode — the rule of the reference system (its graph identity collapses to the phase);
+* otherwise a transformers cache among the inputs (``cache`` / ``past_key_values``): prefill when it holds no
+  token yet (``get_seq_length() == 0``), else decode.
+
+NOTE [caches as inputs]: a static cache (``StaticCache``: preallocated key/value tensors, written in place at
+the call's positions) is an input like any other — flattened through the pytree registration transformers
+makes for ``torch.export`` (:mod:`aitune.torch.record.pytree`), recorded as a clone of its state before the
+call, and compared after every candidate's run with eager's cache from the same state (checks of mutated
+inputs). Its size (``max_cache_len``, set by ``generate`` from the prompt and ``max_new_tokens``) is left out
+of the graph's identity: a longer generation is the same graph with a longer cache axis. A dynamic cache
+(``DynamicCache``: its tensors replaced by longer ones at every step, ``is_compileable`` False) cannot be
+served by a compiled artifact — its graph is marked :attr:`GraphSpec.untunable` and runs eager, with the hint
+to ask ``generate`` for a static cache.
+
+Inputs that index into the cache (``cache_position``, ``position_ids``) are accepted in ``[0, capacity)`` of
+the cache the call brings (the value gate, ``aitune/torch/backend/accepted.py``); no probe is derived for
+such graphs (NOTE [no probes for caches] in :mod:`aitune.torch.check.probes`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, NamedTuple
+
+import torch
+
+from aitune.torch.record.pytree import TreeSpec
+
+PREFILL = "prefill"
+DECODE = "decode"
+POSITION_INPUTS = ("cache_position", "position_ids")  # integer inputs that index the cache's sequence axis
+STATIC_CACHE_HINT = ("a dynamic key/value cache (its tensors grow at every step) cannot be served by a compiled "
+                     "graph: pass cache_implementation=\"static\" to generate (or a transformers StaticCache) "
+                     "to tune this phase")
+
+
+def is_kv_cache(value: Any) -> bool:
+    """Is ``value`` a transformers key/value cache (a subclass of ``transformers.cache_utils.Cache``)?
+    Checked by class name so transformers is never imported here (the answer is kept per type)."""
+    value_type = type(value)
+    known = _CACHE_TYPES.get(value_type)
+    if known is None:
+        known = _CACHE_TYPES[value_type] = is_kv_cache_type(value_type)
+    return known
+
+
+_CACHE_TYPES: dict[type, bool] = {}
+
+
+def find_cache(kwargs: dict, args: tuple = ()) -> Any:
+    """The first transformers cache among a call's top-level arguments, or None."""
+    for value in (*kwargs.values(), *args):
+        if is_kv_cache(value):
+            return value
+    return None
+
+
+def llm_phase(args: tuple, kwargs: dict) -> str | None:
+    """The phase of a canonical call (``"prefill"``/``"decode"``), or None when it is not a cached decoder call.
+
+    Reading a CUDA ``cache_position`` waits for the device (one small copy); ``generate`` synchronizes at every
+    step anyway (its stopping check).
+    """
+    position = kwargs.get("cache_position")
+    if isinstance(position, torch.Tensor) and position.numel() and not position.is_floating_point():
+        return PREFILL if int(position.reshape(-1)[0]) == 0 else DECODE
+    cache = find_cache(kwargs, args)
+    if cache is None:
+        return None
+    try:
+        length = cache.get_seq_length()
+    except Exception:  # noqa: BLE001 - a cache that cannot say: not a phase call
+        return None
+    return PREFILL if int(length) == 0 else DECODE
+
+
+def dynamic_cache_reason(args: tuple, kwargs: dict) -> str | None:
+    """Why a call's cache rules out compiled backends (a cache whose ``is_compileable`` is False), or None."""
+    cache = find_cache(kwargs, args)
+    if cache is None or bool(getattr(cache, "is_compileable", False)):
+        return None
+    return f"{type(cache).__name__}: {STATIC_CACHE_HINT}"
+
+
+def cache_capacity(kwargs: dict, args: tuple = ()) -> int | None:
+    """Positions the call's static cache holds (its ``max_cache_len``), or None without one."""
+    cache = find_cache(kwargs, args)
+    if cache is None:
+        return None
+    lengths = [getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", ())]
+    lengths = [int(length) for length in lengths if isinstance(length, int)]
+    if not lengths:
+        length = getattr(cache, "max_cache_len", None)
+        return int(length) if isinstance(length, int) else None
+    return min(lengths)
+
+
+def phase_structure(spec: TreeSpec) -> TreeSpec:
+    """``spec`` with every transformers cache node's context dropped (its sizes, e.g. ``max_cache_len``): the
+    structure that identifies a phase graph (its leaves, their ranks and dtypes stay in the key)."""
+    if spec.kind == "leaf" or not spec.children:
+        return spec
+    node_type = spec.node_type
+    if spec.kind == "torch_pytree" and isinstance(node_type, tuple) and node_type and isinstance(node_type[0], type) \
+            and is_kv_cache_type(node_type[0]):
+        node_type = (node_type[0], None)
+    return TreeSpec(spec.kind, node_type, spec.context, tuple(phase_structure(child) for child in spec.children))
+
+
+def is_kv_cache_type(value_type: type) -> bool:
+    """:func:`is_kv_cache` for a type."""
+    return any(klass.__name__ == "Cache" and klass.__module__.startswith("transformers") for klass in value_type.__mro__)
+
+
+def cache_argument(kwargs: dict) -> str | None:
+    """The name of the keyword argument holding a transformers cache, or None."""
+    for name, value in kwargs.items():
+        if is_kv_cache(value):
+            return name
+    return None
+
+
+class PhaseCall(NamedTuple):
+    """What the per-call path needs of a decoder call with a key/value cache (:func:`phase_call`).
+
+    Attributes:
+        route: hashable identity of the call's structure without flattening the cache: each keyword's tensor
+            dtype/rank/device or constant value, the cache's type and which of its layers hold tensors, and the
+            phase.
+        phase: ``"prefill"`` or ``"decode"``.
+        cached: tokens the cache held before the call (None when the call passes ``cache_position`` instead).
+        capacity: positions the cache holds (``max_cache_len``), None when unknown.
+        query: positions the call adds (the sequence length of ``input_ids``/``inputs_embeds``), None when unknown.
+    """
+
+    route: Hashable
+    phase: str
+    cached: int | None
+    capacity: int | None
+    query: int | None
+
+
+def phase_call(args: tuple, kwargs: dict) -> PhaseCall | None:
+    """The facts of a canonical call with a transformers cache or a ``cache_position`` (NOTE [caches as inputs]),
+    read without flattening the cache; None for any other call (or one nested in ways this does not key)."""
+    if args:
+        return None
+    parts = []
+    cache = None
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            parts.append((name, value.dtype, value.dim(), value.get_device()))
+        elif value is None or type(value) in (int, float, bool, str):
+            parts.append((name, type(value), value))
+        elif cache is None and is_kv_cache(value):
+            cache = value
+            layers = getattr(value, "layers", None)
+            if layers is None:
+                return None
+            parts.append((name, type(value), tuple((type(layer), bool(getattr(layer, "is_initialized", True)),
+                                                    getattr(getattr(layer, "keys", None), "dtype", None))
+                                                   for layer in layers)))
+        else:
+            return None
+    position = kwargs.get("cache_position")
+    cached = None
+    if isinstance(position, torch.Tensor) and position.numel() and not position.is_floating_point():
+        phase = PREFILL if int(position.reshape(-1)[0]) == 0 else DECODE
+    elif cache is not None:
+        try:
+            cached = int(cache.get_seq_length())
+        except Exception:  # noqa: BLE001 - a cache that cannot say: not keyed here
+            return None
+        phase = PREFILL if cached == 0 else DECODE
+    else:
+        return None
+    tokens = kwargs.get("input_ids")
+    if not isinstance(tokens, torch.Tensor):
+        tokens = kwargs.get("inputs_embeds")
+    query = int(tokens.shape[1]) if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 else None
+    return PhaseCall((tuple(parts), phase), phase, cached, cache_capacity(kwargs), query)

@@ -1,0 +1,172 @@
+"""Text generation side by side: eager ``generate`` vs the tuned decoder vs hand-picked anchors, in one process.
+
+A Llama-architecture model is built from a config (random weights, seeded: nothing is downloaded), its decoder
+stack (``model.model``) wrapped with ``ait.Module`` and tuned by running ``generate`` on two prompts with a
+static key/value cache. Then, in interleaved rounds, each variant generates ``--new-tokens`` greedy tokens from
+a prompt of a length the tune never recorded, and the script prints tokens/s, ratios against eager with the
+same cache, time to first token, and whether the tokens equal eager's (else where the first difference falls
+and the top-2 logit gap there).
+
+Variants:
+    eager-dynamic   eager ``generate`` with the default (dynamic) cache
+    eager-static    eager ``generate`` with ``cache_implementation="static"`` and HF's auto-compile off
+    tuned           the tuned decoder, static cache, auto-compile off
+    hf-compile      (CUDA only) HF's own recipe: static cache with its auto-compile of the decode step
+
+Usage (from the repository root):
+    python -m benchmarks.llm_generate                       # tiny model on this CPU, 32 new tokens
+    python -m benchmarks.llm_generate --model qwen2-0.5b --device cuda --dtype bfloat16 --new-tokens 256
+    python -m benchmarks.llm_generate ... --batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import aitune.torch as ait
+
+MODELS = {
+    # the tests' tiny model: 2 layers, hidden 64
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512),
+    # Qwen2-0.5B's shape (config.json of Qwen/Qwen2-0.5B) as a Llama architecture
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
+}
+
+
+def build(name: str, device: str, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**MODELS[name])).to(device, dtype).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def generate(model, ids, new_tokens: int, static: bool, compile_: bool = False):
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  return_dict_in_generate=True, output_scores=True)
+    if static:
+        kwargs.update(cache_implementation="static", disable_compile=not compile_)
+    with torch.no_grad():
+        return model.generate(ids, **kwargs)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def first_difference(reference, other, prompt_len: int) -> dict | None:
+    """Where ``other``'s tokens first differ from ``reference``'s, and the top-2 logit gap of the reference there."""
+    a, b = reference.sequences[:, prompt_len:], other.sequences[:, prompt_len:]
+    if torch.equal(a, b):
+        return None
+    step = int((a != b).any(dim=0).nonzero()[0])
+    scores = reference.scores[step].float()
+    top2 = scores.topk(2, dim=-1).values
+    return {"step": step, "top2_gap": float((top2[:, 0] - top2[:, 1]).min())}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=9, help="prompt length measured (the tune records 5 and 7)")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    device = args.device
+    model = build(args.model, device, dtype)
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, vocab, (args.batch, n), generator=generator).to(device) for n in (5, 7)]
+    measured = torch.randint(1, vocab, (args.batch, args.prompt), generator=generator).to(device)
+
+    eager_decoder = model.model
+    wrapped = ait.Module(eager_decoder, "decoder")
+    model.model = wrapped
+    started = time.perf_counter()
+    report = ait.tune(lambda ids: generate(model, ids, args.new_tokens, static=True), prompts, ready_batches=True)
+    tune_s = time.perf_counter() - started
+    print(report.describe())
+
+    def variant(name):
+        if name == "eager-dynamic":
+            model.model = eager_decoder
+            return lambda: generate(model, measured, args.new_tokens, static=False)
+        if name == "eager-static":
+            model.model = eager_decoder
+            return lambda: generate(model, measured, args.new_tokens, static=True)
+        if name == "tuned":
+            model.model = wrapped
+            return lambda: generate(model, measured, args.new_tokens, static=True)
+        model.model = eager_decoder
+        return lambda: generate(model, measured, args.new_tokens, static=True, compile_=True)
+
+    names = ["eager-dynamic", "eager-static", "tuned"] + (["hf-compile"] if device.startswith("cuda") else [])
+    outputs, times, first_token = {}, {n: [] for n in names}, {n: [] for n in names}
+    for name in names:  # warm-up (HF's auto-compile compiles here)
+        start = time.perf_counter()
+        outputs[name] = variant(name)()
+        sync(device)
+        print(f"warm-up {name}: {time.perf_counter() - start:.1f} s", flush=True)
+    for _ in range(args.rounds):
+        for name in names:
+            run = variant(name)
+            sync(device)
+            start = time.perf_counter()
+            run()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+            if name in ("eager-static", "tuned"):  # time to first token: a generate of one new token
+                model.model = eager_decoder if name == "eager-static" else wrapped
+                sync(device)
+                start = time.perf_counter()
+                generate(model, measured, 1, static=True)
+                sync(device)
+                first_token[name].append(time.perf_counter() - start)
+    model.model = wrapped
+    tokens = args.batch * args.new_tokens
+    result = {"model": args.model, "device": device, "dtype": args.dtype, "batch": args.batch, "prompt": args.prompt,
+              "new_tokens": args.new_tokens, "tune_s": round(tune_s, 1), "variants": {}}
+    base = statistics.median(times["eager-static"])
+    for name in names:
+        median = statistics.median(times[name])
+        entry = {"tokens_per_s": round(tokens / median, 1), "vs_eager_static": round(base / median, 3)}
+        if first_token[name]:
+            entry["first_token_ms"] = round(1e3 * statistics.median(first_token[name]), 2)
+        reference = outputs["eager-dynamic" if name == "eager-dynamic" else "eager-static"]
+        entry["first_difference_vs_eager"] = first_difference(reference, outputs[name], args.prompt)
+        result["variants"][name] = entry
+    if "hf-compile" in result["variants"]:
+        result["tuned_vs_hf_compile"] = round(statistics.median(times["hf-compile"]) /
+                                              statistics.median(times["tuned"]), 3)
+    stats = wrapped.stats
+    result["backend_calls"], result["eager_fallbacks"] = stats["backend_calls"], stats["eager_fallbacks"]
+    print(f"tune: {tune_s:.1f} s; tuned decoder calls: {stats['backend_calls']} by a backend, eager fallbacks "
+          f"{stats['eager_fallbacks']}")
+    for name, entry in result["variants"].items():
+        print(f"{name:14s} {entry['tokens_per_s']:9.1f} tokens/s  {entry['vs_eager_static']:6.3f}x eager-static  "
+              f"first token {entry.get('first_token_ms', '-')} ms  tokens vs eager: "
+              f"{'identical' if entry['first_difference_vs_eager'] is None else entry['first_difference_vs_eager']}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
