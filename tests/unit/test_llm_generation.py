@@ -1,0 +1,201 @@
+"""Text generation with a key/value cache: a decoder's prefill and decode phases as graphs
+(``aitune/torch/record/llm.py``, NOTE [caches as inputs]).
+
+A tiny Llama-architecture model built from a config (random weights, seeded; nothing downloaded) has its decoder
+stack wrapped and tuned by running ``model.generate``; every test compares tokens, outputs or caches with eager
+``generate`` on an untouched copy of the model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import aitune.torch as ait
+from aitune.torch.backend import TorchInductorJitBackend
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 32
+STATIC = dict(cache_implementation="static", disable_compile=True)
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompt(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(seed + length))
+
+
+def generate(model, ids, new_tokens=NEW_TOKENS, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+
+
+def inductor_only():
+    """Inductor JIT alone, always used when it passes its checks (tests check values, never speed)."""
+    strategy = ait.OneBackendStrategy(TorchInductorJitBackend(),
+                                      profiling_config=ait.ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=3,
+                                                                           max_rounds=10, time_budget_s=0.2))
+    return strategy.enable_performance_validation(False)
+
+
+@pytest.fixture(scope="module")
+def tuned():
+    """(model with its decoder tuned on prompts of lengths 5 and 7, eager twin, report)."""
+    model = tiny_llama()
+    eager = copy.deepcopy(model)
+    model.model = ait.Module(model.model, "decoder", strategy=inductor_only())
+    report = ait.tune(lambda ids: generate(model, ids, **STATIC), [prompt(5), prompt(7)], ready_batches=True)
+    return model, eager, report
+
+
+def decode_call(model, ids):
+    """The keyword arguments of the first decode call of an eager static-cache ``generate``, with a copy of the
+    cache as it was before that call."""
+    found = {}
+
+    def spy(module, args, kwargs):
+        if "call" not in found and kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] == 1:
+            found["call"] = {name: copy.deepcopy(value) for name, value in kwargs.items()}
+
+    handle = model.model.register_forward_pre_hook(spy, with_kwargs=True)
+    try:
+        generate(model, ids, 3, **STATIC)
+    finally:
+        handle.remove()
+    return found["call"]
+
+
+def cache_tensors(call) -> list[torch.Tensor]:
+    cache = next(value for value in call.values() if isinstance(value, transformers.Cache))
+    return [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
+
+
+def test_prefill_and_decode_are_graphs_named_by_their_phase(tuned):
+    model, _, report = tuned
+    wrapped = model.model
+    assert [graph.name for graph in wrapped.graphs] == ["prefill", "decode"]
+    assert [graph.phase for graph in wrapped.graphs] == ["prefill", "decode"]
+    assert {entry.graph: entry.selected for entry in report.graphs} == {
+        "prefill": "TorchInductorJitBackend()", "decode": "TorchInductorJitBackend()"}
+    # the recorded caches were 37 and 39 positions long: one decode graph with a dynamic cache axis
+    decode = wrapped.graphs[1]
+    assert decode.num_calls == 2 * (NEW_TOKENS - 1) and decode.is_dynamic
+
+
+@pytest.mark.parametrize("length,batch", [(3, 1), (11, 1), (6, 2)])
+def test_greedy_tokens_equal_eager_from_prompt_lengths_never_recorded(tuned, length, batch):
+    model, eager, _ = tuned
+    ids = prompt(length, batch)
+    calls_before = model.model.stats["backend_calls"]
+    expected = generate(eager, ids, **STATIC)
+    assert torch.equal(generate(model, ids, **STATIC), expected)
+    stats = model.model.stats
+    assert stats["backend_calls"] - calls_before == NEW_TOKENS  # prefill + every decode step by the backend
+    assert stats["eager_fallbacks"] == {}
+
+
+def test_sampling_with_a_fixed_seed_equals_eager(tuned):
+    model, eager, _ = tuned
+    ids = prompt(9)
+    torch.manual_seed(123)
+    expected = generate(eager, ids, do_sample=True, top_k=20, temperature=0.9, **STATIC)
+    torch.manual_seed(123)
+    assert torch.equal(generate(model, ids, do_sample=True, top_k=20, temperature=0.9, **STATIC), expected)
+
+
+def test_a_tuned_decode_call_writes_the_cache_as_eager_does(tuned):
+    model, eager, _ = tuned
+    call = decode_call(eager, prompt(8))
+    mine, theirs = copy.deepcopy(call), copy.deepcopy(call)
+    calls_before = model.model.stats["backend_calls"]
+    with torch.no_grad():
+        output = model.model(**mine)
+        expected = eager.model(**theirs)
+    assert model.model.stats["backend_calls"] == calls_before + 1
+    torch.testing.assert_close(output.last_hidden_state, expected.last_hidden_state, rtol=1e-4, atol=1e-5)
+    before = cache_tensors(call)
+    for tensor, reference, old in zip(cache_tensors(mine), cache_tensors(theirs), before):
+        torch.testing.assert_close(tensor, reference, rtol=1e-4, atol=1e-5)
+        assert not torch.equal(tensor, old)  # the call did write its position
+
+
+def test_a_call_past_the_caches_capacity_runs_eager_and_raises_eagers_error(tuned):
+    """A decode call into a full cache is not given to the compiled graph (whose bounds check would abort the
+    process on an out-of-range index): eager runs it and raises eager's error."""
+    model, eager, _ = tuned
+    call = decode_call(eager, prompt(8))
+    cache = next(value for value in call.values() if isinstance(value, transformers.Cache))
+    for layer in cache.layers:
+        if hasattr(layer, "cumulative_length"):  # transformers >= 5.20: the cache counts its own tokens
+            layer.cumulative_length.fill_(layer.max_cache_len)
+    if "cache_position" in call:
+        call["cache_position"] = torch.full_like(call["cache_position"], cache.layers[0].max_cache_len)
+    with pytest.raises(IndexError), torch.no_grad():
+        eager.model(**copy.deepcopy(call))
+    fallbacks = model.model.stats["eager_fallbacks"].get("values", 0)
+    with pytest.raises(IndexError), torch.no_grad():
+        model.model(**call)
+    assert model.model.stats["eager_fallbacks"]["values"] == fallbacks + 1
+
+
+def test_tuning_changes_neither_the_users_cache_nor_the_model():
+    """A recorded call runs eagerly on the user's own cache (as without aitune); tuning after it changes neither
+    that cache nor the model: every candidate ran on its own copy of the state before the recorded call. A
+    dataset item given to ``ait.tune`` is never touched at all."""
+    model = tiny_llama()
+    eager = copy.deepcopy(model)
+    call = decode_call(eager, prompt(6))
+    weights = {name: value.clone() for name, value in model.state_dict().items()}
+    user_call, eager_call, item = copy.deepcopy(call), copy.deepcopy(call), copy.deepcopy(call)
+    wrapped = ait.Module(model.model, "decoder", strategy=inductor_only())
+    with torch.no_grad():
+        wrapped(**user_call)
+        eager.model(**eager_call)
+    after_call = [tensor.clone() for tensor in cache_tensors(user_call)]
+    wrapped.tune()
+    for tensor, reference, kept in zip(cache_tensors(user_call), cache_tensors(eager_call), after_call):
+        assert torch.equal(tensor, reference) and torch.equal(tensor, kept)
+    assert all(torch.equal(weights[name], value) for name, value in model.state_dict().items())
+    assert not model.training and wrapped.graphs[0].phase == "decode" and wrapped.stats["state"] == "tuned"
+
+    fresh = ait.Module(tiny_llama().model, "decoder", strategy=inductor_only())
+    ait.tune(fresh, [item], ready_batches=True)
+    for tensor, original in zip(cache_tensors(item), cache_tensors(call)):
+        assert torch.equal(tensor, original)
+
+
+def test_a_dynamic_cache_runs_eager_and_the_report_says_how_to_switch():
+    model = tiny_llama()
+    eager = copy.deepcopy(model)
+    model.model = ait.Module(model.model, "decoder")  # the default strategy: every candidate is asked
+    report = ait.tune(lambda ids: generate(model, ids, 4), [prompt(5), prompt(7)], ready_batches=True)
+    assert [entry.graph for entry in report.graphs] == ["prefill", "decode"]
+    for entry in report.graphs:
+        assert entry.selected == "TorchEagerBackend()"
+        rows = [row for row in entry.candidates if row.backend != "eager"]
+        assert rows and all(row.status in ("unsupported", "unavailable") for row in rows)
+        jit_row = next(row for row in rows if row.backend == "inductor_jit")
+        assert "DynamicCache" in jit_row.reason and 'cache_implementation="static"' in jit_row.reason
+    ids = prompt(9)
+    assert torch.equal(generate(model, ids, 8), generate(eager, ids, 8))
+
+
+def test_a_checkpoint_keeps_both_phases(tuned, tmp_path):
+    model, eager, _ = tuned
+    ait.save(model.model, tmp_path / "decoder.ait")
+    fresh = tiny_llama()
+    fresh.model = ait.load(ait.Module(fresh.model, "decoder"), tmp_path / "decoder.ait")
+    assert [graph.name for graph in fresh.model.graphs] == ["prefill", "decode"]
+    ids = prompt(10)
+    assert torch.equal(generate(fresh, ids, **STATIC), generate(eager, ids, **STATIC))
+    assert fresh.model.stats["backend_calls"] == NEW_TOKENS and fresh.model.stats["eager_fallbacks"] == {}
