@@ -82,9 +82,11 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt", type=int, default=9, help="prompt length measured (the tune records 5 and 7)")
+    parser.add_argument("--prompt", type=int, default=9, help="prompt length measured (never recorded by default)")
+    parser.add_argument("--tune-prompts", type=int, nargs="+", default=[5, 7], help="prompt lengths the tune records")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--once", nargs="*", default=[], help="variants timed by their warm-up run only (slow ones)")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
     model = build(args.model, device, dtype)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, vocab, (args.batch, n), generator=generator).to(device) for n in (5, 7)]
+    prompts = [torch.randint(1, vocab, (args.batch, n), generator=generator).to(device) for n in args.tune_prompts]
     measured = torch.randint(1, vocab, (args.batch, args.prompt), generator=generator).to(device)
 
     eager_decoder = model.model
@@ -122,9 +124,14 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         outputs[name] = variant(name)()
         sync(device)
-        print(f"warm-up {name}: {time.perf_counter() - start:.1f} s", flush=True)
+        elapsed = time.perf_counter() - start
+        if name in args.once:
+            times[name].append(elapsed)
+        print(f"warm-up {name}: {elapsed:.1f} s", flush=True)
     for _ in range(args.rounds):
         for name in names:
+            if name in args.once:
+                continue
             run = variant(name)
             sync(device)
             start = time.perf_counter()

@@ -443,6 +443,10 @@ class Module(wrapt.ObjectProxy):
     # ---- calls
     def __call__(self, *args, **kwargs):
         state = self._self_state
+        if torch.compiler.is_compiling():
+            # traced inside the caller's own torch.compile (e.g. transformers' auto-compile of a decode step):
+            # their compiler takes the original module, as if it were not wrapped; nothing is recorded
+            return self.__wrapped__(*args, **kwargs)
         if state is ModuleState.TUNED:
             return self._self_dispatch.call(args, kwargs)
         if state is ModuleState.PASSTHROUGH:

@@ -199,3 +199,16 @@ def test_a_checkpoint_keeps_both_phases(tuned, tmp_path):
     ids = prompt(10)
     assert torch.equal(generate(fresh, ids, **STATIC), generate(eager, ids, **STATIC))
     assert fresh.model.stats["backend_calls"] == NEW_TOKENS and fresh.model.stats["eager_fallbacks"] == {}
+
+
+def test_a_wrapped_decoder_inside_the_callers_torch_compile_is_traced_as_the_original(tuned):
+    """transformers compiles the decode step itself (its auto-compile on CUDA, or a user's
+    ``torch.compile(model.forward)``): the wrapper steps aside inside that trace and the caller's compiler takes the
+    original decoder; tokens stay eager's."""
+    model, eager, _ = tuned
+    compiled = copy.copy(model)  # same modules, its own forward
+    compiled.forward = torch.compile(model.forward)
+    calls_before = model.model.stats["backend_calls"]
+    ids = prompt(9)
+    assert torch.equal(generate(compiled, ids, 8, **STATIC), generate(eager, ids, 8, **STATIC))
+    assert model.model.stats["backend_calls"] == calls_before  # nothing went through the tuned backends

@@ -37,7 +37,7 @@ from aitune.torch.backend.backend_config import (  # noqa: F401 - re-exported fo
     parse_dtype,
 )
 from aitune.torch.backend.build_log import into_build_log
-from aitune.torch.record.llm import find_cache
+from aitune.torch.record.llm import EXPORTED_CACHE_REASON, cache_object_input
 from aitune.torch.common.files import checkpoint_path
 from aitune.torch.backend.registry import (  # noqa: F401 - re-exported
     get_backend_class,
@@ -181,12 +181,8 @@ class Backend:
         untunable = getattr(graph, "untunable", None)
         if untunable and not getattr(self, "passthrough", False):
             return Check(False, untunable)
-        if self.build_mode == BuildMode.AOT and getattr(graph, "phase", None) is not None and graph.samples and \
-                find_cache(graph.samples[0].kwargs, graph.samples[0].args) is not None:
-            # NOTE [caches as inputs] in aitune/torch/record/llm.py
-            return Check(False, "an exported graph is functional: it cannot fill or update the key/value cache "
-                                "object the call passes (in place, as the model does); compiled-in-process "
-                                "backends (Inductor JIT, TorchAO) or eager serve this phase")
+        if self.build_mode == BuildMode.AOT and cache_object_input(graph):  # NOTE [caches as inputs] in record/llm.py
+            return Check(False, EXPORTED_CACHE_REASON)
         return self._supports(module, graph, device)
 
     def _supports(self, module, graph, device: torch.device) -> Check:

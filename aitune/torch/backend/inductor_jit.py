@@ -16,6 +16,7 @@ from aitune.torch.common.requirements import validate_flags
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.common.environment import native_bf16
+from aitune.torch.record.llm import is_kv_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,9 @@ def clone_output(output: Any) -> Any:
     the output buffers; pytorch/pytorch#144386)."""
     if isinstance(output, torch.Tensor):  # the common case, without flattening
         return output.clone()
-    leaves, spec = tree_flatten(output)
+    # a key/value cache in the output is the caller's own, updated in place: returned as it is (a copy would
+    # give generate another cache object, at other addresses, at every step)
+    leaves, spec = tree_flatten(output, is_leaf=is_kv_cache)
     return tree_unflatten(spec, [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
 
 

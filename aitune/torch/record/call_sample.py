@@ -21,7 +21,12 @@ def clone_tree(value: Any) -> Any:
     with torch.inference_mode(False):
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                copies.append(leaf.detach().clone())
+                copy_ = leaf.detach().clone()
+                if getattr(leaf, "_dynamo_static_input_type", None) is not None:
+                    # a tensor marked as a static address (transformers marks its static caches' tensors for
+                    # CUDA graphs): the copy is marked too, so candidates see the state as the model does
+                    torch._dynamo.mark_static_address(copy_)
+                copies.append(copy_)
             else:
                 copies.append(copy.deepcopy(leaf))
     return tree_unflatten(spec, copies)

@@ -40,6 +40,15 @@ STATIC_CACHE_HINT = ("a dynamic key/value cache (its tensors grow at every step)
                      "graph: pass cache_implementation=\"static\" to generate (or a transformers StaticCache) "
                      "to tune this phase")
 
+EXPORTED_CACHE_REASON = ("an exported graph is functional: it cannot fill or update the key/value cache object the "
+                         "call passes (in place, as the model does); compiled-in-process backends (Inductor JIT, "
+                         "TorchAO) or eager serve this phase")
+
+
+def cache_object_input(graph) -> bool:
+    """Does a phase graph take a transformers cache object (not only ``cache_position``)?"""
+    return getattr(graph, "phase", None) is not None and getattr(graph, "cache_input", None) is not None
+
 
 def is_kv_cache(value: Any) -> bool:
     """Is ``value`` a transformers key/value cache (a subclass of ``transformers.cache_utils.Cache``)?

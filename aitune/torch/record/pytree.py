@@ -153,20 +153,25 @@ def _leaf_types() -> set:
 _LEAF_TYPES = _leaf_types()
 
 
-def tree_flatten(value: Any) -> tuple[list[Any], TreeSpec]:
-    """Flatten ``value`` into its leaves (depth-first, container order) and its :class:`TreeSpec`."""
+def tree_flatten(value: Any, is_leaf=None) -> tuple[list[Any], TreeSpec]:
+    """Flatten ``value`` into its leaves (depth-first, container order) and its :class:`TreeSpec`.
+
+    Args:
+        value: the nested value.
+        is_leaf: ``is_leaf(node) -> bool``: containers for which it is true stay whole, as one leaf.
+    """
     leaves: list[Any] = []
-    spec = _flatten_into(value, leaves)
+    spec = _flatten_into(value, leaves, is_leaf)
     return leaves, spec
 
 
-def _flatten_into(value: Any, leaves: list[Any]) -> TreeSpec:
-    node = _children(value)
+def _flatten_into(value: Any, leaves: list[Any], is_leaf=None) -> TreeSpec:
+    node = None if is_leaf is not None and is_leaf(value) else _children(value)
     if node is None:
         leaves.append(value)
         return _LEAF_SPEC
     kind, node_type, context, children = node
-    return TreeSpec(kind, node_type, context, tuple(_flatten_into(child, leaves) for child in children))
+    return TreeSpec(kind, node_type, context, tuple(_flatten_into(child, leaves, is_leaf) for child in children))
 
 
 def tree_unflatten(spec: TreeSpec, leaves: list[Any]) -> Any:
