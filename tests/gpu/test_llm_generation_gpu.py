@@ -39,8 +39,8 @@ def tuned():
     model = tiny_llama()
     eager = copy.deepcopy(model)
     backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="reduce-overhead"))
-    strategy = ait.OneBackendStrategy(backend, profiling_config=ProfilingConfig(time_budget_s=0.2))
-    model.model = ait.Module(model.model, "decoder", strategy=strategy.enable_performance_validation(False))
+    strategy = ait.MaxThroughputStrategy(backends=[backend], profiling_config=ProfilingConfig(time_budget_s=0.2))
+    model.model = ait.Module(model.model, "decoder", strategy=strategy)
     ait.tune(lambda ids: generate(model, ids, **STATIC), [prompt(5), prompt(7)], ready_batches=True,
              ignore_failing_modules=False)
     return model, eager
@@ -57,7 +57,8 @@ def test_decode_under_cuda_graphs_gives_eagers_tokens(tuned, length, batch):
     for _ in range(2):  # a second generate: a new cache object (other addresses) replays correctly too
         assert torch.equal(generate(model, ids, **STATIC), expected)
     stats = model.model.stats
-    assert stats["backend_calls"] - before == 2 * 32 and stats["eager_fallbacks"] == {}
+    assert stats["backend_calls"] - before >= 2 * 31  # every decode step (prefill: whichever won)
+    assert stats["eager_fallbacks"] == {}
 
 
 def test_transformers_auto_compile_with_a_wrapped_decoder_gives_eagers_tokens(tuned):

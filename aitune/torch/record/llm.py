@@ -11,9 +11,8 @@ after its phase; a call's phase is read from its inputs:
   token yet (``get_seq_length() == 0``), else decode.
 
 NOTE [caches as inputs]: a static cache (``StaticCache``: preallocated key/value tensors, written in place at
-the call's positions) is an input like any other — flattened through the pytree registration transformers
-makes for ``torch.export`` (:mod:`aitune.torch.record.pytree`), recorded as a clone of its state before the
-call, and compared after every candidate's run with eager's cache from the same state (checks of mutated
+the call's positions) is an input like any other — opened into its tensors (:mod:`aitune.torch.record.object_state`),
+recorded as a clone of its state before the call, and compared after every candidate's run with eager's cache from the same state (checks of mutated
 inputs). Its size (``max_cache_len``, set by ``generate`` from the prompt and ``max_new_tokens``) is left out
 of the graph's identity: a longer generation is the same graph with a longer cache axis. A dynamic cache
 (``DynamicCache``: its tensors replaced by longer ones at every step, ``is_compileable`` False) cannot be
@@ -117,8 +116,7 @@ def phase_structure(spec: TreeSpec) -> TreeSpec:
     if spec.kind == "leaf" or not spec.children:
         return spec
     node_type = spec.node_type
-    if spec.kind == "torch_pytree" and isinstance(node_type, tuple) and node_type and isinstance(node_type[0], type) \
-            and is_kv_cache_type(node_type[0]):
+    if spec.kind == "kv_cache":
         node_type = (node_type[0], None)
     return TreeSpec(spec.kind, node_type, spec.context, tuple(phase_structure(child) for child in spec.children))
 

@@ -11,16 +11,19 @@ import dataclasses
 from collections import OrderedDict
 from typing import Any, Hashable, NamedTuple
 
+from aitune.torch.record.object_state import NotOpenable, from_context, to_context
+
 LEAF = "leaf"
 
 
 class TreeSpec(NamedTuple):
     """Structure of a nested value; leaves are the places holding tensors or constants.
 
-    kind: ``"leaf"``, ``"tuple"``, ``"list"``, ``"namedtuple"``, ``"dict"``, ``"dataclass"``, ``"model_output"`` or
-        ``"torch_pytree"`` (a type registered with PyTorch's pytree).
+    kind: ``"leaf"``, ``"tuple"``, ``"list"``, ``"namedtuple"``, ``"dict"``, ``"dataclass"``, ``"model_output"``,
+        ``"kv_cache"`` (a transformers key/value cache) or ``"torch_pytree"`` (a type registered with PyTorch's
+        pytree).
     node_type: the Python type to rebuild (None for leaves and plain containers; ``(type, context)`` for
-        ``torch_pytree`` nodes).
+        ``kv_cache`` and ``torch_pytree`` nodes).
     context: dict keys / field names, in order.
     children: child specs.
     """
@@ -98,50 +101,29 @@ class Context:
 
 
 def _registered_node(value: Any, value_type: type):
-    """Types registered with PyTorch's pytree (``torch.utils._pytree.register_pytree_node``), such as the
-    key/value caches of transformers (pytorch/pytorch#148748): flattened with their own registered functions, so their
-    tensors are compared leaf by leaf. transformers' cache classes are registered through transformers' own
-    helper the first time one is seen (the registration torch.export uses)."""
+    """A transformers key/value cache is opened by :mod:`aitune.torch.record.object_state` (kind ``"kv_cache"``:
+    its tensors are the leaves, the rest a JSON-native context), whatever the transformers version; other types
+    registered with PyTorch's pytree (``torch.utils._pytree.register_pytree_node``) are flattened with their own
+    registered functions, so their tensors are compared leaf by leaf."""
+    if is_transformers_cache(value_type):
+        tensors: list = []
+        try:
+            context = to_context(value, tensors)
+        except NotOpenable:
+            return None  # one opaque leaf
+        return "kv_cache", (value_type, Context(context)), (), tensors
     import torch.utils._pytree as torch_pytree
 
     node = torch_pytree.SUPPORTED_NODES.get(value_type)
-    if node is None and _is_transformers_cache(value_type):
-        _register_transformers_cache(value_type)
-        node = torch_pytree.SUPPORTED_NODES.get(value_type)
     if node is None:
         return None
     children, context = node.flatten_fn(value)
     return "torch_pytree", (value_type, Context(context)), (), list(children)
 
 
-def _is_transformers_cache(value_type: type) -> bool:
-    return value_type.__module__.startswith("transformers") and any(
-        klass.__name__ == "Cache" for klass in value_type.__mro__)
-
-
-def registered_node(value_type: type) -> None:
-    """Register a transformers cache type with torch's pytree if it is one and is not registered yet."""
-    import torch.utils._pytree as torch_pytree
-
-    if value_type not in torch_pytree.SUPPORTED_NODES and _is_transformers_cache(value_type):
-        _register_transformers_cache(value_type)
-
-
-def _register_transformers_cache(value_type: type) -> None:
-    try:
-        from transformers.exporters.exporter_dynamo import register_pytree_node
-    except ImportError:  # older transformers: its executorch helper registers DynamicCache
-        try:
-            from transformers.integrations.executorch import register_dynamic_cache_export_support
-
-            register_dynamic_cache_export_support()
-        except Exception:  # noqa: BLE001 - no registration available: the cache stays one leaf
-            return
-        return
-    try:
-        register_pytree_node(value_type)
-    except Exception:  # noqa: BLE001
-        pass
+def is_transformers_cache(value_type: type) -> bool:
+    """Is ``value_type`` a transformers key/value cache class (a subclass of ``transformers...Cache``)?"""
+    return any(klass.__name__ == "Cache" and klass.__module__.startswith("transformers") for klass in value_type.__mro__)
 
 
 def _leaf_types() -> set:
@@ -202,6 +184,8 @@ def _unflatten_from(spec: TreeSpec, iterator) -> Any:
     if spec.kind == "dict":
         items = zip(spec.context, children)
         return dict(items) if spec.node_type is None else spec.node_type(items)
+    if spec.kind == "kv_cache":
+        return from_context(spec.node_type[1].value, children)
     if spec.kind == "torch_pytree":
         import torch.utils._pytree as torch_pytree
 

@@ -16,7 +16,8 @@ import torch
 
 from aitune.errors import CheckpointError
 from aitune.torch.common.dtypes import dtype_from_name, dtype_name
-from aitune.torch.record.pytree import LEAF, Context, TreeSpec, registered_node, tree_unflatten
+from aitune.torch.record.object_state import classes_named
+from aitune.torch.record.pytree import LEAF, Context, TreeSpec, is_transformers_cache, tree_unflatten
 
 
 def type_name(node_type: type) -> str:
@@ -92,7 +93,7 @@ def tree_spec_to_json(spec: TreeSpec, where: str = "structure") -> dict:
     if spec.kind == LEAF:
         return {"kind": LEAF}
     data: dict[str, Any] = {"kind": spec.kind}
-    if spec.kind == "torch_pytree":
+    if spec.kind in ("torch_pytree", "kv_cache"):
         return _torch_pytree_to_json(spec, where)
     if spec.node_type is not None:
         name = type_name(spec.node_type)
@@ -128,7 +129,7 @@ def tree_spec_from_json(data: dict) -> TreeSpec:
     kind = data.get("kind")
     if kind == LEAF:
         return TreeSpec(LEAF, None, (), ())
-    if kind == "torch_pytree":
+    if kind in ("torch_pytree", "kv_cache"):
         return _torch_pytree_from_json(data)
     if kind not in ("tuple", "list", "namedtuple", "dict", "dataclass", "model_output"):
         raise CheckpointError(f"unknown structure kind {kind!r} in the checkpoint")
@@ -140,12 +141,11 @@ def tree_spec_from_json(data: dict) -> TreeSpec:
     return TreeSpec(kind, node_type, context, children)
 
 
-# NOTE [pytree nodes in checkpoints]: a type registered with torch's pytree (transformers' key/value caches,
-# registered through the helper transformers has for torch.export) is stored as its type and its flatten
-# context. transformers' context is JSON-native by design (transformers/exporters/exporter_dynamo.py,
-# ``_flatten_to_context``): plain values, and classes named ``"module:qualname"`` that its unflatten imports.
-# Before anything is rebuilt, every class the context names must resolve without an import (a module already
-# imported, or one of IMPORTABLE_MODULES): a checkpoint never makes this process import a module.
+# NOTE [pytree nodes in checkpoints]: a transformers key/value cache (kind "kv_cache",
+# aitune/torch/record/object_state.py) or another type registered with torch's pytree is stored as its type and
+# its flatten context, which must be JSON-native (a cache's is, by construction). Before anything is rebuilt,
+# every class the context names must resolve without an import (a module already imported, or one of
+# IMPORTABLE_MODULES): a checkpoint never makes this process import a module.
 def _torch_pytree_to_json(spec: TreeSpec, where: str) -> dict:
     import json
 
@@ -160,47 +160,31 @@ def _torch_pytree_to_json(spec: TreeSpec, where: str) -> dict:
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: the flatten context of {node_type.__qualname__!r} (a torch pytree node) has "
                               f"no JSON form ({exc}); checkpoints never pickle") from exc
-    return {"kind": "torch_pytree", "type": name, "context": value,
+    return {"kind": spec.kind, "type": name, "context": value,
             "children": [tree_spec_to_json(child, where) for child in spec.children]}
 
 
 def _torch_pytree_from_json(data: dict) -> TreeSpec:
     import torch.utils._pytree as torch_pytree
 
-    name = data.get("type")
+    kind, name, context = data["kind"], data.get("type"), data.get("context")
     if not isinstance(name, str):
-        raise CheckpointError("a torch pytree node without a type in the checkpoint")
+        raise CheckpointError(f"a {kind} node without a type in the checkpoint")
+    for path in (name, *classes_named(context)):
+        module_name = path.partition(":")[0]
+        if _lookup(path) is None and module_name in IMPORTABLE_MODULES:
+            _import_allowed(module_name)
+        if _lookup(path) is None:
+            raise CheckpointError(f"the checkpoint's input structure names the class {path!r}, whose module is not "
+                                  "imported in this process; import it first — aitune never imports modules named "
+                                  "by a checkpoint")
     node_type = _lookup(name)
-    if node_type is None and name.partition(":")[0] in IMPORTABLE_MODULES:
-        _import_allowed(name.partition(":")[0])
-        node_type = _lookup(name)
-    if not isinstance(node_type, type):
-        raise CheckpointError(f"the checkpoint's input structure uses the type {name!r}, which is not defined in "
-                              "this process; import its module first and load again")
-    if node_type not in torch_pytree.SUPPORTED_NODES:
-        registered_node(node_type)
-    if node_type not in torch_pytree.SUPPORTED_NODES:
-        raise CheckpointError(f"{name!r} is not a type registered with torch's pytree in this process")
-    context = data.get("context")
-    for path in _context_classes(context):
-        if _lookup(path) is None and path.partition(":")[0] not in IMPORTABLE_MODULES:
-            raise CheckpointError(f"the checkpoint's {name!r} structure names the class {path!r}, whose module is "
-                                  "not imported in this process; import it first — aitune never imports modules "
-                                  "named by a checkpoint")
+    if not isinstance(node_type, type) or (kind == "kv_cache" and not is_transformers_cache(node_type)) or \
+            (kind == "torch_pytree" and node_type not in torch_pytree.SUPPORTED_NODES):
+        raise CheckpointError(f"{name!r} is not a {'transformers cache' if kind == 'kv_cache' else 'torch pytree'} "
+                              "type in this process; the code differs from when the checkpoint was saved")
     children = tuple(tree_spec_from_json(child) for child in data.get("children", []))
-    return TreeSpec("torch_pytree", (node_type, Context(context)), (), children)
-
-
-def _context_classes(context: Any):
-    """Every ``"module:qualname"`` a transformers flatten context names (NOTE [pytree nodes in checkpoints])."""
-    if isinstance(context, list):
-        for item in context:
-            yield from _context_classes(item)
-    elif isinstance(context, dict):
-        if context.get("_t") in ("type", "map", "seq", "obj") and isinstance(context.get("p"), str):
-            yield context["p"]
-        for value in context.values():
-            yield from _context_classes(value)
+    return TreeSpec(kind, (node_type, Context(context)), (), children)
 
 
 def constant_to_json(value: Any, where: str) -> Any:
