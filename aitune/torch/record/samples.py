@@ -106,6 +106,10 @@ class Recorder:
         graph.training = module.training
         mutated = [path for path, before, after in zip(graph.input_paths, sample.leaves(), leaves)
                    if isinstance(after, torch.Tensor) and not same_values(before, after)]
+        if graph.cache_input is not None:
+            # a cache is written by every call, also where no recorded tensor changed in place (a lazily created
+            # cache replaces its tensors on the first call): every run starts from a copy of the recorded state
+            mutated.append(graph.cache_input)
         for path in mutated:
             if path not in graph.mutated_inputs:
                 graph.mutated_inputs.append(path)
