@@ -15,7 +15,7 @@ elif [ -n "${1:-}" ]; then
   batch=$1
 fi
 timeout ${BENCH_TIMEOUT:-400} python3 -m benchmarks.llm_generate --model qwen2-0.5b --device cuda --dtype bfloat16 \
-  --batch $batch --tune-prompts 112 128 --prompt 128 --new-tokens 256 --rounds 3 --once eager-dynamic \
+  --batch $batch --tune-prompts ${TUNE_PROMPTS:-112 128} --prompt 128 --new-tokens 256 --rounds 3 --once eager-dynamic \
   --json "$OUT/llm_b$batch.json" > "$OUT/llm_b$batch.log" 2>&1
 echo "benchmark rc $?"
 grep -v -i "warn" "$OUT/llm_b$batch.log" | tail -40

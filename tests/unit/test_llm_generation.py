@@ -204,11 +204,16 @@ def test_a_checkpoint_keeps_both_phases(tuned, tmp_path):
 def test_a_wrapped_decoder_inside_the_callers_torch_compile_is_traced_as_the_original(tuned):
     """transformers compiles the decode step itself (its auto-compile on CUDA, or a user's
     ``torch.compile(model.forward)``): the wrapper steps aside inside that trace and the caller's compiler takes the
-    original decoder; tokens stay eager's."""
+    original decoder. ``fullgraph=True``: any of aitune's dispatch code in the trace would break the graph."""
     model, eager, _ = tuned
-    compiled = copy.copy(model)  # same modules, its own forward
-    compiled.forward = torch.compile(model.forward)
+    call = decode_call(eager, prompt(8))
+    mine, theirs = copy.deepcopy(call), copy.deepcopy(call)
     calls_before = model.model.stats["backend_calls"]
-    ids = prompt(9)
-    assert torch.equal(generate(compiled, ids, 8, **STATIC), generate(eager, ids, 8, **STATIC))
+    compiled = torch.compile(lambda kwargs: model.model(**kwargs), fullgraph=True)
+    with torch.no_grad():
+        output = compiled(mine)
+        expected = eager.model(**theirs)
     assert model.model.stats["backend_calls"] == calls_before  # nothing went through the tuned backends
+    torch.testing.assert_close(output.last_hidden_state, expected.last_hidden_state, rtol=1e-4, atol=1e-5)
+    for tensor, reference in zip(cache_tensors(mine), cache_tensors(theirs)):
+        torch.testing.assert_close(tensor, reference, rtol=1e-4, atol=1e-5)
