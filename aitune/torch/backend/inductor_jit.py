@@ -286,9 +286,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         if is_fp32_model(module) and native_bf16(device):
             base = dict(mode="reduce-overhead") if device.type == "cuda" else {}
             configs.append(dict(base, freezing=True, autocast_enabled=True, autocast_dtype=torch.bfloat16))
-        if device.type == "cuda" and getattr(graph, "phase", None) is not None:
-            # a key/value cache's tensors are static addresses (marked by transformers for CUDA graphs), which
-            # freezing folds like weights: a cache of another length then fails Inductor's size assertions
+        if getattr(graph, "phase", None) is not None:  # no freezing with a key/value cache (FROZEN_CACHE_REASON)
             configs = [kwargs for kwargs in configs if not kwargs.get("freezing")] or [dict(mode="reduce-overhead")]
         variants = [TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)) for kwargs in configs]
         if device.type == "cuda":

@@ -43,6 +43,15 @@ EXPORTED_CACHE_REASON = ("an exported graph is functional: it cannot fill or upd
                          "call passes (in place, as the model does); compiled-in-process backends (Inductor JIT, "
                          "TorchAO) or eager serve this phase")
 
+FROZEN_CACHE_REASON = ("freezing folds static-address tensors like weights, and a key/value cache's are static "
+                       "addresses (transformers marks them for CUDA graphs): a cache of another length would fail the "
+                       "compiled graph's size checks")
+
+
+def folds_state(config) -> bool:
+    """Does a backend configuration freeze (fold the module's tensors into the compiled graph)?"""
+    return bool(getattr(config, "freezing", False) or (getattr(config, "options", None) or {}).get("freezing"))
+
 
 def cache_object_input(graph) -> bool:
     """Does a phase graph take a transformers cache object (not only ``cache_position``)?"""
