@@ -22,7 +22,7 @@ from aitune.torch.backend.base import Backend
 from aitune.torch.backend.eager import TorchEagerBackend
 from aitune.torch.check.baked_state import BakedState
 from aitune.torch.check.guard import StateWatch
-from aitune.torch.record.llm import PhaseCall, llm_phase, phase_call
+from aitune.torch.record.llm import PhaseCall, cache_counters, llm_phase, phase_call, restore_counters
 from aitune.torch.record.pytree import LEAF, tree_flatten, tree_unflatten
 from aitune.torch.record.samples import make_graph_key
 
@@ -244,6 +244,8 @@ class Dispatch:
                                                            "its inputs run eager")
             args, kwargs = _contiguous((args, kwargs))
         guard = tuned.guard
+        # a cache advances its counters in place: an eager rerun after the backend must start where it started
+        counters = cache_counters(kwargs[graph.cache_input]) if graph.cache_input in kwargs else None
         try:
             if guard is not None and guard.due(leaves):
                 if watch is not None and watch.changed() is not None:
@@ -251,6 +253,8 @@ class Dispatch:
                 return self._guarded_call(tuned, guard, args, kwargs, leaves)
             output = backend.run(args, kwargs, accepted=True)
         except Exception as exc:  # noqa: BLE001 - a crashing backend never takes the caller down
+            if counters is not None:
+                restore_counters(counters)
             if watch is not None and watch.changed() is not None:
                 return self._stale(args, kwargs, backend)
             return self.eager(args, kwargs, ("error", graph.name),
@@ -261,6 +265,8 @@ class Dispatch:
         # kernels just launched instead of delaying them (benchmarks/gpu_wrapper_cost.py). A stale call's output is
         # discarded and eager's returned: the same result as checking first, at the cost of one wasted call.
         if watch is not None and watch.changed() is not None:
+            if counters is not None:
+                restore_counters(counters)
             return self._stale(args, kwargs, backend)
         self.backend_calls += 1
         return output

@@ -217,3 +217,37 @@ def test_a_wrapped_decoder_inside_the_callers_torch_compile_is_traced_as_the_ori
     torch.testing.assert_close(output.last_hidden_state, expected.last_hidden_state, rtol=1e-4, atol=1e-5)
     for tensor, reference in zip(cache_tensors(mine), cache_tensors(theirs)):
         torch.testing.assert_close(tensor, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_a_decode_backend_that_raises_after_writing_the_cache_leaves_generation_right(tuned):
+    """The backend advanced the cache and then raised: eager reruns the call from the cache's counters as they
+    were before it, so the tokens stay eager's."""
+    model, eager, _ = tuned
+    decode = next(entry for entry in model.model._self_dispatch.graphs if entry.graph.phase == "decode")
+    backend, calls = decode.backend, []
+    real_run = backend.run
+
+    def run_then_raise(args, kwargs, **options):
+        output = real_run(args, kwargs, **options)
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("simulated failure after the cache was written")
+        return output
+
+    backend.run = run_then_raise
+    try:
+        ids = prompt(9)
+        assert torch.equal(generate(model, ids, **STATIC), generate(eager, ids, **STATIC))
+    finally:
+        del backend.run
+    assert calls == [1]
+
+
+def test_a_checkpoint_context_naming_a_class_outside_transformers_caches_is_refused():
+    from aitune.errors import CheckpointError
+    from aitune.torch.record.serialization import tree_spec_from_json
+
+    hostile = {"kind": "kv_cache", "type": "transformers.cache_utils:StaticCache", "children": [],
+               "context": {"_t": "obj", "p": "tempfile:_TemporaryFileCloser", "s": {"name": "/tmp/x", "delete": True}}}
+    with pytest.raises(CheckpointError, match="outside transformers' caches"):
+        tree_spec_from_json(hostile)

@@ -202,3 +202,25 @@ def phase_call(args: tuple, kwargs: dict) -> PhaseCall | None:
         tokens = kwargs.get("inputs_embeds")
     query = int(tokens.shape[1]) if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 else None
     return PhaseCall((tuple(parts), phase), phase, cached, cache_capacity(kwargs), query)
+
+
+def cache_counters(cache: Any) -> list:
+    """The cache's counters (int attributes and 0-d tensors of it and its layers), to put back with
+    :func:`restore_counters` when a call that advanced them is rerun eagerly."""
+    saved = []
+    for owner in (cache, *getattr(cache, "layers", ())):
+        for name, value in vars(owner).items():
+            if type(value) is int:
+                saved.append((owner, name, value))
+            elif isinstance(value, torch.Tensor) and value.dim() == 0:
+                saved.append((owner, name, value.clone()))
+    return saved
+
+
+def restore_counters(saved: list) -> None:
+    for owner, name, value in saved:
+        current = getattr(owner, name, None)
+        if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor):
+            current.copy_(value)
+        else:
+            setattr(owner, name, value)

@@ -170,7 +170,14 @@ def _torch_pytree_from_json(data: dict) -> TreeSpec:
     kind, name, context = data["kind"], data.get("type"), data.get("context")
     if not isinstance(name, str):
         raise CheckpointError(f"a {kind} node without a type in the checkpoint")
-    for path in (name, *classes_named(context)):
+    named = list(classes_named(context))
+    if kind == "torch_pytree" and named or kind == "kv_cache" and (
+            not named or named[0] != name or any(not path.startswith("transformers.") for path in named)):
+        # a context may only rebuild transformers' own cache classes, the top one being the node's type: a file
+        # naming another class could create any imported object (and run its finalizer)
+        raise CheckpointError(f"the checkpoint's {kind} structure names classes outside transformers' caches "
+                              f"({', '.join(named[:3]) or 'none'}); refusing to rebuild it")
+    for path in (name, *named):
         module_name = path.partition(":")[0]
         if _lookup(path) is None and module_name in IMPORTABLE_MODULES:
             _import_allowed(module_name)
