@@ -22,7 +22,14 @@ from aitune.torch.backend.base import Backend
 from aitune.torch.backend.eager import TorchEagerBackend
 from aitune.torch.check.baked_state import BakedState
 from aitune.torch.check.guard import StateWatch
-from aitune.torch.record.llm import PhaseCall, cache_counters, llm_phase, phase_call, restore_counters
+from aitune.torch.record.llm import (
+    PhaseCall,
+    cache_counters,
+    llm_phase,
+    phase_call,
+    restore_counters,
+    slow_route_facts,
+)
 from aitune.torch.record.pytree import LEAF, tree_flatten, tree_unflatten
 from aitune.torch.record.samples import make_graph_key
 
@@ -186,6 +193,8 @@ class Dispatch:
                 tuned, leaves = self._phase_route(phase, args, kwargs)
             else:
                 tuned, leaves = self._route(raw_key, args, kwargs, raw_args, raw_kwargs)
+                if tuned is not None and tuned.graph.phase is not None:  # a phase call with other nested inputs
+                    phase = slow_route_facts(args, kwargs, tuned.graph.phase)
             if tuned is None:
                 return self.eager(args, kwargs, "graph", "a call whose input structure, constants or dtypes were "
                                                          "never recorded runs eager")

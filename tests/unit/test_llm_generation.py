@@ -251,3 +251,34 @@ def test_a_checkpoint_context_naming_a_class_outside_transformers_caches_is_refu
                "context": {"_t": "obj", "p": "tempfile:_TemporaryFileCloser", "s": {"name": "/tmp/x", "delete": True}}}
     with pytest.raises(CheckpointError, match="outside transformers' caches"):
         tree_spec_from_json(hostile)
+
+
+def test_measuring_restores_the_recorded_cache_in_place_before_every_call(tuned):
+    """A measured decode call starts from the recorded state each time, in the same tensors (no new addresses)."""
+    from aitune.torch.record.object_state import reset_state
+
+    model, eager, _ = tuned
+    call = decode_call(eager, prompt(8))
+    working = copy.deepcopy(call)
+    addresses = [tensor.data_ptr() for tensor in cache_tensors(working)]
+    with torch.no_grad():
+        first = eager.model(**working).last_hidden_state.clone()
+        assert reset_state(working, call)
+        second = eager.model(**working).last_hidden_state
+    assert torch.equal(first, second)  # the same position written again, not the next one
+    assert [tensor.data_ptr() for tensor in cache_tensors(working)] == addresses
+    for tensor, reference in zip(cache_tensors(working), cache_tensors(call)):
+        assert not torch.equal(tensor, reference)  # the call wrote its position after the reset
+
+
+def test_a_sliding_window_layer_does_not_bound_the_positions_a_call_may_write():
+    """Sliding-window layers keep only the window; the full layers bound the positions (a model mixing both, as
+    Gemma-2 does); a cache of sliding layers only never fills."""
+    from aitune.torch.record.llm import cache_capacity
+
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, sliding_window=4)
+    mixed = transformers.StaticCache(config=transformers.Gemma2Config(head_dim=16, **sizes), max_cache_len=16)
+    assert [layer.max_cache_len for layer in mixed.layers] == [4, 16] and cache_capacity({"cache": mixed}) == 16
+    rolling = transformers.StaticCache(config=transformers.MistralConfig(**sizes), max_cache_len=16)
+    assert cache_capacity({"cache": rolling}) is None

@@ -107,16 +107,19 @@ def dynamic_cache_reason(args: tuple, kwargs: dict) -> str | None:
 
 
 def cache_capacity(kwargs: dict, args: tuple = ()) -> int | None:
-    """Positions the call's static cache holds (its ``max_cache_len``), or None without one."""
+    """Positions the call's static cache holds (its ``max_cache_len``), or None without one or when every layer is
+    a sliding window (a rolling cache never fills). Sliding-window layers keep only the window; the full layers
+    hold every position, so they bound the positions a call may write."""
     cache = find_cache(kwargs, args)
     if cache is None:
         return None
-    lengths = [getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", ())]
-    lengths = [int(length) for length in lengths if isinstance(length, int)]
-    if not lengths:
+    layers = list(getattr(cache, "layers", ()))
+    if not layers:
         length = getattr(cache, "max_cache_len", None)
         return int(length) if isinstance(length, int) else None
-    return min(lengths)
+    lengths = [getattr(layer, "max_cache_len", None) for layer in layers if "Sliding" not in type(layer).__name__]
+    lengths = [int(length) for length in lengths if isinstance(length, int)]
+    return min(lengths) if lengths else None
 
 
 def phase_structure(spec: TreeSpec) -> TreeSpec:
@@ -197,11 +200,28 @@ def phase_call(args: tuple, kwargs: dict) -> PhaseCall | None:
         phase = PREFILL if cached == 0 else DECODE
     else:
         return None
+    return fill_facts(kwargs, (tuple(parts), phase), phase, cached)
+
+
+def fill_facts(kwargs: dict, route: Hashable, phase: str, cached: int | None) -> PhaseCall:
+    """A :class:`PhaseCall` for a call whose phase is known (``cached``: tokens in its cache, None if unknown)."""
     tokens = kwargs.get("input_ids")
     if not isinstance(tokens, torch.Tensor):
         tokens = kwargs.get("inputs_embeds")
     query = int(tokens.shape[1]) if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 else None
-    return PhaseCall((tuple(parts), phase), phase, cached, cache_capacity(kwargs), query)
+    return PhaseCall(route, phase, cached, cache_capacity(kwargs), query)
+
+
+def slow_route_facts(args: tuple, kwargs: dict, phase: str) -> PhaseCall:
+    """:func:`fill_facts` for a phase call :func:`phase_call` could not key (other nested arguments)."""
+    cache = find_cache(kwargs, args)
+    cached = None
+    if "cache_position" not in kwargs and cache is not None:
+        try:
+            cached = int(cache.get_seq_length())
+        except Exception:  # noqa: BLE001 - unknown: the fill is not checked
+            cached = None
+    return fill_facts(kwargs, None, phase, cached)
 
 
 def cache_counters(cache: Any) -> list:
