@@ -56,7 +56,8 @@ def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tole
                      lambda: context.fp32_reference(index))
         if graph.mutated_inputs and context.reference_inputs_after is not None:
             try:
-                comparator.compare(context.reference_inputs_after[index], inputs.leaves())
+                _compare(comparator, context.reference_inputs_after[index], inputs.leaves(),
+                         lambda: context.fp32_inputs_after(index))
             except CorrectnessError as exc:
                 raise type(exc)(f"input mutation not preserved: {exc}") from exc
         elif not graph.mutated_inputs:

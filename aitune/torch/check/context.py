@@ -92,6 +92,7 @@ class GraphContext:
     _output_magnitudes: list | None = None  # per output leaf, eager's largest |x| over the samples
     _probes: dict = dataclasses.field(default_factory=dict)
     _fp32_outputs: dict = dataclasses.field(default_factory=dict)
+    _fp32_inputs_after: dict = dataclasses.field(default_factory=dict)  # graphs that change their inputs in place
     _fp32_unavailable: bool = False
     seeded: bool = False
 
@@ -225,6 +226,7 @@ class GraphContext:
         """Drop the references (probes', rule 5's) and remove spilled files once the graph is tuned."""
         self._probes.clear()
         self._fp32_outputs.clear()
+        self._fp32_inputs_after.clear()
         self._output_magnitudes = None
         if self.eager_runner is not None:
             self.eager_runner.deactivate()
@@ -252,12 +254,21 @@ class GraphContext:
                     for position, sample in enumerate(self.graph.samples):
                         args, kwargs = _upcast(sample.clone())
                         self._fp32_outputs[position] = self.references.keep(module32(*args, **kwargs))
+                        if self.graph.mutated_inputs:  # what the fp32 run wrote into its inputs (a cache)
+                            self._fp32_inputs_after[position] = self.references.keep(tree_flatten((args, kwargs))[0])
                 del module32
             except Exception:  # noqa: BLE001 - rule 5 is a second chance, never a new failure
                 logger.debug("no fp32 reference for %s/%s", self.module_name, self.graph.name, exc_info=True)
                 self._fp32_unavailable = True
                 return None
         return self._fp32_outputs.get(index)
+
+    def fp32_inputs_after(self, index: int) -> Any:
+        """The inputs of the float32 run of :meth:`fp32_reference` on sample ``index`` after the call (flattened
+        leaves), for a graph whose ``forward`` changes its inputs in place; None as for :meth:`fp32_reference`."""
+        if self.fp32_reference(index) is None:
+            return None
+        return self._fp32_inputs_after.get(index)
 
     def fp32_reference_for(self, sample) -> Any:
         """Outputs of a float32 copy of the module on ``sample`` (a probe), or None (as :meth:`fp32_reference`);
