@@ -282,3 +282,26 @@ def test_a_sliding_window_layer_does_not_bound_the_positions_a_call_may_write():
     assert [layer.max_cache_len for layer in mixed.layers] == [4, 16] and cache_capacity({"cache": mixed}) == 16
     rolling = transformers.StaticCache(config=transformers.MistralConfig(**sizes), max_cache_len=16)
     assert cache_capacity({"cache": rolling}) is None
+
+
+def test_cache_graphs_are_offered_no_freezing_no_replayed_copies_and_on_cuda_no_cuda_graphs_for_prefill(tuned,
+                                                                                                         monkeypatch):
+    """Freezing would fold the cache's static-address tensors like weights; eager's CUDA-graph runner replays on
+    copies of the inputs; a prefill may create the cache's tensors, which must not live in a CUDA graph's pool."""
+    from aitune.torch.backend import TorchEagerBackend, TorchEagerBackendConfig, TorchInductorJitBackendConfig
+    from aitune.torch.backend import inductor_jit
+
+    model, _, _ = tuned
+    prefill, decode = model.model.graphs
+    module = model.model.__wrapped__
+    for graph in (prefill, decode):
+        assert all(not variant.config.freezing
+                   for variant in TorchInductorJitBackend().search_space(module, graph, torch.device("cpu")))
+        frozen = TorchInductorJitBackend(TorchInductorJitBackendConfig(freezing=True))
+        assert "freezing folds" in frozen.supports(module, graph, torch.device("cpu")).reason
+    replayed = TorchEagerBackend(TorchEagerBackendConfig(use_cuda_graphs=True))
+    assert "replays on its own copies" in replayed.supports(module, decode, torch.device("cuda")).reason
+    monkeypatch.setattr(inductor_jit, "native_bf16", lambda device: False)  # no CUDA device needed to list variants
+    cuda = torch.device("cuda")
+    assert [v.config.mode for v in TorchInductorJitBackend().search_space(module, prefill, cuda)] == [None]
+    assert "reduce-overhead" in [v.config.mode for v in TorchInductorJitBackend().search_space(module, decode, cuda)]

@@ -37,7 +37,7 @@ from aitune.torch.backend.backend_config import (  # noqa: F401 - re-exported fo
     parse_dtype,
 )
 from aitune.torch.backend.build_log import into_build_log
-from aitune.torch.record.llm import EXPORTED_CACHE_REASON, FROZEN_CACHE_REASON, cache_object_input, folds_state
+from aitune.torch.record.llm import cache_object_input, cache_refusal
 from aitune.torch.common.files import checkpoint_path
 from aitune.torch.backend.registry import (  # noqa: F401 - re-exported
     get_backend_class,
@@ -181,8 +181,8 @@ class Backend:
         untunable = getattr(graph, "untunable", None)
         if untunable and not getattr(self, "passthrough", False):
             return Check(False, untunable)
-        if cache_object_input(graph) and (self.build_mode == BuildMode.AOT or folds_state(self.config)):
-            return Check(False, EXPORTED_CACHE_REASON if self.build_mode == BuildMode.AOT else FROZEN_CACHE_REASON)
+        if cache_object_input(graph) and (reason := cache_refusal(self.build_mode == BuildMode.AOT, self.config)):
+            return Check(False, reason)
         return self._supports(module, graph, device)
 
     def _supports(self, module, graph, device: torch.device) -> Check:

@@ -16,7 +16,7 @@ from aitune.torch.common.requirements import validate_flags
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.common.environment import native_bf16
-from aitune.torch.record.llm import is_kv_cache
+from aitune.torch.record.llm import PREFILL, is_kv_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger(__name__)
@@ -288,8 +288,10 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             configs.append(dict(base, freezing=True, autocast_enabled=True, autocast_dtype=torch.bfloat16))
         if getattr(graph, "phase", None) is not None:  # no freezing with a key/value cache (FROZEN_CACHE_REASON)
             configs = [kwargs for kwargs in configs if not kwargs.get("freezing")] or [dict(mode="reduce-overhead")]
+            if graph.phase == PREFILL and device.type == "cuda":  # no CUDA graphs (NOTE [no CUDA graphs for prefill])
+                configs = [dict()]
         variants = [TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)) for kwargs in configs]
-        if device.type == "cuda":
+        if device.type == "cuda" and len(variants) > first_tier:  # (a prefill graph has one variant)
             for variant in variants[first_tier:]:  # with a time budget: channels-last, default mode (bf16
                 if not variant.config.autocast_enabled:  # tensor cores, the largest win for an fp32 model, always)
                     variant._tier = 1

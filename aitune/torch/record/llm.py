@@ -48,6 +48,26 @@ FROZEN_CACHE_REASON = ("freezing folds static-address tensors like weights, and 
                        "compiled graph's size checks")
 
 
+REPLAYED_CACHE_REASON = ("eager's CUDA-graph runner replays on its own copies of the inputs: the writes into the "
+                         "key/value cache would not reach the caller's cache")
+
+# NOTE [no CUDA graphs for prefill]: a prefill call may create the cache's tensors (transformers allocates them
+# lazily, on the first call); under CUDA graphs they would live in the graph's private memory pool, which later
+# replays overwrite, and the decode graph would read them from there. A prefill is also compute-bound (a whole
+# prompt per call), where replaying launches saves little. On CUDA it is offered Inductor without CUDA graphs.
+
+
+def cache_refusal(exported: bool, config) -> str | None:
+    """Why a backend configuration cannot serve a graph that takes a key/value cache object, or None."""
+    if exported:
+        return EXPORTED_CACHE_REASON
+    if folds_state(config):
+        return FROZEN_CACHE_REASON
+    if getattr(config, "use_cuda_graphs", False):
+        return REPLAYED_CACHE_REASON
+    return None
+
+
 def folds_state(config) -> bool:
     """Does a backend configuration freeze (fold the module's tensors into the compiled graph)?"""
     return bool(getattr(config, "freezing", False) or (getattr(config, "options", None) or {}).get("freezing"))
