@@ -305,3 +305,22 @@ def test_cache_graphs_are_offered_no_freezing_no_replayed_copies_and_on_cuda_no_
     cuda = torch.device("cuda")
     assert [v.config.mode for v in TorchInductorJitBackend().search_space(module, prefill, cuda)] == [None]
     assert "reduce-overhead" in [v.config.mode for v in TorchInductorJitBackend().search_space(module, decode, cuda)]
+
+
+def test_a_cache_structure_loaded_on_another_device_names_that_device(tuned):
+    """A checkpoint's samples are loaded where the module runs: a cache recorded elsewhere must index and allocate
+    there too, so the devices its structure names are moved with its tensors."""
+    from aitune.torch.record.pytree import tree_flatten, tree_unflatten
+    from aitune.torch.record.serialization import moved_structure, tree_spec_from_json, tree_spec_to_json
+
+    model, eager, _ = tuned
+    call = decode_call(eager, prompt(8))
+    leaves, spec = tree_flatten(call)
+    loaded = tree_spec_from_json(tree_spec_to_json(spec))  # through the checkpoint's JSON form
+    moved = tree_unflatten(moved_structure(loaded, "cpu", torch.device("meta")), [
+        leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+    cache = next(value for value in moved.values() if isinstance(value, transformers.Cache))
+    assert {str(layer.device) for layer in cache.layers} == {"meta"}
+    kept = tree_unflatten(loaded, leaves)
+    assert {str(layer.device) for layer in next(v for v in kept.values() if isinstance(v, transformers.Cache)).layers} \
+        == {"cpu"}

@@ -24,7 +24,7 @@ from aitune.torch.check.guard import guard_for, signature
 from aitune.torch.module import Module
 from aitune.torch.record.pytree import tree_unflatten
 from aitune.torch.record.samples import GraphSpec, Sample, clone_tree
-from aitune.torch.record.serialization import constant_from_json, tree_spec_from_json
+from aitune.torch.record.serialization import constant_from_json, moved_structure, tree_spec_from_json
 from aitune.torch.record.signature import CallSignature
 
 logger = logging.getLogger(__name__)
@@ -345,6 +345,8 @@ def _restore_samples(entry: dict, root: Path, device: torch.device, where: str) 
     input_spec = tree_spec_from_json(entry["input_structure"])
     count = input_spec.num_leaves
     saved_type = torch.device(entry.get("device", "cpu")).type
+    if torch.device(device).type != saved_type:  # a cache's context names the device it was recorded on
+        input_spec = moved_structure(input_spec, saved_type, torch.device(device))
     tensor_leaves = [(int(spec["leaf_index"]), spec.get("device", saved_type)) for spec in entry["tensor_specs"]]
     constants = {int(c["leaf_index"]): constant_from_json(c["value"]) for c in entry["constants"]}
     if any(not 0 <= index < count for index, _ in tensor_leaves) or any(not 0 <= i < count for i in constants):

@@ -156,3 +156,15 @@ def _reset_slot(container, key, value) -> bool:
         container[key] = value
         return True
     return reset_state(container[key], value)
+
+
+def moved_context(context: Any, from_type: str, to_device: str) -> Any:
+    """``context`` with every device of type ``from_type`` replaced by ``to_device`` (a cache recorded on one device
+    and rebuilt on another: its layers must allocate and index where its tensors now are)."""
+    if isinstance(context, list):
+        return [moved_context(item, from_type, to_device) for item in context]
+    if isinstance(context, dict):
+        if context.get("_t") == "device" and torch.device(context["s"]).type == from_type:
+            return {"_t": "device", "s": to_device}
+        return {key: moved_context(value, from_type, to_device) for key, value in context.items()}
+    return context

@@ -16,7 +16,7 @@ import torch
 
 from aitune.errors import CheckpointError
 from aitune.torch.common.dtypes import dtype_from_name, dtype_name
-from aitune.torch.record.object_state import classes_named
+from aitune.torch.record.object_state import classes_named, moved_context
 from aitune.torch.record.pytree import LEAF, Context, TreeSpec, is_transformers_cache, tree_unflatten
 
 
@@ -192,6 +192,18 @@ def _torch_pytree_from_json(data: dict) -> TreeSpec:
                               "type in this process; the code differs from when the checkpoint was saved")
     children = tuple(tree_spec_from_json(child) for child in data.get("children", []))
     return TreeSpec(kind, (node_type, Context(context)), (), children)
+
+
+def moved_structure(spec: TreeSpec, from_type: str, to_device: torch.device) -> TreeSpec:
+    """``spec`` with the devices its key/value cache contexts name moved from ``from_type`` to ``to_device`` (a
+    checkpoint's samples loaded on another device than they were recorded on)."""
+    if spec.kind == LEAF:
+        return spec
+    node_type = spec.node_type
+    if spec.kind == "kv_cache":
+        node_type = (node_type[0], Context(moved_context(node_type[1].value, from_type, str(to_device))))
+    return TreeSpec(spec.kind, node_type, spec.context,
+                    tuple(moved_structure(child, from_type, to_device) for child in spec.children))
 
 
 def constant_to_json(value: Any, where: str) -> Any:
