@@ -324,3 +324,18 @@ def test_a_cache_structure_loaded_on_another_device_names_that_device(tuned):
     kept = tree_unflatten(loaded, leaves)
     assert {str(layer.device) for layer in next(v for v in kept.values() if isinstance(v, transformers.Cache)).layers} \
         == {"cpu"}
+
+
+def test_positions_outside_the_calls_cache_run_eager(tuned):
+    """``position_ids`` at or past the cache's capacity never reach the compiled graph (value gate): eager answers."""
+    model, eager, _ = tuned
+    call = decode_call(eager, prompt(8))
+    cache = next(value for value in call.values() if isinstance(value, transformers.Cache))
+    call["position_ids"] = torch.full_like(call["position_ids"], cache.layers[0].max_cache_len)
+    mine, theirs = copy.deepcopy(call), copy.deepcopy(call)
+    fallbacks = model.model.stats["eager_fallbacks"].get("values", 0)
+    with torch.no_grad():
+        output = model.model(**mine)
+        expected = eager.model(**theirs)
+    assert model.model.stats["eager_fallbacks"]["values"] == fallbacks + 1
+    assert torch.equal(output.last_hidden_state, expected.last_hidden_state)
