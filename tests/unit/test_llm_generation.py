@@ -339,3 +339,26 @@ def test_positions_outside_the_calls_cache_run_eager(tuned):
         expected = eager.model(**theirs)
     assert model.model.stats["eager_fallbacks"]["values"] == fallbacks + 1
     assert torch.equal(output.last_hidden_state, expected.last_hidden_state)
+
+
+def test_just_in_time_tuning_of_a_generate_loop_gives_eagers_tokens():
+    """``aitune.torch.jit`` with no code change: the model's forward is discovered, its prefill and decode calls
+    recorded and tuned while ``generate`` runs; tokens stay eager's before, during and after."""
+    import aitune.torch.jit as jit
+    from jit_user_settings import cheap_strategy
+
+    model = tiny_llama()
+    lengths = (5, 7, 9, 6)
+    expected = [generate(model, prompt(n), 8, **STATIC) for n in lengths]
+    jit.reset()
+    jit.enable(strategy=cheap_strategy(), min_samples=2)
+    try:
+        outputs = [generate(model, prompt(n), 8, **STATIC) for n in lengths]
+        nodes = jit.patched_modules()
+        assert [node.name for node in nodes] == ["LlamaForCausalLM"]
+        assert nodes[0].backends == {"prefill": "TorchInductorJitBackend()", "decode": "TorchInductorJitBackend()"}
+    finally:
+        jit.disable()
+        jit.reset()
+    for output, reference in zip(outputs, expected):
+        assert torch.equal(output, reference)
