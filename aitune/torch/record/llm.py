@@ -5,15 +5,15 @@ empty) and then once per new token (*decode*: one position, the cache holding ev
 calls differ in their work (a prompt-long matrix product against one row), so each is its own graph, named
 after its phase; a call's phase is read from its inputs:
 
-* an input named ``cache_position`` (transformers before 5.20 passes one): prefill when its first position is
-  0, else decode — the rule of the reference system (its graph identity collapses to the phase);
-* otherwise a transformers cache among the inputs (``cache`` / ``past_key_values``): prefill when it holds no
-  token yet (``get_seq_length() == 0``), else decode.
+* an input named ``cache_position`` (older transformers versions and many custom decoders pass one): prefill
+  when its first position is 0, else decode;
+* otherwise a transformers cache among the inputs (``cache`` in transformers 5.24, ``past_key_values`` in 5.17):
+  prefill when it holds no token yet (``get_seq_length() == 0``), else decode.
 
 NOTE [caches as inputs]: a static cache (``StaticCache``: preallocated key/value tensors, written in place at
-the call's positions) is an input like any other — opened into its tensors (:mod:`aitune.torch.record.object_state`),
-recorded as a clone of its state before the call, and compared after every candidate's run with eager's cache from the same state (checks of mutated
-inputs). Its size (``max_cache_len``, set by ``generate`` from the prompt and ``max_new_tokens``) is left out
+the call's positions) is an input like any other — opened into its tensors
+(:mod:`aitune.torch.record.object_state`), recorded as a clone of its state before the call, and compared after
+every candidate's run with eager's cache from the same state (checks of mutated inputs). Its size (``max_cache_len``, set by ``generate`` from the prompt and ``max_new_tokens``) is left out
 of the graph's identity: a longer generation is the same graph with a longer cache axis. A dynamic cache
 (``DynamicCache``: its tensors replaced by longer ones at every step, ``is_compileable`` False) cannot be
 served by a compiled artifact — its graph is marked :attr:`GraphSpec.untunable` and runs eager, with the hint
