@@ -24,10 +24,9 @@ from aitune.torch.check.baked_state import BakedState
 from aitune.torch.check.guard import StateWatch
 from aitune.torch.record.llm import (
     PhaseCall,
-    cache_counters,
     llm_phase,
     phase_call,
-    restore_counters,
+    rewind_cache,
     slow_route_facts,
 )
 from aitune.torch.record.pytree import LEAF, tree_flatten, tree_unflatten
@@ -254,7 +253,7 @@ class Dispatch:
             args, kwargs = _contiguous((args, kwargs))
         guard = tuned.guard
         # a cache advances its counters in place: an eager rerun after the backend must start where it started
-        counters = cache_counters(kwargs[graph.cache_input]) if graph.cache_input in kwargs else None
+        rewind = phase is not None and phase.cached is not None and graph.cache_input in kwargs
         try:
             if guard is not None and guard.due(leaves):
                 if watch is not None and watch.changed() is not None:
@@ -262,8 +261,8 @@ class Dispatch:
                 return self._guarded_call(tuned, guard, args, kwargs, leaves)
             output = backend.run(args, kwargs, accepted=True)
         except Exception as exc:  # noqa: BLE001 - a crashing backend never takes the caller down
-            if counters is not None:
-                restore_counters(counters)
+            if rewind:
+                rewind_cache(kwargs[graph.cache_input], phase.cached)
             if watch is not None and watch.changed() is not None:
                 return self._stale(args, kwargs, backend)
             return self.eager(args, kwargs, ("error", graph.name),
@@ -274,8 +273,8 @@ class Dispatch:
         # kernels just launched instead of delaying them (benchmarks/gpu_wrapper_cost.py). A stale call's output is
         # discarded and eager's returned: the same result as checking first, at the cost of one wasted call.
         if watch is not None and watch.changed() is not None:
-            if counters is not None:
-                restore_counters(counters)
+            if rewind:
+                rewind_cache(kwargs[graph.cache_input], phase.cached)
             return self._stale(args, kwargs, backend)
         self.backend_calls += 1
         return output

@@ -244,23 +244,15 @@ def slow_route_facts(args: tuple, kwargs: dict, phase: str) -> PhaseCall:
     return fill_facts(kwargs, None, phase, cached)
 
 
-def cache_counters(cache: Any) -> list:
-    """The cache's counters (int attributes and 0-d tensors of it and its layers), to put back with
-    :func:`restore_counters` when a call that advanced them is rerun eagerly."""
-    saved = []
-    for owner in (cache, *getattr(cache, "layers", ())):
-        for name, value in vars(owner).items():
-            if type(value) is int:
-                saved.append((owner, name, value))
-            elif isinstance(value, torch.Tensor) and value.dim() == 0:
-                saved.append((owner, name, value.clone()))
-    return saved
-
-
-def restore_counters(saved: list) -> None:
-    for owner, name, value in saved:
-        current = getattr(owner, name, None)
-        if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor):
-            current.copy_(value)
-        else:
-            setattr(owner, name, value)
+def rewind_cache(cache: Any, cached: int) -> None:
+    """Set the counters of ``cache`` and its layers back to ``cached`` tokens (what :func:`phase_call` read before
+    the call), so an eager rerun of a call a backend already ran writes where that call started. The counters are
+    transformers' ``cumulative_length`` (a tensor) and ``cumulative_length_int`` (sliding-window layers)."""
+    for layer in getattr(cache, "layers", ()):
+        counter = getattr(layer, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            counter.fill_(cached)
+        elif isinstance(counter, int):
+            layer.cumulative_length = cached
+        if isinstance(getattr(layer, "cumulative_length_int", None), int):
+            layer.cumulative_length_int = cached
