@@ -362,3 +362,30 @@ def test_just_in_time_tuning_of_a_generate_loop_gives_eagers_tokens():
         jit.reset()
     for output, reference in zip(outputs, expected):
         assert torch.equal(output, reference)
+
+
+def test_a_candidate_that_does_not_write_the_cache_is_rejected(tuned, tmp_path):
+    """Outputs alone are not enough: a candidate whose outputs equal eager's but whose cache stays as it was (it
+    ran on a copy) fails the check of what the call writes into its inputs."""
+    from aitune.errors import CorrectnessError
+    from aitune.torch.backend import TorchEagerBackend
+    from aitune.torch.check.checks import check_against_eager
+    from aitune.torch.check.context import GraphContext
+    from aitune.torch.check.tolerance import Tolerance
+
+    model, _, _ = tuned
+    module, decode = model.model.__wrapped__, model.model.graphs[1]
+    context = GraphContext.from_eager(module, "decoder", decode, torch.device("cpu"), tmp_path)
+    try:
+        honest = TorchEagerBackend().build(module, decode, "cpu", tmp_path / "honest")
+        check_against_eager(honest, context, Tolerance())  # eager itself passes
+
+        class OnACopy(TorchEagerBackend):
+            def _infer(self, args, kwargs):
+                return super()._infer(*copy.deepcopy((args, kwargs)))
+
+        lazy = OnACopy().build(module, decode, "cpu", tmp_path / "lazy")
+        with pytest.raises(CorrectnessError, match="input mutation not preserved"):
+            check_against_eager(lazy, context, Tolerance())
+    finally:
+        context.release()
