@@ -220,8 +220,7 @@ class Dispatch:
         if refusal is not None:
             return self.eager(args, kwargs, *refusal)
         graph = tuned.graph
-        if phase is not None and phase.cached is not None and phase.capacity is not None and \
-                phase.query is not None and phase.cached + phase.query > phase.capacity:
+        if phase is not None and phase.overflows:
             return self.eager(args, kwargs, ("values", graph.name), f"{graph.name}: the call adds {phase.query} "
                                                                     f"position(s) to a key/value cache holding "
                                                                     f"{phase.cached} of {phase.capacity}")

@@ -16,7 +16,7 @@ from aitune.torch.common.requirements import validate_flags
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.common.environment import native_bf16
-from aitune.torch.record.llm import PREFILL, is_kv_cache
+from aitune.torch.record.llm import PREFILL, folds_state, is_kv_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     def bakes_weights(self) -> bool:
         """Inductor reads the parameters at every call, except with ``freezing`` (weights folded in) or a
         channels-last copy of the module."""
-        return bool(self.config.freezing or (self.config.options or {}).get("freezing") or self.config.memory_format)
+        return folds_state(self.config) or bool(self.config.memory_format)
 
     def search_space(self, module, graph, device) -> list["Backend"]:
         """The configurations worth trying. On CPU: plain and with ``freezing``, and for models

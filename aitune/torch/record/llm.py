@@ -13,8 +13,8 @@ after its phase; a call's phase is read from its inputs:
 NOTE [caches as inputs]: a static cache (``StaticCache``: preallocated key/value tensors, written in place at
 the call's positions) is an input like any other — opened into its tensors
 (:mod:`aitune.torch.record.object_state`), recorded as a clone of its state before the call, and compared after
-every candidate's run with eager's cache from the same state (checks of mutated inputs). Its size (``max_cache_len``, set by ``generate`` from the prompt and ``max_new_tokens``) is left out
-of the graph's identity: a longer generation is the same graph with a longer cache axis. A dynamic cache
+every candidate's run with eager's cache from the same state (checks of mutated inputs). Its size
+(``max_cache_len``, set by ``generate`` from the prompt and ``max_new_tokens``) is left out of the graph's identity: a longer generation is the same graph with a longer cache axis. A dynamic cache
 (``DynamicCache``: its tensors replaced by longer ones at every step, ``is_compileable`` False) cannot be
 served by a compiled artifact — its graph is marked :attr:`GraphSpec.untunable` and runs eager, with the hint
 to ask ``generate`` for a static cache.
@@ -30,7 +30,7 @@ from typing import Any, Hashable, NamedTuple
 
 import torch
 
-from aitune.torch.record.pytree import TreeSpec
+from aitune.torch.record.pytree import TreeSpec, is_transformers_cache
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -75,7 +75,7 @@ def folds_state(config) -> bool:
 
 def cache_object_input(graph) -> bool:
     """Does a phase graph take a transformers cache object (not only ``cache_position``)?"""
-    return getattr(graph, "phase", None) is not None and getattr(graph, "cache_input", None) is not None
+    return getattr(graph, "cache_input", None) is not None  # set for phase graphs only
 
 
 def is_kv_cache(value: Any) -> bool:
@@ -84,7 +84,7 @@ def is_kv_cache(value: Any) -> bool:
     value_type = type(value)
     known = _CACHE_TYPES.get(value_type)
     if known is None:
-        known = _CACHE_TYPES[value_type] = is_kv_cache_type(value_type)
+        known = _CACHE_TYPES[value_type] = is_transformers_cache(value_type)
     return known
 
 
@@ -93,10 +93,10 @@ _CACHE_TYPES: dict[type, bool] = {}
 
 def find_cache(kwargs: dict, args: tuple = ()) -> Any:
     """The first transformers cache among a call's top-level arguments, or None."""
-    for value in (*kwargs.values(), *args):
-        if is_kv_cache(value):
-            return value
-    return None
+    name = cache_argument(kwargs)
+    if name is not None:
+        return kwargs[name]
+    return next((value for value in args if is_kv_cache(value)), None)
 
 
 def llm_phase(args: tuple, kwargs: dict) -> str | None:
@@ -105,17 +105,23 @@ def llm_phase(args: tuple, kwargs: dict) -> str | None:
     Reading a CUDA ``cache_position`` waits for the device (one small copy); ``generate`` synchronizes at every
     step anyway (its stopping check).
     """
+    found = _phase_and_fill(kwargs, find_cache(kwargs, args))
+    return found[0] if found is not None else None
+
+
+def _phase_and_fill(kwargs: dict, cache: Any) -> tuple[str, int | None] | None:
+    """``(phase, tokens the cache holds before the call)`` by the rules of this module's docstring; the token count
+    is None when ``cache_position`` decides. None when neither applies (or the cache cannot say)."""
     position = kwargs.get("cache_position")
     if isinstance(position, torch.Tensor) and position.numel() and not position.is_floating_point():
-        return PREFILL if int(position.reshape(-1)[0]) == 0 else DECODE
-    cache = find_cache(kwargs, args)
+        return (PREFILL if int(position.reshape(-1)[0]) == 0 else DECODE), None
     if cache is None:
         return None
     try:
-        length = cache.get_seq_length()
+        cached = int(cache.get_seq_length())
     except Exception:  # noqa: BLE001 - a cache that cannot say: not a phase call
         return None
-    return PREFILL if int(length) == 0 else DECODE
+    return (PREFILL if cached == 0 else DECODE), cached
 
 
 def dynamic_cache_reason(args: tuple, kwargs: dict) -> str | None:
@@ -153,11 +159,6 @@ def phase_structure(spec: TreeSpec) -> TreeSpec:
     return TreeSpec(spec.kind, node_type, spec.context, tuple(phase_structure(child) for child in spec.children))
 
 
-def is_kv_cache_type(value_type: type) -> bool:
-    """:func:`is_kv_cache` for a type."""
-    return any(klass.__name__ == "Cache" and klass.__module__.startswith("transformers") for klass in value_type.__mro__)
-
-
 def cache_argument(kwargs: dict) -> str | None:
     """The name of the keyword argument holding a transformers cache, or None."""
     for name, value in kwargs.items():
@@ -185,6 +186,11 @@ class PhaseCall(NamedTuple):
     capacity: int | None
     query: int | None
 
+    @property
+    def overflows(self) -> bool:
+        """Would the call write past its cache's end (False when any of the three counts is unknown)?"""
+        return None not in (self.cached, self.capacity, self.query) and self.cached + self.query > self.capacity
+
 
 def phase_call(args: tuple, kwargs: dict) -> PhaseCall | None:
     """The facts of a canonical call with a transformers cache or a ``cache_position`` (NOTE [caches as inputs]),
@@ -208,18 +214,10 @@ def phase_call(args: tuple, kwargs: dict) -> PhaseCall | None:
                                                    for layer in layers)))
         else:
             return None
-    position = kwargs.get("cache_position")
-    cached = None
-    if isinstance(position, torch.Tensor) and position.numel() and not position.is_floating_point():
-        phase = PREFILL if int(position.reshape(-1)[0]) == 0 else DECODE
-    elif cache is not None:
-        try:
-            cached = int(cache.get_seq_length())
-        except Exception:  # noqa: BLE001 - a cache that cannot say: not keyed here
-            return None
-        phase = PREFILL if cached == 0 else DECODE
-    else:
+    found = _phase_and_fill(kwargs, cache)
+    if found is None:
         return None
+    phase, cached = found
     return fill_facts(kwargs, (tuple(parts), phase), phase, cached)
 
 
@@ -234,14 +232,8 @@ def fill_facts(kwargs: dict, route: Hashable, phase: str, cached: int | None) ->
 
 def slow_route_facts(args: tuple, kwargs: dict, phase: str) -> PhaseCall:
     """:func:`fill_facts` for a phase call :func:`phase_call` could not key (other nested arguments)."""
-    cache = find_cache(kwargs, args)
-    cached = None
-    if "cache_position" not in kwargs and cache is not None:
-        try:
-            cached = int(cache.get_seq_length())
-        except Exception:  # noqa: BLE001 - unknown: the fill is not checked
-            cached = None
-    return fill_facts(kwargs, None, phase, cached)
+    found = _phase_and_fill(kwargs, find_cache(kwargs, args))
+    return fill_facts(kwargs, None, phase, found[1] if found is not None else None)
 
 
 def rewind_cache(cache: Any, cached: int) -> None:

@@ -94,7 +94,7 @@ def tree_spec_to_json(spec: TreeSpec, where: str = "structure") -> dict:
         return {"kind": LEAF}
     data: dict[str, Any] = {"kind": spec.kind}
     if spec.kind in ("torch_pytree", "kv_cache"):
-        return _torch_pytree_to_json(spec, where)
+        return _node_to_json(spec, where)
     if spec.node_type is not None:
         name = type_name(spec.node_type)
         if "<locals>" in spec.node_type.__qualname__ or _lookup(name) is not spec.node_type:
@@ -130,7 +130,7 @@ def tree_spec_from_json(data: dict) -> TreeSpec:
     if kind == LEAF:
         return TreeSpec(LEAF, None, (), ())
     if kind in ("torch_pytree", "kv_cache"):
-        return _torch_pytree_from_json(data)
+        return _node_from_json(data)
     if kind not in ("tuple", "list", "namedtuple", "dict", "dataclass", "model_output"):
         raise CheckpointError(f"unknown structure kind {kind!r} in the checkpoint")
     node_type = resolve_type(data["type"], kind) if data.get("type") else None
@@ -146,7 +146,7 @@ def tree_spec_from_json(data: dict) -> TreeSpec:
 # its flatten context, which must be JSON-native (a cache's is, by construction). Before anything is rebuilt,
 # every class the context names must resolve without an import (a module already imported, or one of
 # IMPORTABLE_MODULES): a checkpoint never makes this process import a module.
-def _torch_pytree_to_json(spec: TreeSpec, where: str) -> dict:
+def _node_to_json(spec: TreeSpec, where: str) -> dict:
     import json
 
     node_type, context = spec.node_type
@@ -164,7 +164,7 @@ def _torch_pytree_to_json(spec: TreeSpec, where: str) -> dict:
             "children": [tree_spec_to_json(child, where) for child in spec.children]}
 
 
-def _torch_pytree_from_json(data: dict) -> TreeSpec:
+def _node_from_json(data: dict) -> TreeSpec:
     import torch.utils._pytree as torch_pytree
 
     kind, name, context = data["kind"], data.get("type"), data.get("context")
