@@ -217,6 +217,8 @@ def test_tune_builds_the_file_as_it_is_and_other_backends_say_why_not(exported, 
     report = ait.tune(tuned, _calls(2, 5), ready_batches=True, ignore_failing_modules=False)
     rows = {row.backend: row for row in report.rows}
     assert rows["onnxruntime"].status in ("selected", "passed"), rows["onnxruntime"].reason
+    probes = rows["onnxruntime"].probes  # probe inputs checked against the untuned file, as for any module
+    assert probes is not None and probes["checked"] > 0 and probes["passed"] == probes["checked"]
     assert rows["inductor_jit"].status == "unsupported"
     assert rows["inductor_jit"].reason.startswith("an ONNX file (OnnxModule): only ONNX Runtime, TensorRT and plain "
                                                   "eager take it as it is")
@@ -281,3 +283,20 @@ def test_tensorrt_backend_takes_the_file_as_it_is_through_the_stand_in(exported,
     x, mask = _calls(3)[0]
     for got, want in zip(backend(x, mask), net(x, mask)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_readme_recipe_runs_as_written(tmp_path, monkeypatch):
+    """The code block of README.md's "Tuning an existing ONNX file", run in a fresh folder."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("### Tuning an existing ONNX file"):]
+    code = section[section.index("```python") + len("```python"):]
+    code = code[:code.index("```")]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own recipe
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(scope["restored"](x), scope["net"](x), atol=1e-5, rtol=1e-4)
+    assert scope["model"].dynamic_axes == {"x": {0: "batch"}, "y": {0: "batch"}}
+    assert scope["restored"].backends["graph0"].name in ("onnxruntime", "eager")  # restored, whichever won
+    assert (tmp_path / "checkpoints" / "net.ait").is_file()
