@@ -222,6 +222,11 @@ def test_tune_builds_the_file_as_it_is_and_other_backends_say_why_not(exported, 
     assert rows["inductor_jit"].status == "unsupported"
     assert rows["inductor_jit"].reason.startswith("an ONNX file (OnnxModule): only ONNX Runtime, TensorRT and plain "
                                                   "eager take it as it is")
+    from aitune.torch.backend import KernelSelectorBackend
+
+    graph = record_graphs(module, [(call, {}) for call in _calls(2)])[0]
+    refusal = KernelSelectorBackend(delegate_backend=ONNXRuntimeBackend()).supports(module, graph, "cpu")
+    assert not refusal.ok and refusal.reason.startswith("an ONNX file (OnnxModule)")  # whatever its delegate takes
     for x, mask in _calls(3, 5):
         for got, want in zip(tuned(x, mask), module(x, mask)):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
@@ -262,7 +267,7 @@ def test_tensorrt_backend_takes_the_file_as_it_is_through_the_stand_in(exported,
     Runtime engine double, tests/unit/fake_tensorrt.py); what runs for real is our path from the file to the
     build step, the profiles and the runtime's bindings."""
     pytest.importorskip("polygraphy", exc_type=ImportError)
-    from test_tensorrt_backend_standin import standin_build_engine, standin_load_engine  # noqa: F401
+    from test_tensorrt_backend_standin import standin_load_engine
 
     from aitune.torch.backend import TensorRTBackend
 
