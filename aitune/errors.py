@@ -22,6 +22,17 @@ class UnknownArgumentError(ConfigError, TypeError):
     Python raises for unexpected keywords)."""
 
 
+class OnnxFileError(ConfigError):
+    """An ONNX file cannot be used as it is (:class:`aitune.torch.OnnxModule`): missing, not a valid model, an
+    unsupported input type, or external data outside the model's folder; the message names the file and the fix."""
+
+
+class OnnxInputError(ConfigError, TypeError):
+    """A call to an :class:`aitune.torch.OnnxModule` does not match the ONNX file's inputs (count, names, dtype,
+    rank or a fixed size); the message names the input and what the file declares (also a ``TypeError``, as
+    Python raises for a call that does not fit a signature)."""
+
+
 class UnknownBackendError(AITuneError, KeyError):
     """A backend name is not registered; the message lists every registered name."""
 

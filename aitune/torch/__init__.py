@@ -13,6 +13,7 @@ from aitune.torch.inspecting import InspectedModulesInfo, ModuleInfo, inspect, w
 from aitune.torch.measure.kernel_profiler import ModuleFunctionKernelProfiler
 from aitune.torch.module import Module, ModuleState
 from aitune.torch.check.probes import ProbeConfig
+from aitune.torch.record.onnx_module import OnnxModule
 from aitune.torch.profile_api import PerformanceProfile, profile
 from aitune.torch.measure.profiling import ProfilingConfig
 from aitune.torch.report.rows import TuneReport
@@ -54,6 +55,7 @@ __all__ = [
     "ModuleInfo",
     "ModuleState",
     "OneBackendStrategy",
+    "OnnxModule",
     "PatchedModule",
     "PerformanceProfile",
     "ProbeConfig",

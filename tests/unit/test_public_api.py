@@ -19,6 +19,7 @@ def test_public_surface_is_exactly_all():
     assert set(ait.__all__) == {"GuardConfig",
         "BatchDim", "DynamicDim", "FirstWinsStrategy", "InspectedModulesInfo", "LatencyBudgetStrategy",
         "MaxThroughputStrategy", "MinLatencyStrategy", "Module", "ModuleInfo", "ModuleState", "OneBackendStrategy",
+        "OnnxModule",
         "PatchedModule", "ProbeConfig", "ProfilingConfig", "Tolerance", "TuneReport", "TuneStrategy", "aitune_cache_dir",
         "inspect", "jit_config", "jit_reset", "load", "patch_for_jit_tuning", "save", "tune", "wrap",
         # the reference system's names (issue #13)

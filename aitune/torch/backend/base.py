@@ -38,6 +38,7 @@ from aitune.torch.backend.backend_config import (  # noqa: F401 - re-exported fo
 )
 from aitune.torch.backend.build_log import into_build_log
 from aitune.torch.record.llm import cache_object_input, cache_refusal
+from aitune.torch.record.onnx_module import onnx_file_refusal
 from aitune.torch.common.files import checkpoint_path
 from aitune.torch.backend.registry import (  # noqa: F401 - re-exported
     get_backend_class,
@@ -172,6 +173,8 @@ class Backend:
 
     def supports(self, module: torch.nn.Module, graph, device: torch.device) -> Check:
         """Can this backend build ``module`` for ``graph`` on ``device``? Checked before any build."""
+        if (refusal := onnx_file_refusal(module, self)) is not None:
+            return Check(False, refusal)
         available = self.availability()
         if not available.ok:
             return available

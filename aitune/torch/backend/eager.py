@@ -106,6 +106,11 @@ class TorchEagerBackend(AutocastMixin, Backend):
         return not (self.config.use_cuda_graphs or self.config.autocast_enabled)
 
     @property
+    def takes_onnx_file(self) -> bool:
+        """Runs an :class:`~aitune.torch.OnnxModule` as it is when passthrough (no CUDA graphs, no autocast)."""
+        return self.passthrough
+
+    @property
     def bakes_module_state(self) -> bool:
         """A captured CUDA graph replays the kernels of the capture: the module's Python state is not read."""
         return bool(self.config.use_cuda_graphs)

@@ -25,6 +25,7 @@ from aitune.torch.kernel_forge import KernelOptimizationPlan, KernelOptimizer, P
 from aitune.torch.kernel_forge.kernel_provider import KernelProvider, TorchSDPAKernelProvider, kernel_provider_from_dict
 from aitune.torch.kernel_forge.optimizer import TIMINGS
 from aitune.torch.measure.profiling import ProfilingConfig
+from aitune.torch.record.onnx_module import onnx_file_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +179,8 @@ class KernelSelectorBackend(Backend):
 
     # ---- eligibility
     def supports(self, module: torch.nn.Module, graph, device: torch.device) -> Check:
+        if (refusal := onnx_file_refusal(module, self)) is not None:
+            return Check(False, refusal)  # whatever the delegate takes: there is no attention call to swap in a file
         device = torch.device(device)
         delegate_check = self.delegate.supports(module, graph, device)
         if not delegate_check.ok:

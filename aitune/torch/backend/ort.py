@@ -17,7 +17,8 @@ import torch
 from aitune.errors import BackendBuildError, BackendRuntimeError, one_line
 from aitune.torch.backend.base import Backend, BuildMode, Check, Requirement
 from aitune.torch.backend.onnx_call_io import OnnxCallIO
-from aitune.torch.backend.onnx_export import export_onnx, training_mode_reason
+from aitune.torch.backend.onnx_export import training_mode_reason
+from aitune.torch.backend.onnx_file_io import onnx_for_backend
 from aitune.torch.backend.onnx_graph import external_data_files
 from aitune.torch.backend.ort_config import (  # noqa: F401 - re-exported
     GRAPH_OPTIMIZATION_LEVELS,
@@ -33,6 +34,7 @@ from aitune.torch.backend.ort_fusions import (  # noqa: F401 - re-exported
 )
 from aitune.torch.backend.ort_io import NUMPY_NAMES, ORT_TYPES, CudaArray
 from aitune.torch.common.files import checkpoint_path
+from aitune.torch.record.onnx_module import OnnxModule
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,9 @@ class ONNXRuntimeBackend(Backend):
     Inference on CUDA binds inputs and outputs with IOBinding on the device (they never leave the GPU);
     on CPU it feeds numpy views. Outputs come back in eager's structure, dtypes and device.
 
+    An :class:`~aitune.torch.OnnxModule` is not exported: the session runs its file as it is (derived files, such
+    as the transformer optimizer's, go to ``workdir``; the user's file is only read).
+
     Known limitations: the module must be in eval mode; dtypes bfloat16 and complex are not bound; an
     export whose dynamic axes came out fixed runs only the recorded shapes that ran at build
     (:meth:`accepts` says False for others, so :class:`aitune.torch.Module` runs eager for them).
@@ -70,6 +75,7 @@ class ONNXRuntimeBackend(Backend):
     device_types = frozenset({"cpu", "cuda"})
     rank = 35
     default_search_position = 40  # in the default search (Backend.default_search_position)
+    takes_onnx_file = True  # builds an OnnxModule's file as it is (onnx_file_io)
 
     def __init__(self, config: ONNXRuntimeBackendConfig | None = None):
         super().__init__(config)
@@ -82,7 +88,7 @@ class ONNXRuntimeBackend(Backend):
 
     # ---- eligibility
     def _supports(self, module, graph, device: torch.device) -> Check:
-        reason = training_mode_reason(module)
+        reason = None if isinstance(module, OnnxModule) else training_mode_reason(module)
         if reason is not None:
             return Check(False, reason)
         provider = self.config.resolved_provider(device)
@@ -114,8 +120,8 @@ class ONNXRuntimeBackend(Backend):
     # ---- build
     def _build(self, module, graph, device, workdir: Path) -> None:
         self._provider = self.config.resolved_provider(device)
-        export = export_onnx(module, graph, workdir / ONNX_FILE, use_dynamo=self.config.use_dynamo,
-                             opset_version=self.config.opset_version, device=device)
+        export = onnx_for_backend(module, graph, workdir / ONNX_FILE, use_dynamo=self.config.use_dynamo,
+                                  opset_version=self.config.opset_version, device=device)
         self.build_info.update(exporter=export.exporter, export_notes=list(export.notes),
                                shape_specialized=export.shape_specialized, onnx_path=str(export.path),
                                onnx_size_bytes=sum(p.stat().st_size for p in [export.path] + [
@@ -128,17 +134,17 @@ class ONNXRuntimeBackend(Backend):
         self._io = OnnxCallIO.from_export(export, graph, module)
         self._onnx_path = export.path
         if self.config.transformer_fusions:
-            self._onnx_path = self._fuse(export, device)
+            self._onnx_path = self._fuse(export, device, workdir)
             self.build_info["onnx_path"] = str(self._onnx_path)  # the graph the session runs
         self._setup_device(device)
         self._create_session(BackendBuildError)
         self._validate_samples(graph, export)
 
-    def _fuse(self, export, device: torch.device) -> Path:
-        """ONNX Runtime's transformer optimizer on the exported model; returns the fused model's path."""
+    def _fuse(self, export, device: torch.device, workdir: Path) -> Path:
+        """ONNX Runtime's transformer optimizer on the model; returns the fused model's path (in ``workdir``)."""
         from onnxruntime.transformers import optimizer
 
-        fused_path = export.path.with_name(f"fused_{export.path.name}")
+        fused_path = workdir / f"fused_{ONNX_FILE}"
         fused = optimizer.optimize_model(str(export.path), model_type=self.config.transformer_fusions, num_heads=0,
                                          hidden_size=0, opt_level=0, use_gpu=device.type == "cuda")
         fused.save_model_to_file(str(fused_path), use_external_data_format=bool(export.external_data_files))
@@ -360,13 +366,19 @@ class ONNXRuntimeBackend(Backend):
     # ---- checkpoints
     def _save(self, directory: Path) -> dict:
         source_dir = self._onnx_path.parent
-        files = [self._onnx_path.name] + external_data_files(self._onnx_path)
-        for name in files:
+        # a model outside the workdir is an OnnxModule's file: stored as model.onnx (its external data locations
+        # are relative to its folder, whatever its name)
+        inside = self.workdir is not None and self._onnx_path.parent.resolve() == Path(self.workdir).resolve()
+        stored = self._onnx_path.name if inside else ONNX_FILE
+        data = external_data_files(self._onnx_path)
+        for source, name in [(self._onnx_path, stored)] + [(source_dir / name, name) for name in data]:
             target = directory / name
-            if (source_dir / name).resolve() != target.resolve():
-                shutil.copy2(source_dir / name, target)
+            if source.resolve() != target.resolve():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target)
+        files = [stored] + data
         return {
-            "onnx_file": self._onnx_path.name,
+            "onnx_file": stored,
             "external_data_files": files[1:],
             "execution_provider": self._provider.value,
             "exporter": self.build_info.get("exporter"),

@@ -28,7 +28,7 @@ from aitune.torch.backend.tensorrt.quantization import (
 from aitune.torch.common.dtypes import dtype_name
 from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
 from aitune.torch.backend.isolation import run_isolated
-from aitune.torch.backend.onnx_export import export_onnx
+from aitune.torch.backend.onnx_file_io import onnx_for_backend
 from aitune.torch.backend.tensorrt import engine_build
 from aitune.torch.backend.tensorrt.runtime import TensorRTRunner
 from aitune.torch.record.serialization import output_template_from_json, outputs_to_json
@@ -71,7 +71,8 @@ class TensorRTBackend(Backend):
     ``tensorrt/model.plan``, ``tensorrt/model_optimization_profiles.json``):
 
     1. ONNX export of the graph's flat module (:func:`aitune.torch.backend.onnx_export.export_onnx`);
-       with a :class:`TorchQuantizationConfig` the module is first quantized in PyTorch on a copy.
+       with a :class:`TorchQuantizationConfig` the module is first quantized in PyTorch on a copy. An
+       :class:`~aitune.torch.OnnxModule`'s file is taken as it is (:mod:`aitune.torch.backend.onnx_file_io`).
     2. Optimization profiles from the recorded shapes (:class:`ProfileMode`) or the user's profiles,
        fitted to the axes the export kept dynamic.
     3. Optional ModelOpt step on the ONNX file (autocast or PTQ), in a child process.
@@ -98,6 +99,7 @@ class TensorRTBackend(Backend):
     device_types = frozenset({"cuda"})
     rank = 40
     default_search_position = 60  # in the default search (Backend.default_search_position)
+    takes_onnx_file = True  # builds an OnnxModule's file as it is (onnx_file_io)
     #: The isolated steps; class attributes so tests can point them elsewhere.
     build_step = "aitune.torch.backend.tensorrt.engine_build:build_engine"
     autocast_step = "aitune.torch.backend.tensorrt.quantization:autocast_onnx"
@@ -174,8 +176,8 @@ class TensorRTBackend(Backend):
             source = quantize_torch(module, graph.samples[:quantization.calibration_samples],
                                     quantization.quantization_config)
             self.build_info["quantization"] = f"modelopt torch {quantization.quantization_config}"
-        export = export_onnx(source, graph, onnx_dir / "model.onnx", use_dynamo=config.use_dynamo,
-                             opset_version=config.opset_version, device=device)
+        export = onnx_for_backend(source, graph, onnx_dir / "model.onnx", use_dynamo=config.use_dynamo,
+                                  opset_version=config.opset_version, device=device)
         self._io = export.flat_io
         self._set_names(graph, export.flat_io, export.input_names, export.input_indices)
         self.build_info.update(exporter=export.exporter, export_notes=list(export.notes),
