@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # Text generation on the GPU (run through the device tool; figures land in $OUT):
-#   bash benchmarks/gpu_llm.sh tests     the GPU tests of generation, then batch 1
-#   bash benchmarks/gpu_llm.sh 8         batch 8 only
+#   bash benchmarks/gpu_llm.sh tests     the GPU tests of generation, then the benchmark
+#   bash benchmarks/gpu_llm.sh           the benchmark only
+# Environment: BATCHES (default "1"; e.g. "1 8"), TUNE_PROMPTS (prompt lengths the tune records, default
+# "112 128"), BENCH_TIMEOUT (seconds per batch, default 400).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())" \
   | tee "$OUT/env.txt"
-batch=1
 if [ "${1:-}" = "tests" ]; then
   timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_llm_generation_gpu.py 2>&1 | tail -30 \
     | tee "$OUT/tests.log"
-elif [ -n "${1:-}" ]; then
-  batch=$1
 fi
-timeout ${BENCH_TIMEOUT:-400} python3 -m benchmarks.llm_generate --model qwen2-0.5b --device cuda --dtype bfloat16 \
-  --batch $batch --tune-prompts ${TUNE_PROMPTS:-112 128} --prompt 128 --new-tokens 256 --rounds 3 --once eager-dynamic \
-  --json "$OUT/llm_b$batch.json" > "$OUT/llm_b$batch.log" 2>&1
-echo "benchmark rc $?"
-grep -v -i "warn" "$OUT/llm_b$batch.log" | tail -40
+for batch in ${BATCHES:-1}; do
+  timeout ${BENCH_TIMEOUT:-400} python3 -m benchmarks.llm_generate --model qwen2-0.5b --device cuda --dtype bfloat16 \
+    --batch $batch --tune-prompts ${TUNE_PROMPTS:-112 128} --prompt 128 --new-tokens 256 --rounds 3 --once eager-dynamic \
+    --json "$OUT/llm_b$batch.json" > "$OUT/llm_b$batch.log" 2>&1
+  echo "benchmark b$batch rc $?"
+  grep -v -i "warn" "$OUT/llm_b$batch.log" | grep -v "unavailable\|unsupported\|^\[" | tail -22
+done
