@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from aitune.errors import BackendBuildError, BackendRuntimeError, one_line
+from aitune.torch.backend.artifact import DeploymentArtifact, GraphFacts, require_built
 from aitune.torch.backend.base import Backend, BuildMode, Check, Requirement
 from aitune.torch.backend.onnx_call_io import OnnxCallIO
 from aitune.torch.backend.onnx_export import export_onnx, training_mode_reason
@@ -31,6 +32,7 @@ from aitune.torch.backend.ort_fusions import (  # noqa: F401 - re-exported
     looks_like_transformer_encoder,
     transformer_fusion_note,
 )
+from aitune.torch.backend.ort_artifact import onnx_artifact
 from aitune.torch.backend.ort_io import NUMPY_NAMES, ORT_TYPES, CudaArray
 from aitune.torch.common.files import checkpoint_path
 
@@ -359,20 +361,34 @@ class ONNXRuntimeBackend(Backend):
 
     # ---- checkpoints
     def _save(self, directory: Path) -> dict:
+        metadata = self._metadata()
         source_dir = self._onnx_path.parent
-        files = [self._onnx_path.name] + external_data_files(self._onnx_path)
-        for name in files:
+        for name in [metadata["onnx_file"], *metadata["external_data_files"]]:
             target = directory / name
             if (source_dir / name).resolve() != target.resolve():
                 shutil.copy2(source_dir / name, target)
+        return metadata
+
+    def _metadata(self) -> dict:
+        """What :meth:`_save` stores; its file names are relative to the ONNX model's folder."""
         return {
             "onnx_file": self._onnx_path.name,
-            "external_data_files": files[1:],
+            "external_data_files": external_data_files(self._onnx_path),
             "execution_provider": self._provider.value,
             "exporter": self.build_info.get("exporter"),
             "export_notes": self.build_info.get("export_notes", []),
             "io": self._io.to_json(),
         }
+
+    def artifact(self) -> DeploymentArtifact:
+        """The ONNX model the session runs (and its external data), in the build or extraction folder."""
+        require_built(self)
+        return self.artifact_from_metadata(self._metadata(), self._onnx_path.parent, self.config.to_dict(),
+                                           GraphFacts.of(self.graph, self.device))
+
+    @classmethod
+    def artifact_from_metadata(cls, metadata: dict, directory: Path, config: dict, graph) -> DeploymentArtifact:
+        return onnx_artifact(metadata, directory, config, graph, cls.name)
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
         self._io = OnnxCallIO.from_json(metadata["io"], graph)
