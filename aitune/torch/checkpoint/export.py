@@ -116,7 +116,10 @@ def _plan(manifest: dict, root: Path) -> tuple[list[tuple[dict, list[tuple[str, 
             members = []
             listed = set(entry.get("artifacts") or [])
             for file in artifact.files:
-                name = Path(file).relative_to(graph_dir).as_posix()
+                try:
+                    name = Path(file).relative_to(graph_dir).as_posix()
+                except ValueError:  # an absolute name in the metadata
+                    name = str(file)
                 check_member_name(name)
                 if name not in listed:
                     raise CheckpointIntegrityError(f"{where}: the {backend_name} metadata names {name!r}, which is not "

@@ -29,7 +29,7 @@ def pt2_artifact(metadata: dict, directory: Path, graph: GraphFacts,
         "device_index": -1 if device.startswith("cpu") else int(device.partition(":")[2] or 0),
         "call": "runner(*inputs): the inputs as contiguous tensors on the device, positional, in the listed "
                 "order; returns the outputs as a list in the listed order",
-        "torch_version_note": "load with the torch version that compiled it",
+        "requires": "the torch version that compiled it (AOTInductor packages do not move across versions)",
     }
     build_info = metadata.get("build_info") or {}
     if build_info.get("specialized_axes"):
