@@ -140,7 +140,7 @@ def _report(args) -> int:
 
 def _export(args) -> int:
     """Write a checkpoint's deployment artifacts and a manifest into a new folder (``export_checkpoint``)."""
-    from aitune.torch.checkpoint.export import export_checkpoint
+    from aitune.torch.checkpoint import export_checkpoint
     from aitune.torch.storage import existing_checkpoint
 
     try:

@@ -84,7 +84,8 @@ class DeploymentArtifact:
         inputs: the runtime's inputs in the order it takes them (:class:`TensorInfo`).
         outputs: its outputs in the order it returns them.
         constants: the non-tensor arguments the artifact was built for, by their path in the call
-            (``{"pooling": "mean"}``): calls with other values are not what it computes.
+            (``{"pooling": "mean"}``): calls with other values are not what it computes. Parameters the
+            recorded calls left at their default are baked with that default and not listed.
         runtime: how aitune ran it: the loader, execution provider(s), session options, IO binding, CUDA
             graphs, device (JSON; keys depend on ``format``).
     """
