@@ -10,7 +10,6 @@ order, and compared with the tuned module's output.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

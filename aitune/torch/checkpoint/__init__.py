@@ -62,5 +62,5 @@ from aitune.torch.checkpoint.wrappers import WrapperEntry, find_wrappers
 from aitune.torch.record.serialization import tree_spec_from_json, tree_spec_to_json
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "SUMS", "ExtractedFiles", "WrapperEntry",
-           "describe_checkpoint", "export_checkpoint", "find_wrappers", "load", "save", "sums_path", "tree_spec_from_json",
-           "tree_spec_to_json"]
+           "describe_checkpoint", "export_checkpoint", "find_wrappers", "load", "save", "sums_path",
+           "tree_spec_from_json", "tree_spec_to_json"]
