@@ -1,4 +1,4 @@
-"""The ``aitune`` command line: ``env``, ``demo``, ``report``, ``serve``, ``--version``."""
+"""The ``aitune`` command line: ``env``, ``demo``, ``report``, ``export``, ``serve``, ``--version``."""
 
 from __future__ import annotations
 
@@ -135,6 +135,25 @@ def _report(args) -> int:
     if not figures_available():
         print(f"aitune report: the page has tables only; figures need matplotlib: {REPORT_EXTRA}", file=sys.stderr)
     print(output)
+    return 0
+
+
+def _export(args) -> int:
+    """Write a checkpoint's deployment artifacts and a manifest into a new folder (``export_checkpoint``)."""
+    from aitune.torch.checkpoint import export_checkpoint
+    from aitune.torch.storage import existing_checkpoint
+
+    try:
+        result = export_checkpoint(existing_checkpoint(args.checkpoint), args.directory, overwrite=args.overwrite)
+    except (AITuneError, OSError) as exc:
+        print(f"aitune export: {exc}", file=sys.stderr)
+        return 1
+    for artifact in result["artifacts"]:
+        print(f"{artifact['module']}/{artifact['graph']}: {artifact['backend']} {artifact['format']} -> "
+              f"{', '.join(artifact['files'])}")
+    for entry in result["left_out"]:
+        print(f"{entry['module']}/{entry['graph']}: left out ({entry['reason']})")
+    print(Path(args.directory) / "manifest.json")
     return 0
 
 
@@ -300,13 +319,22 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--html", nargs="?", const="", default=None, metavar="OUT",
                         help="write one self-contained HTML page (default: FILE with .html) and print its path; "
                              "figures need matplotlib: pip install 'aitune[report]'")
+    export = commands.add_parser(
+        "export", help="write a .ait checkpoint's deployment artifacts (ONNX, .pt2, TensorRT engine) and a manifest",
+        description="Write the files another runtime needs to serve each tuned graph without aitune into "
+                    "DIR/<module>/<graph>/ and DIR/manifest.json (tensor names, dtypes, shape bounds, batch axis, "
+                    "runtime options; graphs left out with the reason). Digests are verified; nothing is unpickled.")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="the .ait file")
+    export.add_argument("directory", metavar="DIR", help="a new or empty folder")
+    export.add_argument("--overwrite", action="store_true",
+                        help="allow a non-empty DIR; only the files the export writes are replaced")
     _add_serve_parser(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("torch", "onnxscript", "onnx_ir", "torchao", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    handlers = {"env": _env, "demo": _demo, "report": _report, "serve": _serve}
+    handlers = {"env": _env, "demo": _demo, "report": _report, "export": _export, "serve": _serve}
     try:
         return handlers[args.command](args)
     except BrokenPipeError:  # `aitune env | head`: the reader left; as the Python docs advise for SIGPIPE

@@ -16,6 +16,7 @@ import torch
 import wrapt
 
 from aitune.errors import ConfigError, TuningError
+from aitune.torch.backend.artifact import deployment_artifacts
 from aitune.torch.check.guard import GuardConfig
 from aitune.torch.config import config
 from aitune.torch.dispatch import Dispatch
@@ -353,6 +354,21 @@ class Module(wrapt.ObjectProxy):
             ``[(GraphSpec, Backend), ...]`` in graph order (by ``graph.index``); empty unless TUNED.
         """
         return sorted(self._self_dispatch.backends(), key=lambda entry: entry[0].index)
+
+    def deployment_artifacts(self, reasons: dict | None = None) -> dict[str, Any]:
+        """What another runtime needs to serve each tuned graph without aitune (README, "Deployment artifacts").
+
+        Args:
+            reasons: a dict that receives, per graph name left out, why it has no artifact (a JIT or eager backend).
+
+        Returns:
+            ``{graph name: DeploymentArtifact}`` (:class:`~aitune.torch.backend.artifact.DeploymentArtifact`) for
+            the chosen backends that publish one; empty before tuning. Works after ``ait.load`` as well.
+        """
+        artifacts, left_out = deployment_artifacts(self.tuned_graphs())
+        if reasons is not None:
+            reasons.update(left_out)
+        return artifacts
 
     def install_tuned(self, entries: list[tuple[Any, Any]], *, tune_rows: dict[str, dict] | None = None,
                       eager_fallback_error: str | None = None) -> None:

@@ -147,3 +147,27 @@ def test_deactivate_releases_and_activate_reloads(built):
     batch = {"ids": torch.randint(0, 20, (2, 6)), "weight": torch.rand(2, 6)}
     _compare(module, backend, batch)  # infer() re-activates
     assert backend._runner is not None
+
+
+def test_deployment_artifact_lists_engine_profiles_and_bounds(built, tmp_path):
+    """The engine's deployment artifact (stand-in engine: the real TensorRT path is never executed here)."""
+    from aitune.torch.backend.artifact import GraphFacts
+
+    module, graph, backend, workdir = built
+    artifact = backend.artifact()
+    assert artifact.format == "tensorrt_engine"
+    assert artifact.files == (workdir / "tensorrt" / "model.plan",
+                              workdir / "tensorrt" / "model_optimization_profiles.json")
+    assert [(t.name, t.path, t.dtype, t.min_shape, t.max_shape, t.batch_axis) for t in artifact.inputs] == [
+        ("input_batch_ids", "batch.ids", "int64", (2, 6), (4, 9), 0),
+        ("input_batch_weight", "batch.weight", "float32", (2, 6), (4, 9), 0)]
+    assert artifact.inputs[0].shape[0] == "batch" and isinstance(artifact.inputs[0].shape[1], str)
+    assert [(t.path, t.dtype) for t in artifact.outputs] == [("hidden", "float32"), ("summary[0]", "float32")]
+    assert artifact.constants == {}  # the recorded calls leave scale at its default: not an argument of the call
+    assert artifact.runtime["cuda_graphs"] is True
+    assert artifact.runtime["profiles"] == backend.build_info["profiles"]
+    metadata = backend.save(tmp_path / "saved")
+    stored = TensorRTBackend.artifact_from_metadata(metadata, tmp_path / "saved", backend.config.to_dict(),
+                                                    GraphFacts.of(graph, backend.device))
+    assert all(path.is_file() for path in stored.files)
+    assert stored.inputs == artifact.inputs and stored.outputs == artifact.outputs

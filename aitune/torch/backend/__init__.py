@@ -14,6 +14,7 @@ from aitune.torch.backend.base import (
     get_backend_class,
     registered_backends,
 )
+from aitune.torch.backend.artifact import DeploymentArtifact, TensorInfo
 from aitune.torch.backend.reference_contract import ArtifactPath
 from aitune.torch.backend.eager import TorchEagerBackend, TorchEagerBackendConfig
 from aitune.torch.backend.inductor_jit import TorchInductorJitBackend, TorchInductorJitBackendConfig
@@ -45,6 +46,7 @@ __all__ = [
     "BackendState",
     "BuildMode",
     "Check",
+    "DeploymentArtifact",
     "KernelSelectorBackend",
     "KernelSelectorBackendConfig",
     "ONNXAutoCastConfig",
@@ -56,6 +58,7 @@ __all__ = [
     "TensorRTBackend",
     "TensorRTBackendConfig",
     "TensorRTProfile",
+    "TensorInfo",
     "TorchAOBackend",
     "TorchAOBackendConfig",
     "TorchEagerBackend",

@@ -22,14 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from aitune.errors import (  # noqa: F401 - one_line: re-exported
-    BackendBuildError,
-    BackendStateError,
-    BackendUnavailableError,
-    CheckpointError,
-    ConfigError,
-    one_line,
-)
+from aitune.errors import BackendBuildError, BackendStateError, BackendUnavailableError, CheckpointError  # noqa: F401
+from aitune.errors import ConfigError, one_line  # noqa: F401 - one_line: re-exported
 from aitune.torch.backend.backend_config import (  # noqa: F401 - re-exported for backends written against base
     CONFIG_FORMAT_VERSION,
     BackendConfig,
@@ -40,12 +34,8 @@ from aitune.torch.backend.build_log import into_build_log
 from aitune.torch.record.llm import cache_object_input, cache_refusal
 from aitune.torch.record.onnx_module import onnx_file_refusal
 from aitune.torch.common.files import checkpoint_path
-from aitune.torch.backend.registry import (  # noqa: F401 - re-exported
-    get_backend_class,
-    register_backend_class,
-    register_subclass_hook,
-    registered_backends,
-)
+from aitune.torch.backend.registry import get_backend_class, register_backend_class  # noqa: F401 - re-exported
+from aitune.torch.backend.registry import register_subclass_hook, registered_backends  # noqa: F401 - re-exported
 from aitune.torch.common.requirements import (  # noqa: F401 - re-exported for backends written against base
     Check,
     Requirement,
@@ -437,6 +427,16 @@ class Backend:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         return self._save(directory) or {}
+
+    def artifact(self):
+        """What another runtime needs to serve this built backend's artifact without aitune (a
+        :class:`~aitune.torch.backend.artifact.DeploymentArtifact`), or None: the default, for JIT and eager
+        backends, which run the Python module at run time and leave no file that runs on its own."""
+
+    @classmethod
+    def artifact_from_metadata(cls, metadata: dict, directory: Path, config: dict, graph):
+        """The :meth:`artifact` of a backend :meth:`save` wrote ``metadata`` for, its files in ``directory``
+        (``config``: its config's ``to_dict``; ``graph``: a :class:`~aitune.torch.backend.artifact.GraphFacts`)."""
 
     @classmethod
     def from_checkpoint(cls, directory: Path, config: BackendConfig, metadata: dict, module: torch.nn.Module | None,

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from aitune.errors import BackendBuildError, BackendRuntimeError, one_line
+from aitune.torch.backend.artifact import DeploymentArtifact, GraphFacts, require_built
 from aitune.torch.backend.base import Backend, BuildMode, Check, Requirement
 from aitune.torch.backend.onnx_call_io import OnnxCallIO
 from aitune.torch.backend.onnx_export import training_mode_reason
@@ -32,6 +33,7 @@ from aitune.torch.backend.ort_fusions import (  # noqa: F401 - re-exported
     looks_like_transformer_encoder,
     transformer_fusion_note,
 )
+from aitune.torch.backend.ort_artifact import onnx_artifact
 from aitune.torch.backend.ort_io import NUMPY_NAMES, ORT_TYPES, CudaArray
 from aitune.torch.common.files import checkpoint_path
 from aitune.torch.record.onnx_module import OnnxModule
@@ -365,26 +367,41 @@ class ONNXRuntimeBackend(Backend):
 
     # ---- checkpoints
     def _save(self, directory: Path) -> dict:
+        metadata = self._metadata()
         source_dir = self._onnx_path.parent
         # a model outside the workdir is an OnnxModule's file: stored as model.onnx (its external data locations
         # are relative to its folder, whatever its name)
-        inside = self.workdir is not None and self._onnx_path.parent.resolve() == Path(self.workdir).resolve()
+        inside = self.workdir is not None and source_dir.resolve() == Path(self.workdir).resolve()
         stored = self._onnx_path.name if inside else ONNX_FILE
-        data = external_data_files(self._onnx_path)
-        for source, name in [(self._onnx_path, stored)] + [(source_dir / name, name) for name in data]:
+        files = [(self._onnx_path, stored)] + [(source_dir / name, name) for name in metadata["external_data_files"]]
+        for source, name in files:
             target = directory / name
             if source.resolve() != target.resolve():
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(source, target)
-        files = [stored] + data
+        return {**metadata, "onnx_file": stored}
+
+    def _metadata(self) -> dict:
+        """What :meth:`_save` stores; its file names are relative to the ONNX model's folder (the model's own name
+        here; :meth:`_save` stores an :class:`~aitune.torch.OnnxModule`'s file as ``model.onnx``)."""
         return {
-            "onnx_file": stored,
-            "external_data_files": files[1:],
+            "onnx_file": self._onnx_path.name,
+            "external_data_files": external_data_files(self._onnx_path),
             "execution_provider": self._provider.value,
             "exporter": self.build_info.get("exporter"),
             "export_notes": self.build_info.get("export_notes", []),
             "io": self._io.to_json(),
         }
+
+    def artifact(self) -> DeploymentArtifact:
+        """The ONNX model the session runs (and its external data), in the build or extraction folder."""
+        require_built(self)
+        return self.artifact_from_metadata(self._metadata(), self._onnx_path.parent, self.config.to_dict(),
+                                           GraphFacts.of(self.graph, self.device))
+
+    @classmethod
+    def artifact_from_metadata(cls, metadata: dict, directory: Path, config: dict, graph) -> DeploymentArtifact:
+        return onnx_artifact(metadata, directory, config, graph, cls.name)
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
         self._io = OnnxCallIO.from_json(metadata["io"], graph)

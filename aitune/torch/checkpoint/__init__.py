@@ -22,7 +22,8 @@ A checkpoint is one zip archive (stored, not compressed) holding:
     the archive as ``<stem>_sha256_sums.txt`` (:mod:`.archive`).
 
 Modules: :mod:`.archive` (zip + digests), :mod:`.manifest` (the JSON), :mod:`.wrappers` (paths to the
-wrappers), :mod:`.save`, :mod:`.plan` and :mod:`.load` (plan -> restore -> install), :mod:`.describe`.
+wrappers), :mod:`.save`, :mod:`.plan` and :mod:`.load` (plan -> restore -> install), :mod:`.describe`,
+:mod:`.export` (``aitune export``: the deployment artifacts written to a folder).
 
 NOTE [checkpoint safety]: :func:`load` hashes every member while copying it out of the archive and compares
 all digests before anything is deserialised; member names that are absolute, contain ``..`` or a
@@ -53,6 +54,7 @@ differences (torch/aitune/CUDA versions, another GPU or CPU model) load with one
 
 from aitune.torch.checkpoint.archive import SUMS, sums_path
 from aitune.torch.checkpoint.describe import describe_checkpoint
+from aitune.torch.checkpoint.export import export_checkpoint
 from aitune.torch.checkpoint.load import ExtractedFiles, load
 from aitune.torch.checkpoint.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST
 from aitune.torch.checkpoint.save import save
@@ -60,5 +62,5 @@ from aitune.torch.checkpoint.wrappers import WrapperEntry, find_wrappers
 from aitune.torch.record.serialization import tree_spec_from_json, tree_spec_to_json
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "SUMS", "ExtractedFiles", "WrapperEntry",
-           "describe_checkpoint", "find_wrappers", "load", "save", "sums_path", "tree_spec_from_json",
-           "tree_spec_to_json"]
+           "describe_checkpoint", "export_checkpoint", "find_wrappers", "load", "save", "sums_path",
+           "tree_spec_from_json", "tree_spec_to_json"]

@@ -247,6 +247,37 @@ def read_verified(path: Path, extract_to: Path | None, in_memory: tuple[str, ...
     return sums, data
 
 
+def copy_member(path: Path, name: str, target: Path, digest: str) -> None:
+    """Copy the member ``name`` of the archive ``path`` to the new file ``target``, hashing it on the way.
+
+    The name is checked as :func:`read_verified` checks it (no absolute path, ``..``, link or duplicate); the
+    caller chooses ``target`` (it must lie where the caller allows) and passes the digest ``SHA256SUMS`` lists.
+
+    Raises:
+        CheckpointIntegrityError: an unsafe, missing, linked or duplicated member, or one whose SHA-256 is not
+            ``digest`` (``target`` is removed then).
+    """
+    check_member_name(name)
+    with open_zip(path) as zf:
+        infos = [info for info in zf.infolist() if info.filename == name]
+        if len(infos) != 1 or stat.S_ISLNK(infos[0].external_attr >> 16):
+            raise CheckpointIntegrityError(f"{path}: member {name!r} is {'missing' if not infos else 'ambiguous'} "
+                                           "or a link; refusing it")
+        hasher = hashlib.sha256()
+        try:
+            with zf.open(infos[0]) as source, open(target, "wb") as out:
+                while chunk := source.read(CHUNK):
+                    hasher.update(chunk)
+                    out.write(chunk)
+        except (zipfile.BadZipFile, EOFError, zlib.error) as exc:
+            target.unlink(missing_ok=True)
+            raise CheckpointIntegrityError(f"{path} is corrupted or truncated ({exc})") from exc
+    if hasher.hexdigest() != digest:
+        target.unlink(missing_ok=True)
+        raise CheckpointIntegrityError(f"{name} in {path} does not match its SHA-256 digest in {SUMS}: the "
+                                       "checkpoint was corrupted or tampered with; do not use it")
+
+
 def _listed_members(zf: zipfile.ZipFile, path: Path) -> dict[str, zipfile.ZipInfo]:
     members: dict[str, zipfile.ZipInfo] = {}
     for info in zf.infolist():

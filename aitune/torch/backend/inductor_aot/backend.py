@@ -13,7 +13,9 @@ import torch
 
 from aitune.errors import BackendBuildError, IsolatedStepError
 from aitune.torch.backend.accepted import AcceptedInputs, batch_axes
+from aitune.torch.backend.artifact import DeploymentArtifact, GraphFacts, require_built
 from aitune.torch.backend.base import Backend, BuildMode, Check
+from aitune.torch.backend.inductor_aot.artifact import pt2_artifact
 from aitune.torch.backend.flat import FlatIO, eager_output
 from aitune.torch.backend.inductor_aot.child_step import compile_and_check_package
 from aitune.torch.backend.inductor_aot.config import TorchInductorAotBackendConfig
@@ -236,8 +238,12 @@ class TorchInductorAotBackend(Backend):
         target = directory / PACKAGE_FILE
         if self._package_path.resolve() != target.resolve():
             shutil.copyfile(self._package_path, target)
+        return {**self._metadata(), "package": PACKAGE_FILE}
+
+    def _metadata(self) -> dict:
+        """What :meth:`_save` stores; the package's name is relative to its folder."""
         return {
-            "package": PACKAGE_FILE,
+            "package": self._package_path.name,
             "device": str(self.device),
             "inputs": [entry.to_json() for entry in self._accepted.inputs],
             "input_names": list(self._io.input_names),
@@ -248,6 +254,16 @@ class TorchInductorAotBackend(Backend):
             "build_info": {key: value for key, value in self.build_info.items()
                            if key in ("specialized_axes", "accepted_ranges", "export_batch_repeated", "batch_range")},
         }
+
+    def artifact(self) -> DeploymentArtifact:
+        """The ``.pt2`` package this backend runs, in the build or extraction folder."""
+        require_built(self)
+        return self.artifact_from_metadata(self._metadata(), self._package_path.parent, self.config.to_dict(),
+                                           GraphFacts.of(self.graph, self.device))
+
+    @classmethod
+    def artifact_from_metadata(cls, metadata: dict, directory: Path, config: dict, graph) -> DeploymentArtifact:
+        return pt2_artifact(metadata, directory, graph, cls.name)
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
         package_path = self._stored_file(directory, metadata, "package", PACKAGE_FILE)

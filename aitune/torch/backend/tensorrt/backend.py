@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from aitune.errors import BackendRuntimeError, CheckpointError, ConfigError
+from aitune.torch.backend.artifact import DeploymentArtifact, GraphFacts, require_built
 from aitune.torch.backend.base import Backend, BuildMode, Check, Requirement
 from aitune.torch.common.requirements import probe_requirement
 from aitune.torch.backend.flat import FlatIO
@@ -30,13 +31,13 @@ from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
 from aitune.torch.backend.isolation import run_isolated
 from aitune.torch.backend.onnx_file_io import onnx_for_backend
 from aitune.torch.backend.tensorrt import engine_build
+from aitune.torch.backend.tensorrt.artifact import PROFILES_FILE, engine_artifact
 from aitune.torch.backend.tensorrt.runtime import TensorRTRunner
 from aitune.torch.record.serialization import output_template_from_json, outputs_to_json
 
 logger = logging.getLogger(__name__)
 
 ENGINE_FILE = "model.plan"
-PROFILES_FILE = "model_optimization_profiles.json"
 TENSORRT_REQUIREMENT = Requirement("tensorrt", ("tensorrt", "tensorrt-cu13", "tensorrt-cu12"), "tensorrt", "10.3")
 POLYGRAPHY_REQUIREMENT = Requirement("polygraphy", ("polygraphy",), "tensorrt")
 ONNX_REQUIREMENT = Requirement("onnx", ("onnx",), "tensorrt")
@@ -325,8 +326,12 @@ class TensorRTBackend(Backend):
         if self._engine_path.resolve() != target.resolve():
             shutil.copyfile(self._engine_path, target)
         profile_rules.write_profiles(directory / PROFILES_FILE, self._profiles)
+        return {**self._metadata(), "engine": ENGINE_FILE}
+
+    def _metadata(self) -> dict:
+        """What :meth:`_save` stores; the engine's name is relative to its folder (the profiles file beside it)."""
         return {
-            "engine": ENGINE_FILE,
+            "engine": self._engine_path.name,
             "profiles": profile_rules.profiles_to_json(self._profiles),
             "inputs": [{"name": name, "leaf_index": index, "path": self._paths.get(name, name), "dtype": dtype}
                        for name, index, dtype in zip(self._names, self._leaf_indices, self._dtypes)],
@@ -336,6 +341,17 @@ class TensorRTBackend(Backend):
             "build_info": {key: value for key, value in self.build_info.items()
                            if key in ("exporter", "tensorrt_version", "quantization", "shape_specialized")},
         }
+
+    def artifact(self) -> DeploymentArtifact:
+        """The serialized engine and its optimization profiles, in the build or extraction folder (not run here
+        with a real engine: see :mod:`aitune.torch.backend.tensorrt.artifact`)."""
+        require_built(self)
+        return self.artifact_from_metadata(self._metadata(), self._engine_path.parent, self.config.to_dict(),
+                                           GraphFacts.of(self.graph, self.device))
+
+    @classmethod
+    def artifact_from_metadata(cls, metadata: dict, directory: Path, config: dict, graph) -> DeploymentArtifact:
+        return engine_artifact(metadata, directory, config, graph, cls.name, PROFILES_FILE)
 
     def _load(self, directory: Path, metadata: dict, module, graph, device: torch.device) -> None:
         engine_path = self._stored_file(directory, metadata, "engine", ENGINE_FILE)
