@@ -258,6 +258,20 @@ def test_onnxruntime_takes_the_file_with_external_data_and_the_checkpoint_round_
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     stored = next((tmp_path / "ckpt").rglob("artifacts"))
     assert (stored / "model.onnx").is_file() and (stored / "weights" / "net.data").is_file()
+    # the deployment artifact: the user's file while live, the checkpoint's copy once loaded; both run in a bare
+    # ONNX Runtime session under the names the artifact lists and give the tuned module's outputs
+    import onnxruntime
+
+    for module, model_file in ((tuned, ext), (loaded, None)):
+        artifact = module.deployment_artifacts()["graph0"]
+        assert artifact.format == "onnx" and [t.name for t in artifact.inputs] == ["x", "mask"]
+        if model_file is not None:
+            assert artifact.model_file == model_file
+        assert [f.name for f in artifact.files] == [artifact.model_file.name, "net.data"]
+        session = onnxruntime.InferenceSession(str(artifact.model_file), providers=["CPUExecutionProvider"])
+        values = session.run([t.name for t in artifact.outputs], {"x": x.numpy(), "mask": mask.numpy()})
+        for value, want in zip(values, expected):
+            torch.testing.assert_close(torch.from_numpy(value), want, atol=1e-6, rtol=1e-5)
     assert _digest(*files) == before and sorted(p.name for p in (tmp_path / "model").iterdir()) == [
         "net_ext.onnx", "weights"]
 
