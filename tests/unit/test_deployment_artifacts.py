@@ -232,3 +232,28 @@ def test_tensorrt_artifact_from_stored_metadata(tmp_path):
     assert artifact.runtime["cuda_graphs"] is True and artifact.runtime["profiles"] == metadata["profiles"]
     assert [(o.name, o.dtype) for o in artifact.outputs] == [("output", "float16")]
     assert DeploymentArtifact.from_json(json.loads(json.dumps(artifact.to_json()))) == artifact
+
+
+def test_the_readme_recipe_and_its_export_command_run_as_written(tmp_path, monkeypatch):
+    """The code block of README.md's "Deployment artifacts" (it asserts the bare session matches the tuned module),
+    then the ``aitune export`` command the section gives, in a fresh folder."""
+    from pathlib import Path
+
+    import onnxruntime
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Deployment artifacts"):]
+    code = section[section.index("```python") + len("```python"):]
+    code = code[:code.index("```")]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own recipe
+    assert "aitune export checkpoints/mlp.ait deploy/" in section
+    assert main(["export", "checkpoints/mlp.ait", "deploy/"]) == 0
+    manifest = json.loads((tmp_path / "deploy" / "manifest.json").read_text())
+    artifact = DeploymentArtifact.from_json(manifest["artifacts"][0], relative_to=tmp_path / "deploy")
+    session = onnxruntime.InferenceSession(str(artifact.model_file), providers=["CPUExecutionProvider"])
+    x = torch.randn(3, 8)
+    (y,) = session.run([t.name for t in artifact.outputs], {artifact.inputs[0].name: x.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(y), scope["mlp"](x), atol=1e-5, rtol=1e-5)
