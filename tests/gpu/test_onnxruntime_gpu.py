@@ -95,3 +95,32 @@ def test_cuda_array_interface_wrapper_shares_device_memory():
         assert wrapped.dtype == dtype and wrapped.shape == source.shape
         assert wrapped.data_ptr() == source.data_ptr()
         torch.testing.assert_close(wrapped, source, rtol=0, atol=0)
+
+
+def test_onnx_module_runs_on_cuda_and_tunes_with_the_cuda_ep(tmp_path):
+    """An existing .onnx file (OnnxModule) moved to CUDA runs on the CUDA EP and tunes with ONNX Runtime there."""
+    import onnxruntime
+
+    import aitune.torch as ait
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        pytest.skip("onnxruntime has no CUDA execution provider here (pip install onnxruntime-gpu)")
+    net = c28_net().cpu()
+    path = tmp_path / "net.onnx"
+    torch.onnx.export(net, (torch.randn(2, 3, 32, 32),), str(path), input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, dynamo=False)
+    module = ait.OnnxModule(path).to("cuda")
+    x = torch.randn(4, 3, 32, 32, device="cuda")
+    y = module(x)
+    assert y.device.type == "cuda"
+    with torch.no_grad():
+        torch.testing.assert_close(y.cpu(), net(x.cpu()), atol=1e-4, rtol=1e-4)
+    tuned = ait.Module(module, "onnx-cuda", strategy=ait.OneBackendStrategy(
+        ONNXRuntimeBackend()).enable_performance_validation(False))
+    ait.tune(tuned, [torch.randn(b, 3, 32, 32, device="cuda") for b in (2, 4)], ready_batches=True,
+             ignore_failing_modules=False)
+    backend = tuned.backends["graph0"]
+    assert isinstance(backend, ONNXRuntimeBackend) and backend.build_info["providers"][0] == "CUDAExecutionProvider"
+    out = tuned(x)
+    assert out.device.type == "cuda"
+    torch.testing.assert_close(out, y, atol=1e-4, rtol=1e-4)
