@@ -216,9 +216,10 @@ class Dispatch:
         watch = self.watch if tuned.bakes_weights else None
         if watch is not None and watch.reason is not None:
             return self._stale(args, kwargs, backend)
-        refusal = tuned.refusal(self.module)
-        if refusal is not None:
-            return self.eager(args, kwargs, *refusal)
+        if self.module.training != tuned.training or tuned.drops_state:  # (what refusal() reads, without a call)
+            refusal = tuned.refusal(self.module)
+            if refusal is not None:
+                return self.eager(args, kwargs, *refusal)
         graph = tuned.graph
         if phase is not None and phase.overflows:
             return self.eager(args, kwargs, ("values", graph.name), f"{graph.name}: the call adds {phase.query} "

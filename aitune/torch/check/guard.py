@@ -119,7 +119,7 @@ def guard_speedup(row: dict | None) -> float | None:
 
 def signature(leaves: list) -> tuple:
     """The shapes of a call's tensor leaves (the graph key already fixes structure, dtypes and constants)."""
-    return tuple(leaf.shape for leaf in leaves if isinstance(leaf, torch.Tensor))
+    return tuple([leaf.shape for leaf in leaves if isinstance(leaf, torch.Tensor)])
 
 
 @dataclasses.dataclass
