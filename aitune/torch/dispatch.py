@@ -180,11 +180,11 @@ class Dispatch:
         # (the wrapped module should stay within 3 % of the backend called directly: benchmarks/gpu_wrapper_cost.py).
         raw_key = flat_call_key(args, kwargs)
         route = self._routes.get(raw_key) if raw_key is not None else None
-        phase = None
+        phase = flat = None
         if route is not None:
             tuned, normalize = route
             args, kwargs = normalize(args, kwargs)
-            leaves = [*args, *kwargs.values()]
+            leaves = flat = [*args, *kwargs.values()]  # every leaf of the call (tensors and plain constants)
         else:
             raw_args, raw_kwargs = args, kwargs
             args, kwargs = self.signature.normalize(args, kwargs)
@@ -200,7 +200,7 @@ class Dispatch:
         backend = tuned.backend
         # NOTE [what a backend follows] in aitune/torch/check/baked_state.py: grad mode, the caller's autocast,
         # hooks, submodules' flags and attributes, weights edited through .data.
-        differs = self.baked.differs(backend, args, kwargs) if self.baked is not None else None
+        differs = self.baked.differs(backend, args, kwargs, flat) if self.baked is not None else None
         if differs is not None:
             if differs[0] == "grad" and self.eager_fallback_error is not None:
                 # eager may not run here (weights moved to 'meta', or other weights than the artifacts'): the
@@ -216,9 +216,10 @@ class Dispatch:
         watch = self.watch if tuned.bakes_weights else None
         if watch is not None and watch.reason is not None:
             return self._stale(args, kwargs, backend)
-        refusal = tuned.refusal(self.module)
-        if refusal is not None:
-            return self.eager(args, kwargs, *refusal)
+        if self.module.training != tuned.training or tuned.drops_state:  # (what refusal() reads, without a call)
+            refusal = tuned.refusal(self.module)
+            if refusal is not None:
+                return self.eager(args, kwargs, *refusal)
         graph = tuned.graph
         if phase is not None and phase.overflows:
             return self.eager(args, kwargs, ("values", graph.name), f"{graph.name}: the call adds {phase.query} "

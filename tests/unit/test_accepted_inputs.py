@@ -126,3 +126,24 @@ def test_the_value_gate_lets_through_every_valid_id_of_an_embedding_table():
     assert "outside the accepted [0, 49]" in gate.rejects([torch.tensor([0, 50, 1]), torch.tensor([0, 1, 2])])
     assert "outside" in gate.rejects([torch.tensor([-1, 5, 1]), torch.tensor([0, 1, 2])])
     assert "outside the accepted [0, 2]" in gate.rejects([torch.tensor([0, 5, 1]), torch.tensor([0, 1, 7])])
+
+
+def test_the_value_gate_tells_nan_and_inf_from_a_sum_that_overflows():
+    """The finite check sums each floating input once: a sum that is not finite while every value is (an
+    overflow) is served, nan and inf anywhere (also +inf and -inf together, whose sum is nan) run eager, in
+    every floating dtype, for strided views and for tensors that require grad."""
+    from aitune.torch.backend.accepted import ValueGate
+
+    gate = ValueGate(finite=[(0, "x")], leaf_indices=[0])
+    for dtype, huge in ((torch.float32, 3e38), (torch.float64, 1e308), (torch.float16, 6e4), (torch.bfloat16, 3e38)):
+        assert gate.rejects([torch.full((16,), huge, dtype=dtype)]) is None, dtype
+        assert gate.rejects([torch.tensor([1.0, -2.0], dtype=dtype)]) is None, dtype
+        for bad in ([1.0, float("nan")], [float("inf"), 1.0], [float("inf"), float("-inf")], [float("-inf"), 0.0]):
+            assert "nan/inf" in gate.rejects([torch.tensor(bad, dtype=dtype)]), (dtype, bad)
+    strided = torch.ones(4, 6)[:, ::2]
+    assert gate.rejects([strided]) is None
+    strided[1, 1] = float("nan")
+    assert "nan/inf" in gate.rejects([strided])
+    with torch.no_grad():
+        assert gate.rejects([torch.ones(3, requires_grad=True)]) is None
+    assert "nan/inf" in gate.rejects([torch.tensor([float("nan")], requires_grad=True)])

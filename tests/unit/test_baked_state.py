@@ -80,6 +80,24 @@ def test_calls_without_autograd_or_changes_use_the_backend(net):
     assert tuned.backend_calls == before + (0 if name == "eager" else 2)  # plain eager counts no backend call
 
 
+def test_the_backend_itself_answers_without_autograd_in_either_grad_mode(net):
+    """A backend's ``run`` enters ``no_grad`` only when the caller has grad mode on (the wrapper's calls mostly
+    come under ``no_grad`` already): either way its output carries no autograd graph and the same values."""
+    name, model, tuned = net
+    backend = tuned.backends["graph0"]
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.no_grad():
+        expected = model(x)
+        quiet = backend.run((), {"x": x})
+    loud = backend.run((), {"x": x})  # grad mode on, an input that requires grad
+    assert torch.is_grad_enabled()
+    for output in (quiet, loud):
+        assert output.grad_fn is None and not output.requires_grad
+    torch.testing.assert_close(loud, quiet, rtol=0, atol=0)
+    if name != "torchao":  # (a quantized copy differs from eager by design)
+        torch.testing.assert_close(quiet, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_an_input_that_requires_grad_gets_eagers_gradients(net):
     name, model, tuned = net
     x = torch.randn(4, 16)

@@ -76,6 +76,9 @@ def test_clone_tensors_copies_every_tensor_leaf():
     assert copied["rest"][1:] == ("tag", 3)
     a.add_(1)
     assert torch.equal(copied["a"], torch.ones(2)) and torch.equal(copied["rest"][0], torch.ones(2))
+    alone = clone_tensors(a)  # a bare tensor (the usual output): a copy with its own storage
+    a.add_(1)
+    assert torch.equal(alone, torch.full((2,), 2.0)) and alone.data_ptr() != a.data_ptr()
 
 
 def test_eager_backend_cuda_graphs_config():

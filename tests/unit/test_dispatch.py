@@ -2,6 +2,7 @@
 the import layers of the wrapper (module.py never reaches the orchestrator above it)."""
 
 import ast
+import copy
 from pathlib import Path
 
 import torch
@@ -56,6 +57,82 @@ def test_an_artifact_tuned_in_eval_does_not_serve_a_module_in_training(fast_prof
         model.eval()
         torch.testing.assert_close(tuned(x), model(x))
         assert tuned.stats["backend_calls"] == 2
+
+
+class BakedCopy(TorchEagerBackend):
+    """Serves a copy of the module taken at build, as an artifact that baked the module in would (weights,
+    training flags, hooks as they were)."""
+
+    name = "test_baked_copy"
+    passthrough = False
+
+    @property
+    def bakes_weights(self) -> bool:
+        return True
+
+    def _build(self, module, graph, device, workdir) -> None:
+        super()._build(module, graph, device, workdir)
+        self._copy = copy.deepcopy(module)
+
+    def _infer(self, args, kwargs):
+        with torch.no_grad():
+            return self._copy(*args, **kwargs)
+
+
+def test_a_warm_route_still_obeys_every_change_it_could_skip(fast_profiling):
+    """Calls shaped like the last ones take the dispatch's fast route (NOTE [dispatch fast path]); each check on
+    that route must still see what changed between two calls: a hook, the training flag, grad mode with an input
+    or a parameter that requires grad, an input with nan, weights edited in place. Each case compares with eager
+    under the same state and is then put back, and the backend serves again."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 4)).eval()
+    strategy = ait.OneBackendStrategy(BakedCopy(), profiling_config=fast_profiling)
+    tuned = ait.Module(model, "warm", strategy=strategy.enable_performance_validation(False),
+                       guard=ait.GuardConfig(enabled=False))
+    ait.tune(tuned, [torch.randn(3, 4)], ready_batches=True)
+    x = torch.randn(3, 4) * 5 + 2
+
+    def served(expected_calls):
+        with torch.no_grad():
+            torch.testing.assert_close(tuned(x), model(x))
+        assert tuned.backend_calls == expected_calls, tuned.stats
+
+    for calls in (1, 2, 3):  # the route is warm from here on
+        served(calls)
+    with torch.no_grad():
+        handle = model[0].register_forward_hook(lambda module, inputs, output: output * 2)
+        torch.testing.assert_close(tuned(x), model(x))  # the hook runs: eager
+        handle.remove()
+    served(4)
+    model.train()
+    with torch.no_grad():
+        torch.manual_seed(0)
+        dropped = tuned(x)  # dropout: eager
+        torch.manual_seed(0)
+        torch.testing.assert_close(dropped, model(x))
+    model.eval()
+    served(5)
+    model.requires_grad_(False)  # grad mode on: served while nothing requires grad
+    assert torch.is_grad_enabled() and tuned(x).grad_fn is None and tuned.backend_calls == 6
+    leaf = x.clone().requires_grad_(True)
+    output = tuned(leaf)  # grad mode on and the input requires grad: eager's graph
+    assert output.grad_fn is not None
+    torch.testing.assert_close(output, model(leaf))
+    model[2].weight.requires_grad_(True)
+    output = tuned(x)  # a parameter requires grad: eager's graph
+    assert output.grad_fn is not None
+    torch.testing.assert_close(output, model(x))
+    model.requires_grad_(False)
+    served(7)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(bad), model(bad), equal_nan=True)
+    served(8)
+    assert tuned.stats["eager_fallbacks"] == {"hooks": 1, "training": 1, "grad": 2, "values": 1}
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # the copy holds the old weights: eager from now on
+        torch.testing.assert_close(tuned(x), model(x))
+    assert tuned.backend_calls == 8 and tuned.needs_retune
 
 
 def _imported_modules(path: Path) -> set[str]:

@@ -100,6 +100,65 @@ def test_default_interval_keeps_eager_reruns_within_two_percent():
         GuardConfig(max_overhead=0)
 
 
+class _Clock:
+    """Seconds that pass only when the test says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float, value=None):
+        self.now += seconds
+        return value
+
+
+def test_the_interval_widens_so_costly_checks_stay_within_the_overhead():
+    """A check costs the backend call, the eager call and the comparison; where that is far more than the
+    speed-up formula assumes (a small module: the comparison dominates), N widens until the cheapest check seen,
+    beyond one served call, costs at most ``max_overhead`` of N served calls (NOTE [guard cost])."""
+    clock, backend, x = _Clock(), TorchEagerBackend(), torch.ones(2)
+    config, seen, comparison = GuardConfig(max_overhead=0.25, max_check_every=100), {(torch.Size([2]),)}, {}
+
+    def checked(guard, compare_s):
+        comparison["s"] = compare_s
+        return guard.check(backend, lambda chosen: clock.spend(1.0, x), lambda: clock.spend(2.0, x), [x])
+
+    def compare(expected, actual, chosen):
+        clock.spend(comparison["s"])
+
+    guard = RuntimeGuard("graph0", config, compare, seen, speedup=2.0, serving_s=1.0, clock=clock)
+    assert guard.interval == 8  # ceil(2 / 0.25): the eager call alone
+    checked(guard, 10.0)  # 13 s, 12 beyond a served call: 12 <= 0.25 * N * 1 s needs N = 48
+    assert guard.interval == 48 and guard.check_s == 12.0
+    checked(guard, 6.0)  # a cheaper check: the cheapest seen counts (noise only adds)
+    assert guard.interval == 32
+    checked(guard, 100.0)
+    assert guard.interval == 32
+    assert [guard.due([x]) for _ in range(64)].count(True) == 2  # one call in 32 from now on
+    guard = RuntimeGuard("graph0", config, compare, seen, speedup=2.0, serving_s=1.0, clock=clock)
+    checked(guard, 1000.0)  # a first check that slow: capped at max_check_every
+    assert guard.interval == 100
+    for kept in (RuntimeGuard("graph0", GuardConfig(check_every=3), compare, seen, 2.0, serving_s=1.0, clock=clock),
+                 RuntimeGuard("graph0", config, compare, seen, 2.0, clock=clock)):  # no measured serving time
+        before = kept.interval
+        checked(kept, 10.0)
+        assert kept.interval == before
+
+
+def test_the_guard_takes_the_served_calls_time_from_the_tune_row():
+    from aitune.torch.check.correctness import Tolerance
+    from aitune.torch.check.guard import guard_for
+
+    graph = types.SimpleNamespace(name="graph0", stateful=False, mutated_inputs=False, nondeterministic=None)
+    backend = types.SimpleNamespace(passthrough=False)
+    row = {"speedup": 2.0, "measurement": {"p50_ms": 0.5}}
+    guard = guard_for(GuardConfig(), graph, backend, Tolerance(), row, set())
+    assert guard.serving_s == pytest.approx(0.0005) and guard.interval == 100
+    assert guard_for(GuardConfig(), graph, backend, Tolerance(), {"speedup": 2.0}, set()).serving_s is None
+
+
 def test_a_full_signature_table_stops_checking_new_shapes():
     """Once ``max_signatures`` signatures are remembered only the periodic check runs (GuardConfig's docstring):
     a stream of new shapes (dynamic sequence lengths) must not re-run eager on every call."""

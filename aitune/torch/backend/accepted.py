@@ -172,6 +172,7 @@ def _range_text(low: list[int], high: list[int]) -> str:
 # and an out-of-range index there is a device-side assert in eager too. The cost per call is measured by
 # benchmarks/value_gate_cost.py and stated in docs/promises.md.
 QUANTIZED_RANGE_FACTOR = 2.0
+_SUM_AS_IS = (torch.float32, torch.float64)  # dtypes summed in their own precision by the finite check
 
 
 @dataclasses.dataclass
@@ -238,8 +239,11 @@ class ValueGate:
             capacity: positions the call's key/value cache holds (``max_cache_len``), for a phase graph's
                 position inputs; None: the smallest capacity recorded.
         """
-        if not all(leaves[index] is None or leaves[index].device.type == "cpu" for index in self.leaf_indices):
-            leaves = [leaf if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" else None for leaf in leaves]
+        for index in self.leaf_indices:  # (Tensor.is_cpu: no torch.device built per access)
+            leaf = leaves[index]
+            if leaf is not None and not leaf.is_cpu:
+                leaves = [leaf if isinstance(leaf, torch.Tensor) and leaf.is_cpu else None for leaf in leaves]
+                break
         for index, path, recorded in self.positions:
             if leaves[index] is None or not leaves[index].numel():
                 continue
@@ -259,8 +263,10 @@ class ValueGate:
             tensor = leaves[index]
             if tensor is None:
                 continue
-            if not bool(torch.isfinite(tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64
-                                                  else torch.float32))):
+            # one reduction and one read: a finite sum means every element is finite (nan and inf propagate);
+            # a sum that overflowed is told apart by the full check
+            total = tensor.sum() if tensor.dtype in _SUM_AS_IS else tensor.sum(dtype=torch.float32)
+            if not math.isfinite(total.item()):
                 if not bool(torch.isfinite(tensor).all()):
                     return f"input '{path}' holds nan/inf, which no recorded call had"
         for index, path, limit in self.magnitudes:

@@ -131,6 +131,8 @@ class LRUCache:
 
 def clone_tensors(value: Any) -> Any:
     """Copy of a nested value with every tensor leaf cloned (other leaves shared)."""
+    if isinstance(value, torch.Tensor):  # the common case, without flattening
+        return value.clone()
     leaves, spec = tree_flatten(value)
     return tree_unflatten(spec, [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
 

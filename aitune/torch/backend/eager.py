@@ -36,6 +36,9 @@ class TorchEagerBackendConfig(BackendConfig):
         self.autocast_dtype = parse_dtype(self.autocast_dtype, "autocast_dtype")
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable and re-entrant
+
+
 class AutocastMixin:
     """Autocast around a call; outputs whose dtype autocast changed are cast back (probed at build)."""
 
@@ -54,7 +57,7 @@ class AutocastMixin:
     def _autocast(self):
         config = self.config
         if not getattr(config, "autocast_enabled", False):
-            return contextlib.nullcontext()
+            return _NO_CONTEXT
         return torch.autocast(device_type=self.device.type, dtype=config.autocast_dtype)
 
     def _probe_output_dtypes(self, module, graph) -> None:

@@ -48,6 +48,7 @@ def uses_cuda_graphs(mode: str | None, options: dict | None) -> bool:
 
 
 MEMORY_FORMATS = (None, "channels_last")
+_NO_CONTEXT = contextlib.nullcontext()  # reusable and re-entrant
 RECOMPILE_LIMIT = 64
 
 
@@ -354,7 +355,8 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     def _run(self, args, kwargs):
         if self._clone_outputs:
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad(), self._autocast(), self._freezing:
+        # (a caller already under no_grad, as ait.Module's calls mostly are, does not pay for entering it again)
+        with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT, self._autocast(), self._freezing:
             output = self._compiled(*args, **kwargs)
         if self._channels_last:
             output = to_contiguous(output)

@@ -224,7 +224,7 @@ class BakedState:
         return entry[1]
 
     # ---- per call
-    def differs(self, backend: Any, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    def differs(self, backend: Any, args: tuple, kwargs: dict, leaves: list | None = None) -> tuple[str, str] | None:
         """Why this call cannot run on ``backend``, as ``(kind, message)`` (kinds: ``grad``, ``autocast``,
         ``hooks``, ``module``, ``stale``), or None when what the backend baked in still holds.
 
@@ -232,9 +232,10 @@ class BakedState:
             backend: the tuned backend the call would run on.
             args: the call's positional arguments (any nesting).
             kwargs: the call's keyword arguments.
+            leaves: every leaf of ``args`` and ``kwargs`` when the caller has them flat already (None: found here).
         """
         if torch.is_grad_enabled():
-            reason = self._needs_grad(args, kwargs)
+            reason = self._needs_grad(args, kwargs, leaves)
             if reason is not None:
                 return "grad", reason
         entry = self.policies.get(id(backend))
@@ -267,12 +268,14 @@ class BakedState:
                 return "stale", reason
         return None
 
-    def _needs_grad(self, args: tuple, kwargs: dict) -> str | None:
-        leaves = [*args, *kwargs.values()]
-        if not all(isinstance(leaf, torch.Tensor) or type(leaf) in _PLAIN for leaf in leaves):
-            leaves = tree_flatten((args, kwargs))[0]
-        if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
-            return "grad mode is on and an input requires grad: eager runs it with autograd"
+    def _needs_grad(self, args: tuple, kwargs: dict, leaves: list | None = None) -> str | None:
+        if leaves is None:
+            leaves = [*args, *kwargs.values()]
+            if not all(isinstance(leaf, torch.Tensor) or type(leaf) in _PLAIN for leaf in leaves):
+                leaves = tree_flatten((args, kwargs))[0]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                return "grad mode is on and an input requires grad: eager runs it with autograd"
         if any(map(_REQUIRES_GRAD, self.parameters)):
             return ("grad mode is on and parameters require grad: eager runs it with autograd (call the module under "
                     "torch.inference_mode() or torch.no_grad(), or freeze the parameters, to use the tuned backend)")

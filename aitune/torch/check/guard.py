@@ -13,7 +13,11 @@ Two mechanisms protect a tuned module once it serves calls:
     ``s`` times faster than eager, checking one call in ``N`` adds about ``s / N`` to the serving time, so
     the default ``N`` is ``ceil(s / 0.02)`` (2 % at most), capped at ``max_check_every`` (1000; also the ``N``
     when the speed-up is unknown) so that no speed-up figure, however large, turns the periodic check all
-    but off; past 20x the cap costs more than 2 % (50x: ~5 %). ``s`` is the tune row's paired speed-up (the
+    but off; past 20x the cap costs more than 2 % (50x: ~5 %). The comparison (and the copy of the backend's
+    output) can cost more than the eager call on a small module, several times a served call
+    (``benchmarks/wrapper_cost.py`` prints the checks' share of the mean), so each check's time is measured
+    and ``N`` widens until the cheapest check seen, beyond one served call (the row's measured p50), costs at
+    most 2 % of ``N`` served calls, never past ``max_check_every``. ``s`` is the tune row's paired speed-up (the
     median of per-round ratios, NOTE [paired speed-up] in :mod:`aitune.torch.measure.profiling`), or its lower
     quartile when that figure is marked noisy.
     Signatures are remembered up to ``max_signatures``; the per-call cost of an unchecked call is building
@@ -38,6 +42,7 @@ import dataclasses
 import logging
 import math
 import operator
+import time
 from typing import Any, Callable
 
 import torch
@@ -59,8 +64,8 @@ class GuardConfig(KnownFields):
         check_unseen_shapes: check the first call of every input signature (tensor shapes) that tuning
             never checked (default True).
         check_every: check one call in N; None (default) = ``ceil(speed-up / max_overhead)`` from the speed-up
-            measured at tuning, at most ``max_check_every`` (which is also N when the speed-up is unknown);
-            0 = never.
+            measured at tuning, widened once checks are seen to cost more than that allows (NOTE [guard cost]),
+            at most ``max_check_every`` (which is also N when the speed-up is unknown); 0 = never.
         max_overhead: the share of serving time the periodic eager re-runs may cost with ``check_every=None``
             (default 0.02 = 2 %).
         max_signatures: input signatures remembered per graph, the ones checked at tuning included; once
@@ -119,7 +124,7 @@ def guard_speedup(row: dict | None) -> float | None:
 
 def signature(leaves: list) -> tuple:
     """The shapes of a call's tensor leaves (the graph key already fixes structure, dtypes and constants)."""
-    return tuple(leaf.shape for leaf in leaves if isinstance(leaf, torch.Tensor))
+    return tuple([leaf.shape for leaf in leaves if isinstance(leaf, torch.Tensor)])
 
 
 @dataclasses.dataclass
@@ -149,16 +154,23 @@ class RuntimeGuard:
     """
 
     def __init__(self, graph_name: str, config: GuardConfig, compare: Callable[[Any, Any], None], seen: set,
-                 speedup: float | None, fallbacks: list | None = None):
+                 speedup: float | None, fallbacks: list | None = None, serving_s: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.graph_name = graph_name
         self.config = config
         self.compare = compare
         self.seen = set(seen)
         self.interval = config.interval(speedup)
+        self._base_interval = self.interval
         self.fallbacks = list(fallbacks or [])
         self.calls = 0
         self.checks = 0
         self.events: list[GuardEvent] = []
+        # NOTE [guard cost]: the seconds a call of the chosen backend takes (its measured p50), and the least a
+        # check cost beyond such a call (s; None until one ran)
+        self.serving_s = serving_s if serving_s is not None and serving_s > 0 else None
+        self.check_s: float | None = None
+        self._clock = clock
 
     def due(self, leaves: list) -> bool:
         """Should this call be checked? Counts the call."""
@@ -183,6 +195,23 @@ class RuntimeGuard:
             input right, or None for eager).
         """
         self.checks += 1
+        started = self._clock()
+        try:
+            return self._check(backend, run_backend, run_eager, leaves)
+        finally:
+            self._count_cost(self._clock() - started)
+
+    def _count_cost(self, elapsed_s: float) -> None:
+        """Widen the derived interval so that checks costing ``elapsed_s`` stay within ``max_overhead`` of the
+        serving time (NOTE [guard cost]); an explicit ``check_every`` and an unknown serving time are kept."""
+        if self.config.check_every is not None or self.serving_s is None or not self.interval:
+            return
+        extra = max(0.0, elapsed_s - self.serving_s)  # the checked call stands in for one served call
+        self.check_s = extra if self.check_s is None else min(self.check_s, extra)  # noise only adds
+        needed = math.ceil(self.check_s / (self.config.max_overhead * self.serving_s))
+        self.interval = min(self.config.max_check_every, max(self._base_interval, needed))
+
+    def _check(self, backend, run_backend, run_eager, leaves):
         output = clone_tree(run_backend(backend))
         expected = run_eager()
         try:
@@ -240,7 +269,9 @@ def guard_for(config: GuardConfig, graph, backend, tolerance, row: dict | None, 
     def compare(expected, actual, chosen) -> None:
         comparator_for(chosen, tolerance).compare(expected, actual)
 
-    return RuntimeGuard(graph.name, config, compare, checked, guard_speedup(row), fallbacks)
+    p50_ms = (row.get("measurement") or {}).get("p50_ms")
+    return RuntimeGuard(graph.name, config, compare, checked, guard_speedup(row), fallbacks,
+                        serving_s=float(p50_ms) / 1000 if p50_ms else None)
 
 
 # ------------------------------------------------------------------------------------------ stale weights
