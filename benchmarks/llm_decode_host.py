@@ -1,0 +1,53 @@
+"""Where a tuned decoder's host time per decode call goes (cProfile of ``generate`` with the tiny model).
+
+Tunes the tiny Llama decoder (static cache) with Inductor reduce-overhead on CUDA (default mode on CPU), then
+profiles a few ``generate`` runs and prints aitune's functions by cumulative time and the calls that read a
+device value back to the host (``item``, ``__bool__``, ``tolist``, ``synchronize``)::
+
+    python -m benchmarks.llm_decode_host --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+
+import torch
+
+import aitune.torch as ait
+from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
+from benchmarks.llm_generate import build, generate
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args(argv)
+    model = build("tiny", args.device, getattr(torch, args.dtype))
+    mode = "reduce-overhead" if args.device.startswith("cuda") else "default"
+    backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode=mode))
+    model.model = ait.Module(model.model, "decoder", strategy=ait.OneBackendStrategy(backend))
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 256, (1, n), generator=generator).to(args.device) for n in (5, 7)]
+    ait.tune(lambda ids: generate(model, ids, 8, static=True), prompts, ready_batches=True)
+    measured = torch.randint(1, 256, (1, 9), generator=generator).to(args.device)
+    for _ in range(2):
+        generate(model, measured, 64, static=True)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(5):
+        generate(model, measured, 64, static=True)
+    profile.disable()
+    stats = pstats.Stats(profile)
+    stats.sort_stats("cumulative").print_stats("aitune", 30)
+    stats.sort_stats("tottime").print_stats("item|__bool__|tolist|synchronize|_local_scalar", 10)
+    stats.print_callers("item|__bool__|_local_scalar")
+    print("decoder stats:", model.model.stats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
