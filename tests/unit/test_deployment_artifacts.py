@@ -10,6 +10,7 @@ order, and compared with the tuned module's output.
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -189,6 +190,27 @@ def test_export_refuses_a_non_empty_folder_and_leaves_it_untouched(tuned, tmp_pa
     # --overwrite writes its own files beside the user's and keeps them
     assert main(["export", str(tuned.path), str(target), "--overwrite"]) == 0
     assert (target / "notes.txt").read_text() == "keep me" and (target / "manifest.json").is_file()
+
+
+def test_a_failed_overwrite_keeps_the_earlier_files_and_a_hard_link_is_not_written_through(tuned, tmp_path):
+    """--overwrite stages every file under a temporary name and renames it over its destination at the end: a
+    failure leaves the earlier export's files as they were, and a destination hard-linked to a file outside the
+    folder gets a new file, the outside file keeps its contents."""
+    target = tmp_path / "deploy"
+    assert main(["export", str(tuned.path), str(target)]) == 0
+    files = {p: p.read_bytes() for p in target.rglob("*") if p.is_file() and p.name != "manifest.json"}
+    (target / "manifest.json").unlink()
+    (target / "manifest.json").mkdir()  # something in the way of the last file: the export fails late
+    assert main(["export", str(tuned.path), str(target), "--overwrite"]) == 1
+    assert {p: p.read_bytes() for p in target.rglob("*") if p.is_file()} == files  # no temporaries left either
+    (target / "manifest.json").rmdir()
+    outside = tmp_path / "precious.txt"
+    outside.write_text("user data")
+    model = next(p for p in files if p.suffix == ".onnx")
+    model.unlink()
+    os.link(outside, model)
+    assert main(["export", str(tuned.path), str(target), "--overwrite"]) == 0
+    assert outside.read_text() == "user data" and model.read_bytes() == files[model]
 
 
 @pytest.mark.parametrize("edit", ["dotdot", "absolute", "artifacts_dir"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 from pathlib import Path
 
 from aitune.errors import AITuneError, CheckpointError, CheckpointIntegrityError, ConfigError, UnknownBackendError
@@ -57,7 +58,11 @@ def export_checkpoint(path: str | os.PathLike, directory: str | os.PathLike, *, 
         raise ConfigError(f"{root} is not empty; give a new or empty folder (nothing was written)")
     manifest, sums = read_manifest(path, verify=True)
     plans, left_out = _plan(manifest, root)
-    written: list[Path] = []
+    # every file is written under a temporary name beside its destination and renamed over it only once all of
+    # them are complete: a failed export (or an interrupt) removes its temporaries and leaves every file that was
+    # there as it was; a rename replaces a name, never the contents of an existing file (hard links elsewhere
+    # keep theirs)
+    staged: list[tuple[Path, Path]] = []
     created = [folder for folder in reversed([root, *root.parents]) if not folder.exists()]
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -67,23 +72,32 @@ def export_checkpoint(path: str | os.PathLike, directory: str | os.PathLike, *, 
                 if member not in sums:
                     raise CheckpointIntegrityError(f"{path}: {member!r} is not listed in its SHA256SUMS; refusing it")
                 _make_parents(target, real_root, created)
-                written.append(target)
-                copy_member(path, member, target, sums[member])
+                staged.append((_temporary(target), target))
+                copy_member(path, member, staged[-1][0], sums[member])
         result = {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION, "checkpoint": str(path),
                   "artifacts": [artifact for artifact, _ in plans], "left_out": left_out}
         target = root / MANIFEST
         _inside(target, real_root)
-        written.append(target)
-        target.write_text(dumps(result))
+        staged.append((_temporary(target), target))
+        staged[-1][0].write_text(dumps(result))
+        for temporary, target in staged:
+            _inside(target, real_root)
+            os.replace(temporary, target)
     except BaseException:
-        _remove(written, created)
+        _remove([temporary for temporary, _ in staged], created)
         raise
     return result
+
+
+def _temporary(target: Path) -> Path:
+    """A new temporary name beside ``target`` (same folder, so the final rename stays on one file system)."""
+    return target.with_name(f".{target.name}.{secrets.token_hex(6)}.export-tmp")
 
 
 def _plan(manifest: dict, root: Path) -> tuple[list[tuple[dict, list[tuple[str, Path]]]], list[dict]]:
     """Per deployable graph: its artifact JSON and ``(archive member, destination)`` per file; the rest left out."""
     plans, left_out, used = [], [], set()
+    graph_folders: dict[str, set] = {}  # per module folder: the graph folder names taken
     for module in manifest["modules"]:
         module_name = str(module.get("name", "module"))
         module_dir = _folder_name(module_name, used)
@@ -103,7 +117,7 @@ def _plan(manifest: dict, root: Path) -> tuple[list[tuple[dict, list[tuple[str, 
                 leave_out(f"backend {backend_name!r} is not known to this aitune (a custom backend?): import it "
                           "and use ait.load(...).deployment_artifacts() instead")
                 continue
-            graph_dir = root / module_dir / _folder_name(graph_name, set())
+            graph_dir = root / module_dir / _folder_name(graph_name, graph_folders.setdefault(module_dir, set()))
             try:
                 artifact = backend_class.artifact_from_metadata(entry.get("metadata") or {}, graph_dir,
                                                                 entry.get("config") or {}, GraphFacts.from_entry(entry))
