@@ -30,8 +30,8 @@ class Net(torch.nn.Module):
         return torch.tanh(self.proj(x)) * mask, x.sum(-1)
 
 
-def _export(path: Path, dynamic: bool = True) -> Net:
-    torch.manual_seed(0)
+def _export(path: Path, dynamic: bool = True, seed: int = 0) -> Net:
+    torch.manual_seed(seed)
     net = Net().eval()
     axes = {"x": {0: "batch"}, "mask": {0: "batch"}, "y": {0: "batch"}, "total": {0: "batch"}} if dynamic else None
     torch.onnx.export(net, (torch.randn(2, 8), torch.ones(2, 4)), str(path), input_names=["x", "mask"],
@@ -274,6 +274,29 @@ def test_onnxruntime_takes_the_file_with_external_data_and_the_checkpoint_round_
             torch.testing.assert_close(torch.from_numpy(value), want, atol=1e-6, rtol=1e-5)
     assert _digest(*files) == before and sorted(p.name for p in (tmp_path / "model").iterdir()) == [
         "net_ext.onnx", "weights"]
+
+
+def test_a_checkpoint_of_one_file_loaded_into_another_file_says_so_and_runs_what_was_chosen(exported, tmp_path,
+                                                                                            fast_profiling, caplog):
+    """An ONNX file's weights live in the file, not in a state_dict: the checkpoint's weights digest covers the
+    file, so loading into an OnnxModule of another file is a weights difference like any other (default: the
+    checkpoint's model with a warning; weights='module': the module's own file, eagerly)."""
+    net_a, path_a = exported
+    net_b = _export(tmp_path / "b.onnx", seed=1)
+    tuned = ait.Module(ait.OnnxModule(path_a), "onnx-ab", strategy=ait.OneBackendStrategy(
+        ONNXRuntimeBackend(), profiling_config=fast_profiling).enable_performance_validation(False))
+    ait.tune(tuned, _calls(2, 5), ready_batches=True, ignore_failing_modules=False)
+    ait.save(tuned, str(tmp_path / "ckpt" / "a.ait"))
+    x, mask = _calls(5)[0]
+    for weights, net in ((None, net_a), ("checkpoint", net_a), ("module", net_b)):
+        caplog.clear()
+        loaded = ait.Module(ait.OnnxModule(tmp_path / "b.onnx"), "onnx-ab")
+        ait.load(loaded, str(tmp_path / "ckpt" / "a.ait"), weights=weights)
+        torch.testing.assert_close(loaded(x, mask)[0], net(x, mask)[0], atol=1e-5, rtol=1e-5)
+        if weights is None:
+            assert "weights differ" in caplog.text
+    other = net_b(x, mask)[0] if net is net_a else net_a(x, mask)[0]
+    assert not torch.allclose(other, net(x, mask)[0], atol=1e-3)  # the two files do give different outputs
 
 
 def test_tensorrt_backend_takes_the_file_as_it_is_through_the_stand_in(exported, tmp_path, monkeypatch):

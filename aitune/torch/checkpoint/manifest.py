@@ -30,6 +30,7 @@ from aitune.torch.check.correctness import Tolerance
 from aitune.torch.common.dtypes import dtype_name
 from aitune.torch.common.environment import device_facts, environment
 from aitune.torch.common.jsonsafe import json_safe
+from aitune.torch.record.onnx_module import OnnxModule
 from aitune.torch.record.serialization import tree_spec_to_json
 from aitune.torch.search.cache import hash_tensor
 
@@ -51,7 +52,8 @@ def state_signature(module: torch.nn.Module) -> list[list]:
 
 
 def weights_digest(module: torch.nn.Module) -> str | None:
-    """sha256 hex over the module's ``state_dict`` tensors (name, dtype, shape and bytes, in order): what
+    """sha256 hex over the module's ``state_dict`` tensors (name, dtype, shape and bytes, in order) and the files of
+    its :class:`~aitune.torch.OnnxModule` submodules (their ``sha256``): what
     ``ait.load`` compares the target module with for modules whose weights are not stored (AOT-only).
 
     Returns:
@@ -60,6 +62,9 @@ def weights_digest(module: torch.nn.Module) -> str | None:
         fallback after load] in :mod:`aitune.torch.checkpoint.load`).
     """
     hasher = hashlib.sha256()
+    for name, sub in module.named_modules():  # an ONNX file's weights are in the file, not in the state_dict
+        if isinstance(sub, OnnxModule):
+            hasher.update(f"onnx file {name}|{sub.sha256}\n".encode())
     for name, value in module.state_dict().items():
         if not isinstance(value, torch.Tensor):
             continue
