@@ -133,6 +133,10 @@ class Dispatch:
         """``(GraphSpec, Backend)`` per tuned graph, in the order given."""
         return [(tuned.graph, tuned.backend) for tuned in self.graphs]
 
+    def stale_weights(self) -> str | None:
+        """What changed in the module's weights since a backend baked them in (every check made now); else None."""
+        return self.watch.changed_now() if self.watch is not None else None
+
     def guards(self) -> dict[str, Any]:
         """The armed run-time guards by graph name."""
         return {tuned.graph.name: tuned.guard for tuned in self.graphs if tuned.guard is not None}

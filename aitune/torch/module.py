@@ -359,13 +359,14 @@ class Module(wrapt.ObjectProxy):
         """What another runtime needs to serve each tuned graph without aitune (README, "Deployment artifacts").
 
         Args:
-            reasons: a dict that receives, per graph name left out, why it has no artifact (a JIT or eager backend).
+            reasons: a dict that receives, per graph name left out, why it has no artifact (a JIT or eager backend,
+                or weights changed since the backend baked them in).
 
         Returns:
             ``{graph name: DeploymentArtifact}`` (:class:`~aitune.torch.backend.artifact.DeploymentArtifact`) for
             the chosen backends that publish one; empty before tuning. Works after ``ait.load`` as well.
         """
-        artifacts, left_out = deployment_artifacts(self.tuned_graphs())
+        artifacts, left_out = deployment_artifacts(self.tuned_graphs(), self._self_dispatch.stale_weights())
         if reasons is not None:
             reasons.update(left_out)
         return artifacts

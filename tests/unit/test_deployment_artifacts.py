@@ -178,6 +178,19 @@ def test_eager_graph_is_left_out_with_its_reason(tuned):
         sorted(["manifest.json", *[f for item in manifest["artifacts"] for f in item["files"]]])
 
 
+def test_weights_changed_after_tuning_leave_the_baked_artifact_out_with_the_reason(tuned):
+    """An artifact with the weights baked in would serve the old weights: once the module's weights change it is
+    left out, with what changed and how to get a current one (a load of its own: the shared one stays intact)."""
+    pipe = ait.load(Pipe(), tuned.path)
+    assert set(pipe.mlp.deployment_artifacts()) == {"graph0"}
+    with torch.no_grad():
+        pipe.mlp[0].weight.add_(1.0)
+    reasons: dict = {}
+    assert pipe.mlp.deployment_artifacts(reasons) == {}
+    assert "'0.weight' was changed in place" in reasons["graph0"] and "re-tune" in reasons["graph0"]
+    assert set(pipe.encoder.deployment_artifacts()) == {"graph0"}  # the encoder's weights did not change
+
+
 def test_export_refuses_a_non_empty_folder_and_leaves_it_untouched(tuned, tmp_path, capsys):
     target = tmp_path / "mine"
     target.mkdir()

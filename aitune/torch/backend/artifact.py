@@ -242,10 +242,20 @@ def no_artifact_reason(backend) -> str:
     return f"{backend.name} builds no artifact that another runtime loads on its own (it runs inside aitune only)"
 
 
-def deployment_artifacts(entries) -> tuple[dict[str, DeploymentArtifact], dict[str, str]]:
-    """The artifacts of ``(GraphSpec, Backend)`` entries, by graph name, and why each other graph has none."""
+def deployment_artifacts(entries, stale_weights: str | None = None) -> tuple[dict[str, DeploymentArtifact],
+                                                                            dict[str, str]]:
+    """The artifacts of ``(GraphSpec, Backend)`` entries, by graph name, and why each other graph has none.
+
+    ``stale_weights``: what changed in the module's weights since tuning (None: nothing); a backend that baked
+    the old weights in publishes no artifact then, since it would serve other weights than the module's.
+    """
     artifacts, reasons = {}, {}
     for graph, backend in entries:
+        if stale_weights is not None and backend.bakes_weights and not graph.stateful:
+            reasons[graph.name] = (f"{stale_weights}: {backend.name} baked the old weights in, so its artifact "
+                                   "would not serve the module's weights; re-tune (module.enable_recording("
+                                   "force=True), then ait.tune) for an artifact of the current weights")
+            continue
         artifact = backend.artifact()
         if artifact is None:
             reasons[graph.name] = no_artifact_reason(backend)

@@ -344,6 +344,12 @@ class StateWatch:
             self.registrations = _REGISTRATIONS[0]
         return self.reason
 
+    def changed_now(self) -> str | None:
+        """:meth:`changed` with every check made now (no sampled pointer scan): for rare callers (an export)."""
+        if self.reason is None:
+            self.reason = self._what_changed()
+        return self.reason
+
     def _what_changed(self) -> str | None:
         if list(map(id, self.module.modules())) != self.submodules:
             return "a submodule was replaced or added since tuning"
