@@ -205,6 +205,56 @@ def test_external_data_outside_the_folder_or_missing_is_refused(exported, tmp_pa
         ait.OnnxModule(ext)
 
 
+def _if_with_external_branch(folder: Path, location: str) -> Path:
+    """A graph ``y = x + (If cond: then c else ones)`` whose ``then`` branch holds its constant ``c`` (= [0, 10,
+    20, 30]) as external data at ``location`` (written next to the model): tensors inside subgraphs."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.external_data_helper import set_external_data
+
+    folder.mkdir(parents=True, exist_ok=True)
+    constant = numpy_helper.from_array(np.arange(4, dtype=np.float32).reshape(1, 4) * 10, "c")
+    (folder / location).resolve().write_bytes(constant.raw_data)
+    set_external_data(constant, location=location, offset=0, length=len(constant.raw_data))
+    constant.ClearField("raw_data")
+    constant.data_location = TensorProto.EXTERNAL
+    row = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 4]) for name in ("t", "e", "x", "y")]
+    then_branch = helper.make_graph([helper.make_node("Identity", ["c"], ["t"])], "then", [], [row[0]],
+                                    initializer=[constant])
+    else_branch = helper.make_graph([helper.make_node("Constant", [], ["e"], value=numpy_helper.from_array(
+        np.ones((1, 4), np.float32)))], "else", [], [row[1]])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["cond"], ["picked"], then_branch=then_branch, else_branch=else_branch),
+         helper.make_node("Add", ["x", "picked"], ["y"])], "g",
+        [helper.make_tensor_value_info("cond", TensorProto.BOOL, []), row[2]], [row[3]])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = folder / "if.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_external_data_inside_control_flow_subgraphs_is_listed_checked_and_saved(tmp_path, fast_profiling):
+    path = _if_with_external_branch(tmp_path / "model", "then.data")
+    module = ait.OnnxModule(path)
+    assert module.external_data == ["then.data"]
+    torch.testing.assert_close(module(torch.tensor(True), torch.zeros(1, 4)), torch.tensor([[0.0, 10, 20, 30]]))
+    tuned = ait.Module(module, "onnx-if", strategy=ait.OneBackendStrategy(
+        ONNXRuntimeBackend(), profiling_config=fast_profiling).enable_performance_validation(False))
+    ait.tune(tuned, [(torch.tensor(True), torch.randn(1, 4)) for _ in range(2)], ready_batches=True,
+             ignore_failing_modules=False)
+    assert [f.name for f in tuned.deployment_artifacts()["graph0"].files] == ["if.onnx", "then.data"]
+    stored = ait.save(tuned, str(tmp_path / "ckpt" / "if.ait"))
+    loaded = ait.Module(ait.OnnxModule(path), "onnx-if")
+    ait.load(loaded, stored)
+    (tmp_path / "model" / "then.data").unlink()  # the loaded module runs the checkpoint's copy of the data
+    torch.testing.assert_close(loaded(torch.tensor(True), torch.ones(1, 4)), torch.tensor([[1.0, 11, 21, 31]]))
+
+    outside = _if_with_external_branch(tmp_path / "other" / "inner", "../outside.data")
+    with pytest.raises(OnnxFileError, match=r"'\.\./outside\.data' leaves the model's folder .* through '\.\.'"):
+        ait.OnnxModule(outside)
+
+
 # ---- tuning, checkpoints
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aitune.torch.backend.flat import FlatIO
+from aitune.torch.record.onnx_file import graph_tensors
 
 
 def match_io(model, flat_io: FlatIO, notes: list[str]) -> tuple[list[str], list[int], list[str]]:
@@ -75,13 +76,7 @@ def external_data_files(path: Path | str) -> list[str]:
 
     model = onnx.load(str(path), load_external_data=False)
     files: set[str] = set()
-    tensors = list(model.graph.initializer)
-    for node in model.graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                tensors.append(attribute.t)
-            tensors.extend(attribute.tensors)
-    for tensor in tensors:
+    for tensor in graph_tensors(model.graph):
         if uses_external_data(tensor):
             for entry in tensor.external_data:
                 if entry.key == "location":

@@ -134,19 +134,29 @@ def _tensor_info(value, path: Path, role: str) -> OnnxTensorInfo:
     return OnnxTensorInfo(name=value.name, dtype=dtype, shape=shape)
 
 
-def _external_data_locations(model, path: Path) -> tuple[str, ...]:
-    """The external data locations of ``model`` (loaded without its data), each checked to lie in its folder."""
-    from onnx.external_data_helper import uses_external_data
-
-    tensors = list(model.graph.initializer)
-    for node in model.graph.node:
+def graph_tensors(graph) -> list:
+    """Every ``TensorProto`` an ONNX graph holds: initializers and tensor attributes of its nodes, those of the
+    subgraphs of control-flow nodes (``If``'s branches, ``Loop``/``Scan`` bodies) included, at any depth."""
+    tensors = list(graph.initializer)
+    for node in graph.node:
         for attribute in node.attribute:
             if attribute.HasField("t"):
                 tensors.append(attribute.t)
             tensors.extend(attribute.tensors)
+            if attribute.HasField("g"):
+                tensors.extend(graph_tensors(attribute.g))
+            for subgraph in attribute.graphs:
+                tensors.extend(graph_tensors(subgraph))
+    return tensors
+
+
+def _external_data_locations(model, path: Path) -> tuple[str, ...]:
+    """The external data locations of ``model`` (loaded without its data), each checked to lie in its folder."""
+    from onnx.external_data_helper import uses_external_data
+
     folder = path.parent.resolve()
     locations: dict[str, None] = {}
-    for tensor in tensors:
+    for tensor in graph_tensors(model.graph):
         if not uses_external_data(tensor):
             continue
         location = next((entry.value for entry in tensor.external_data if entry.key == "location"), None)
