@@ -349,6 +349,20 @@ def test_a_checkpoint_of_one_file_loaded_into_another_file_says_so_and_runs_what
     assert not torch.allclose(other, net(x, mask)[0], atol=1e-3)  # the two files do give different outputs
 
 
+def test_saving_after_the_file_changed_is_refused_and_writes_nothing(tmp_path, fast_profiling):
+    """The session runs the file as it was at tuning; a checkpoint of the file as it is now would hold other
+    weights than those tuned and checked, so ait.save refuses it (naming the file) and leaves no checkpoint."""
+    path = tmp_path / "net.onnx"
+    _export(path)
+    tuned = ait.Module(ait.OnnxModule(path), "onnx-edit", strategy=ait.OneBackendStrategy(
+        ONNXRuntimeBackend(), profiling_config=fast_profiling).enable_performance_validation(False))
+    ait.tune(tuned, _calls(2, 5), ready_batches=True, ignore_failing_modules=False)
+    _export(path, seed=1)  # the user's file is replaced after tuning
+    with pytest.raises(OnnxFileError, match=r"net\.onnx \(or its external data\) changed since it was tuned"):
+        ait.save(tuned, str(tmp_path / "ckpt" / "net.ait"))
+    assert not (tmp_path / "ckpt" / "net.ait").exists()
+
+
 def test_tensorrt_backend_takes_the_file_as_it_is_through_the_stand_in(exported, tmp_path, monkeypatch):
     """TensorRT cannot be installed here: its engine build and runtime are the repository's stand-in (an ONNX
     Runtime engine double, tests/unit/fake_tensorrt.py); what runs for real is our path from the file to the

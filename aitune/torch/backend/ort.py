@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from aitune.errors import BackendBuildError, BackendRuntimeError, one_line
+from aitune.errors import BackendBuildError, BackendRuntimeError, OnnxFileError, one_line
 from aitune.torch.backend.artifact import DeploymentArtifact, GraphFacts, require_built
 from aitune.torch.backend.base import Backend, BuildMode, Check, Requirement
 from aitune.torch.backend.onnx_call_io import OnnxCallIO
@@ -36,7 +36,7 @@ from aitune.torch.backend.ort_fusions import (  # noqa: F401 - re-exported
 from aitune.torch.backend.ort_artifact import onnx_artifact
 from aitune.torch.backend.ort_io import NUMPY_NAMES, ORT_TYPES, CudaArray
 from aitune.torch.common.files import checkpoint_path
-from aitune.torch.record.onnx_module import OnnxModule
+from aitune.torch.record.onnx_module import OnnxModule, onnx_files_digest
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class ONNXRuntimeBackend(Backend):
         self._session = None
         self._io: OnnxCallIO | None = None
         self._onnx_path: Path | None = None
+        self._file_sha256: str | None = None  # an OnnxModule's file: its sha256 when built (checked at save)
         self._provider: ONNXExecutionProvider | None = None
         self._io_device = torch.device("cpu")
         self._use_io_binding = False
@@ -135,6 +136,7 @@ class ONNXRuntimeBackend(Backend):
                                         config_key=self.config.key())
         self._io = OnnxCallIO.from_export(export, graph, module)
         self._onnx_path = export.path
+        self._file_sha256 = module.sha256 if isinstance(module, OnnxModule) else None
         if self.config.transformer_fusions:
             self._onnx_path = self._fuse(export, device, workdir)
             self.build_info["onnx_path"] = str(self._onnx_path)  # the graph the session runs
@@ -379,6 +381,11 @@ class ONNXRuntimeBackend(Backend):
             if source.resolve() != target.resolve():
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(source, target)
+        expected = None if inside else self._file_sha256
+        if expected is not None and onnx_files_digest(directory / stored, metadata["external_data_files"]) != expected:
+            raise OnnxFileError(f"onnxruntime: {self._onnx_path} (or its external data) changed since it was tuned "
+                                "(sha256 differs from the OnnxModule's), so the checkpoint would not hold what was "
+                                "tuned; restore the file, or build a new OnnxModule of it and tune again")
         return {**metadata, "onnx_file": stored}
 
     def _metadata(self) -> dict:

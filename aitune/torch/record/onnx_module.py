@@ -15,6 +15,7 @@ import inspect
 import keyword
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,7 +68,7 @@ class OnnxModule(torch.nn.Module):
         self.input_names = [value.name for value in info.inputs]
         self.output_names = [value.name for value in info.outputs]
         self.external_data = list(info.external_data)
-        self.sha256 = _digest(info)
+        self.sha256 = onnx_files_digest(info.path, info.external_data)
         self.register_buffer("_device_anchor", torch.empty(0, dtype=torch.uint8), persistent=False)
         self._runtime = _Runtime()  # the session lives in here: creating it changes no attribute of the module
         self.forward = _Forward(self)  # an instance attribute: its __signature__ names the ONNX inputs
@@ -286,9 +287,10 @@ class _Forward:
         return self.__self__._run_forward(*args, **kwargs)
 
 
-def _digest(info: OnnxFileInfo) -> str:
-    """sha256 over the model file's digest and each external data file's (location and digest)."""
-    hasher = hashlib.sha256(sha256_file(info.path).encode())
-    for location in info.external_data:
-        hasher.update(f"\n{location}:{sha256_file(info.path.parent / location)}".encode())
+def onnx_files_digest(model_path: Path, external_data) -> str:
+    """sha256 hex over the model file's digest and each external data file's (its location, relative to the
+    model's folder, and digest): :attr:`OnnxModule.sha256`."""
+    hasher = hashlib.sha256(sha256_file(model_path).encode())
+    for location in external_data:
+        hasher.update(f"\n{location}:{sha256_file(Path(model_path).parent / location)}".encode())
     return hasher.hexdigest()
