@@ -130,15 +130,22 @@ def test_the_interval_widens_so_costly_checks_stay_within_the_overhead():
 
     guard = RuntimeGuard("graph0", config, compare, seen, speedup=2.0, serving_s=1.0, clock=clock)
     assert guard.interval == 8  # ceil(2 / 0.25): the eager call alone
-    checked(guard, 10.0)  # 13 s, 12 beyond a served call: 12 <= 0.25 * N * 1 s needs N = 48
-    assert guard.interval == 48 and guard.check_s == 12.0
+    checked(guard, 10.0)  # 13 s, 12 beyond a served call: 12 <= 0.25 * N * 1 s needs N = 48; at most x2 per check
+    assert guard.interval == 16 and guard.check_s == 12.0
+    checked(guard, 10.0)
+    assert guard.interval == 32
+    checked(guard, 10.0)
+    assert guard.interval == 48
     checked(guard, 6.0)  # a cheaper check: the cheapest seen counts (noise only adds)
     assert guard.interval == 32
     checked(guard, 100.0)
     assert guard.interval == 32
     assert [guard.due([x]) for _ in range(64)].count(True) == 2  # one call in 32 from now on
     guard = RuntimeGuard("graph0", config, compare, seen, speedup=2.0, serving_s=1.0, clock=clock)
-    checked(guard, 1000.0)  # a first check that slow: capped at max_check_every
+    checked(guard, 1000.0)  # one very slow first check (a compile): doubles, does not jump to max_check_every
+    assert guard.interval == 16
+    for _ in range(3):
+        checked(guard, 1000.0)  # it stays that slow: capped at max_check_every
     assert guard.interval == 100
     for kept in (RuntimeGuard("graph0", GuardConfig(check_every=3), compare, seen, 2.0, serving_s=1.0, clock=clock),
                  RuntimeGuard("graph0", config, compare, seen, 2.0, clock=clock)):  # no measured serving time

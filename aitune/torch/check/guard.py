@@ -203,13 +203,17 @@ class RuntimeGuard:
 
     def _count_cost(self, elapsed_s: float) -> None:
         """Widen the derived interval so that checks costing ``elapsed_s`` stay within ``max_overhead`` of the
-        serving time (NOTE [guard cost]); an explicit ``check_every`` and an unknown serving time are kept."""
+        serving time (NOTE [guard cost]); an explicit ``check_every`` and an unknown serving time are kept.
+
+        The interval at most doubles per check: one slow check (a new shape compiling, a cold cache) does not put
+        the guard to sleep for ``max_check_every`` calls; a check that stays that costly widens it again next time.
+        """
         if self.config.check_every is not None or self.serving_s is None or not self.interval:
             return
         extra = max(0.0, elapsed_s - self.serving_s)  # the checked call stands in for one served call
         self.check_s = extra if self.check_s is None else min(self.check_s, extra)  # noise only adds
         needed = math.ceil(self.check_s / (self.config.max_overhead * self.serving_s))
-        self.interval = min(self.config.max_check_every, max(self._base_interval, needed))
+        self.interval = min(self.config.max_check_every, max(self._base_interval, min(needed, 2 * self.interval)))
 
     def _check(self, backend, run_backend, run_eager, leaves):
         output = clone_tree(run_backend(backend))
