@@ -25,8 +25,9 @@ def engine_artifact(metadata: dict, directory: Path, config: dict, graph: GraphF
                     profiles_file: str | None = PROFILES_FILE) -> DeploymentArtifact:
     """The serialized engine (``metadata["engine"]``) and its optimization profiles file in ``directory``.
 
-    An input's bounds span every optimization profile that lists it (a call must fit one profile whole:
-    ``runtime["profiles"]`` holds ``[{name: [min, opt, max]}, ...]``). Inputs that the ONNX export dropped
+    An input's bounds span every optimization profile that lists it: a summary, since a call must fit one
+    profile whole, so shapes inside the bounds of each input can still fit no profile; ``runtime["profiles"]``
+    (``[{name: [min, opt, max]}, ...]``) is what the engine accepts. Inputs that the ONNX export dropped
     (unused by the model) are not engine inputs and are left out.
 
     Args:
