@@ -90,6 +90,9 @@ def test_prefill_and_decode_are_graphs_named_by_their_phase(tuned):
     # the recorded caches were 37 and 39 positions long: one decode graph with a dynamic cache axis
     decode = wrapped.graphs[1]
     assert decode.num_calls == 2 * (NEW_TOKENS - 1) and decode.is_dynamic
+    # ... compiled once per cache length (NOTE [decode per cache length]); the prefill with a symbolic length
+    backends = wrapped.backends
+    assert backends["decode"].build_info["dynamic"] is False and backends["prefill"].build_info["dynamic"] is True
 
 
 @pytest.mark.parametrize("length,batch", [(3, 1), (11, 1), (6, 2)])
@@ -339,6 +342,28 @@ def test_positions_outside_the_calls_cache_run_eager(tuned):
         expected = eager.model(**theirs)
     assert model.model.stats["eager_fallbacks"]["values"] == fallbacks + 1
     assert torch.equal(output.last_hidden_state, expected.last_hidden_state)
+
+
+def test_the_decode_graph_compiles_per_cache_length_and_a_fixed_length_compiles_once():
+    """NOTE [decode per cache length]: the decode graph is specialized to the cache's length; with
+    ``max_cache_len`` fixed, generate calls of prompt lengths never recorded compile nothing new, and a call
+    with a longer cache compiles for it and still gives eager's tokens."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama()
+    eager = copy.deepcopy(model)
+    fixed = dict(STATIC, max_cache_len=64)
+    model.model = ait.Module(model.model, "decoder", strategy=inductor_only())
+    ait.tune(lambda ids: generate(model, ids, 8, **fixed), [prompt(5), prompt(7)], ready_batches=True)
+    assert model.model.backends["decode"].build_info["dynamic"] is False
+    compiled = counters["stats"]["unique_graphs"]
+    for length in (9, 20, 3):
+        assert torch.equal(generate(model, prompt(length), 8, **fixed), generate(eager, prompt(length), 8, **fixed))
+    assert counters["stats"]["unique_graphs"] == compiled  # one cache length: nothing compiled after tuning
+    longer = dict(STATIC, max_cache_len=80)
+    assert torch.equal(generate(model, prompt(9), 8, **longer), generate(eager, prompt(9), 8, **longer))
+    assert counters["stats"]["unique_graphs"] > compiled  # a new length: compiled on its first decode step
+    assert model.model.stats["eager_fallbacks"] == {}
 
 
 def test_just_in_time_tuning_of_a_generate_loop_gives_eagers_tokens():

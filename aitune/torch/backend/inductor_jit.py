@@ -16,7 +16,7 @@ from aitune.torch.common.requirements import validate_flags
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.common.environment import native_bf16
-from aitune.torch.record.llm import PREFILL, folds_state, is_kv_cache
+from aitune.torch.record.llm import DECODE, PREFILL, folds_state, is_kv_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,8 @@ class TorchInductorJitBackendConfig(BackendConfig):
             ``max-autotune-no-cudagraphs`` or None. Mutually exclusive with ``options``.
         options: Inductor options dict (``torch.compile(options=...)``).
         fullgraph: fail on any graph break instead of falling back to Python.
-        dynamic: True/False as in ``torch.compile``; None = True when the graph has dynamic axes.
+        dynamic: True/False as in ``torch.compile``; None = True when the graph has dynamic axes, except for
+            a ``decode`` graph: False (NOTE [decode per cache length]).
         autocast_enabled / autocast_dtype: as in :class:`TorchEagerBackendConfig`.
         freezing: Inductor's inference weight folding (``options["freezing"]``, combined with ``mode``'s own
             options): parameters become constants of the compiled graph, so the build bakes the weights in
@@ -321,6 +322,14 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     def _resolved_dynamic(self, graph) -> bool | None:
         if self.config.dynamic is not None:
             return self.config.dynamic
+        if graph is not None and graph.phase == DECODE:
+            # NOTE [decode per cache length]: a decode call's shapes are fixed but for the static cache's length
+            # (and the mask sized to it), which differs between generate calls. Symbolic, that length slowed the
+            # decode step (benchmarks/RESULTS.md: 0.72-0.78x of transformers' own compile, against 0.93-0.96x
+            # compiled per length). So the graph compiles once per cache length, as transformers' own compile
+            # does; transformers never shrinks a model's static cache between calls (``_prepare_static_cache``
+            # takes the longest so far), so a generate loop meets few lengths, each compiled on its first call.
+            return False
         return True if graph is not None and graph.is_dynamic else None
 
     def _build(self, module, graph, device, workdir: Path) -> None:
