@@ -20,6 +20,7 @@ from torch import nn
 import aitune.torch as ait
 import checkpoint_models as models
 from checkpoint_edits import rewrite_archive
+from readme_blocks import readme_section, run_readme_block
 from aitune.cli import main
 from aitune.errors import CheckpointIntegrityError, ConfigError
 from aitune.torch.backend import (
@@ -272,18 +273,10 @@ def test_tensorrt_artifact_from_stored_metadata(tmp_path):
 def test_the_readme_recipe_and_its_export_command_run_as_written(tmp_path, monkeypatch):
     """The code block of README.md's "Deployment artifacts" (it asserts the bare session matches the tuned module),
     then the ``aitune export`` command the section gives, in a fresh folder."""
-    from pathlib import Path
-
     import onnxruntime
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("## Deployment artifacts"):]
-    code = section[section.index("```python") + len("```python"):]
-    code = code[:code.index("```")]
-    monkeypatch.chdir(tmp_path)
-    scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own recipe
-    assert "aitune export checkpoints/mlp.ait deploy/" in section
+    scope = run_readme_block("## Deployment artifacts", tmp_path, monkeypatch)
+    assert "aitune export checkpoints/mlp.ait deploy/" in readme_section("## Deployment artifacts")
     assert main(["export", "checkpoints/mlp.ait", "deploy/"]) == 0
     manifest = json.loads((tmp_path / "deploy" / "manifest.json").read_text())
     artifact = DeploymentArtifact.from_json(manifest["artifacts"][0], relative_to=tmp_path / "deploy")

@@ -17,6 +17,7 @@ from aitune.errors import OnnxFileError, OnnxInputError  # noqa: E402
 from aitune.torch.backend import ONNXRuntimeBackend, TorchInductorJitBackend  # noqa: E402
 from aitune.torch.backend.base import Check  # noqa: E402
 from aitune.torch.record.samples import record_graphs  # noqa: E402
+from readme_blocks import run_readme_block  # noqa: E402
 
 
 class Net(torch.nn.Module):
@@ -393,13 +394,7 @@ def test_tensorrt_backend_takes_the_file_as_it_is_through_the_stand_in(exported,
 
 def test_the_readme_recipe_runs_as_written(tmp_path, monkeypatch):
     """The code block of README.md's "Tuning an existing ONNX file", run in a fresh folder."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("### Tuning an existing ONNX file"):]
-    code = section[section.index("```python") + len("```python"):]
-    code = code[:code.index("```")]
-    monkeypatch.chdir(tmp_path)
-    scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own recipe
+    scope = run_readme_block("### Tuning an existing ONNX file", tmp_path, monkeypatch)
     x = torch.randn(2, 16)
     with torch.no_grad():
         torch.testing.assert_close(scope["restored"](x), scope["net"](x), atol=1e-5, rtol=1e-4)
