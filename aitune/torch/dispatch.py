@@ -134,8 +134,11 @@ class Dispatch:
         return [(tuned.graph, tuned.backend) for tuned in self.graphs]
 
     def stale_weights(self) -> str | None:
-        """What changed in the module's weights since a backend baked them in (every check made now); else None."""
-        return self.watch.changed_now() if self.watch is not None else None
+        """What changed in the module's weights since a backend baked them in (every check made now, values
+        edited through ``.data`` included); else None. A change found here is found for the calls too: they run
+        eager from now on, as they would once the per-call watch saw it."""
+        changed = self.watch.changed_now() if self.watch is not None else None
+        return changed or (self.baked.values_changed() if self.baked is not None and self.watch is not None else None)
 
     def guards(self) -> dict[str, Any]:
         """The armed run-time guards by graph name."""

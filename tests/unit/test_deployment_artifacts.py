@@ -190,6 +190,10 @@ def test_weights_changed_after_tuning_leave_the_baked_artifact_out_with_the_reas
     assert pipe.mlp.deployment_artifacts(reasons) == {}
     assert "'0.weight' was changed in place" in reasons["graph0"] and "re-tune" in reasons["graph0"]
     assert set(pipe.encoder.deployment_artifacts()) == {"graph0"}  # the encoder's weights did not change
+    pipe = ait.load(Pipe(), tuned.path)
+    with torch.no_grad():
+        pipe.mlp[0].weight.data.add_(1.0)  # through .data: no version counter moves
+    assert pipe.mlp.deployment_artifacts(reasons) == {} and "edited through .data" in reasons["graph0"]
 
 
 def test_export_refuses_a_non_empty_folder_and_leaves_it_untouched(tuned, tmp_path, capsys):

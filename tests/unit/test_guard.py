@@ -361,6 +361,38 @@ def test_state_watch_ignores_other_modules_being_built():
     assert "is now float16" in fresh.changed()
 
 
+class _SlicingStack(nn.Module):
+    """A forward that builds a module on every call (``self.layers[:n]`` is a new ModuleList), as transformers'
+    decoders do."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = layer(x)
+        return x
+
+
+def test_a_compiled_forward_that_builds_modules_compiles_once_while_weights_are_watched():
+    """NOTE [registrations while compiling]: with the global registration hooks installed (a watched tuned
+    module exists), a compiled forward that builds a ModuleList per call must not recompile on every call."""
+    from torch._dynamo.utils import counters
+
+    StateWatch(_net())  # installs the global hooks
+    stack = _SlicingStack().eval()
+    compiled = torch.compile(stack, backend="eager")  # dynamo alone: no Inductor build needed to count graphs
+    x = torch.randn(2, 4)
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        outputs = [compiled(x) for _ in range(4)]
+        expected = stack(x)
+    assert counters["stats"]["unique_graphs"] - before == 1  # one compile for four calls of one shape
+    for output in outputs:
+        torch.testing.assert_close(output, expected)
+
+
 # ------------------------------------------------------------------------------------------ checkpoints
 
 

@@ -4,6 +4,7 @@ backends that take the file as it is, saved and loaded; bad files and calls that
 import hashlib
 import inspect
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -256,6 +257,36 @@ def test_external_data_inside_control_flow_subgraphs_is_listed_checked_and_saved
         ait.OnnxModule(outside)
 
 
+def test_external_data_inside_a_local_function_is_listed_and_checked(tmp_path):
+    """A model-local function whose Constant holds external data: listed with the model's, '..' refused (the
+    file is only read here; ONNX Runtime is not asked to run it)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.external_data_helper import set_external_data
+
+    def model_with(location: str) -> Path:
+        value = numpy_helper.from_array(np.ones((1, 4), np.float32), "value")
+        (tmp_path / "m" / location).resolve().parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "m" / location).resolve().write_bytes(value.raw_data)
+        set_external_data(value, location=location, offset=0, length=len(value.raw_data))
+        value.ClearField("raw_data")
+        value.data_location = TensorProto.EXTERNAL
+        function = helper.make_function("local", "AddOnes", ["x"], ["y"], [
+            helper.make_node("Constant", [], ["c"], value=value), helper.make_node("Add", ["x", "c"], ["y"])],
+            [helper.make_opsetid("", 17)])
+        row = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 4]) for name in ("x", "y")]
+        graph = helper.make_graph([helper.make_node("AddOnes", ["x"], ["y"], domain="local")], "g", [row[0]], [row[1]])
+        model = helper.make_model(graph, functions=[function], opset_imports=[
+            helper.make_opsetid("", 17), helper.make_opsetid("local", 1)])
+        path = tmp_path / "m" / "f.onnx"
+        path.write_bytes(model.SerializeToString())
+        return path
+
+    assert ait.OnnxModule(model_with("ones.data")).external_data == ["ones.data"]
+    with pytest.raises(OnnxFileError, match=r"'\.\./ones\.data' leaves the model's folder"):
+        ait.OnnxModule(model_with("../ones.data"))
+
+
 # ---- tuning, checkpoints
 
 
@@ -346,8 +377,7 @@ def test_a_checkpoint_of_one_file_loaded_into_another_file_says_so_and_runs_what
         torch.testing.assert_close(loaded(x, mask)[0], net(x, mask)[0], atol=1e-5, rtol=1e-5)
         if weights is None:
             assert "weights differ" in caplog.text
-    other = net_b(x, mask)[0] if net is net_a else net_a(x, mask)[0]
-    assert not torch.allclose(other, net(x, mask)[0], atol=1e-3)  # the two files do give different outputs
+    assert not torch.allclose(net_a(x, mask)[0], net_b(x, mask)[0], atol=1e-3)  # the files do differ
 
 
 def test_saving_after_the_file_changed_is_refused_and_writes_nothing(tmp_path, fast_profiling):
@@ -358,10 +388,36 @@ def test_saving_after_the_file_changed_is_refused_and_writes_nothing(tmp_path, f
     tuned = ait.Module(ait.OnnxModule(path), "onnx-edit", strategy=ait.OneBackendStrategy(
         ONNXRuntimeBackend(), profiling_config=fast_profiling).enable_performance_validation(False))
     ait.tune(tuned, _calls(2, 5), ready_batches=True, ignore_failing_modules=False)
+    assert set(tuned.deployment_artifacts()) == {"graph0"}
     _export(path, seed=1)  # the user's file is replaced after tuning
-    with pytest.raises(OnnxFileError, match=r"net\.onnx \(or its external data\) changed since it was tuned"):
+    message = r"net\.onnx \(or its external data\) changed since its OnnxModule was created"
+    with pytest.raises(OnnxFileError, match=message):
         ait.save(tuned, str(tmp_path / "ckpt" / "net.ait"))
     assert not (tmp_path / "ckpt" / "net.ait").exists()
+    reasons: dict = {}  # the live artifact is the user's file, which the module no longer serves: left out
+    assert tuned.deployment_artifacts(reasons) == {}
+    assert re.search(message, reasons["graph0"]) and "not what the tuned module serves" in reasons["graph0"]
+
+
+def test_one_external_data_file_per_tensor_tunes_saves_and_loads(exported, tmp_path, fast_profiling):
+    """External data files listed in graph order, not sorted (``all_tensors_to_one_file=False``): the file's
+    digest does not depend on that order, so the checkpoint stores the file as tuned."""
+    net, path = exported
+    folder = tmp_path / "model"
+    folder.mkdir()
+    onnx.save_model(onnx.load(str(path)), str(folder / "net.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=False, size_threshold=0)
+    module = ait.OnnxModule(folder / "net.onnx")
+    assert module.external_data != sorted(module.external_data)  # graph order: proj.weight before proj.bias
+    tuned = ait.Module(module, "onnx-per-tensor", strategy=ait.OneBackendStrategy(
+        ONNXRuntimeBackend(), profiling_config=fast_profiling).enable_performance_validation(False))
+    ait.tune(tuned, _calls(2, 5), ready_batches=True, ignore_failing_modules=False)
+    assert isinstance(tuned.backends["graph0"], ONNXRuntimeBackend)
+    loaded = ait.Module(ait.OnnxModule(folder / "net.onnx"), "onnx-per-tensor")
+    ait.load(loaded, ait.save(tuned, str(tmp_path / "ckpt" / "net.ait")))
+    x, mask = _calls(4)[0]
+    for got, want in zip(loaded(x, mask), net(x, mask)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 def test_tensorrt_backend_takes_the_file_as_it_is_through_the_stand_in(exported, tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from aitune.errors import BackendStateError
+from aitune.errors import BackendStateError, OnnxFileError
 from aitune.torch.record.pytree import path_to_name, path_to_str
 from aitune.torch.record.serialization import constant_to_json
 
@@ -256,7 +256,11 @@ def deployment_artifacts(entries, stale_weights: str | None = None) -> tuple[dic
                                    "would not serve the module's weights; re-tune (module.enable_recording("
                                    "force=True), then ait.tune) for an artifact of the current weights")
             continue
-        artifact = backend.artifact()
+        try:
+            artifact = backend.artifact()
+        except OnnxFileError as exc:  # the user's file changed under a live module: say so, offer nothing
+            reasons[graph.name] = str(exc)
+            continue
         if artifact is None:
             reasons[graph.name] = no_artifact_reason(backend)
         else:

@@ -323,12 +323,14 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         if self.config.dynamic is not None:
             return self.config.dynamic
         if graph is not None and graph.phase == DECODE:
-            # NOTE [decode per cache length]: a decode call's shapes are fixed but for the static cache's length
-            # (and the mask sized to it), which differs between generate calls. Symbolic, that length slowed the
-            # decode step (benchmarks/RESULTS.md: 0.72-0.78x of transformers' own compile, against 0.93-0.96x
-            # compiled per length). So the graph compiles once per cache length, as transformers' own compile
-            # does; transformers never shrinks a model's static cache between calls (``_prepare_static_cache``
-            # takes the longest so far), so a generate loop meets few lengths, each compiled on its first call.
+            # NOTE [decode per cache length]: a decode call's shapes are fixed but for the batch size and the
+            # static cache's length (and the mask sized to it), which differs between generate calls. Symbolic,
+            # that length slowed the decode step (benchmarks/RESULTS.md: 0.72-0.78x of transformers' own
+            # compile, against 0.93-0.96x compiled for one length). So the graph compiles once per batch size
+            # and cache length, as transformers' own compile does; in transformers 5.x a model's static cache
+            # never shrinks between calls (``_prepare_static_cache`` takes the longest so far, ``max_cache_len``
+            # sets the least), so a generate loop meets few lengths, each compiled on its first call, within
+            # dynamo's recompile limit (NOTE [recompile limit]).
             return False
         return True if graph is not None and graph.is_dynamic else None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aitune.torch.backend.flat import FlatIO
-from aitune.torch.record.onnx_file import graph_tensors
+from aitune.torch.record.onnx_file import model_tensors
 
 
 def match_io(model, flat_io: FlatIO, notes: list[str]) -> tuple[list[str], list[int], list[str]]:
@@ -76,7 +76,7 @@ def external_data_files(path: Path | str) -> list[str]:
 
     model = onnx.load(str(path), load_external_data=False)
     files: set[str] = set()
-    for tensor in graph_tensors(model.graph):
+    for tensor in model_tensors(model):
         if uses_external_data(tensor):
             for entry in tensor.external_data:
                 if entry.key == "location":

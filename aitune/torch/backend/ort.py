@@ -381,12 +381,22 @@ class ONNXRuntimeBackend(Backend):
             if source.resolve() != target.resolve():
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(source, target)
-        expected = None if inside else self._file_sha256
-        if expected is not None and onnx_files_digest(directory / stored, metadata["external_data_files"]) != expected:
-            raise OnnxFileError(f"onnxruntime: {self._onnx_path} (or its external data) changed since it was tuned "
-                                "(sha256 differs from the OnnxModule's), so the checkpoint would not hold what was "
-                                "tuned; restore the file, or build a new OnnxModule of it and tune again")
+        changed = None if inside else self._file_changed(directory / stored, "the checkpoint would not hold what "
+                                                                              "was tuned")
+        if changed is not None:
+            raise OnnxFileError(changed)
         return {**metadata, "onnx_file": stored}
+
+    def _file_changed(self, model_path: Path, consequence: str) -> str | None:
+        """Why an OnnxModule's file (``model_path``: the file or a copy, with its external data) is not the one
+        the session runs: its sha256 differs from the OnnxModule's, taken when it was created. None when equal,
+        and for exported models (no OnnxModule)."""
+        if self._file_sha256 is None or onnx_files_digest(
+                model_path, external_data_files(model_path)) == self._file_sha256:
+            return None
+        return (f"onnxruntime: {self._onnx_path} (or its external data) changed since its OnnxModule was created "
+                f"(sha256 differs), so {consequence}; restore the file, or build a new OnnxModule of it and tune "
+                "again")
 
     def _metadata(self) -> dict:
         """What :meth:`_save` stores; its file names are relative to the ONNX model's folder (the model's own name
@@ -401,8 +411,17 @@ class ONNXRuntimeBackend(Backend):
         }
 
     def artifact(self) -> DeploymentArtifact:
-        """The ONNX model the session runs (and its external data), in the build or extraction folder."""
+        """The ONNX model the session runs (and its external data), in the build or extraction folder (an
+        OnnxModule's own file while live).
+
+        Raises:
+            OnnxFileError: an OnnxModule's file changed since the module was created (the session runs the old one).
+        """
         require_built(self)
+        changed = self._file_changed(self._onnx_path, "this file is not what the tuned module serves") \
+            if self._file_sha256 is not None else None
+        if changed is not None:
+            raise OnnxFileError(changed)
         return self.artifact_from_metadata(self._metadata(), self._onnx_path.parent, self.config.to_dict(),
                                            GraphFacts.of(self.graph, self.device))
 

@@ -16,8 +16,8 @@ Two mechanisms protect a tuned module once it serves calls:
     but off; past 20x the cap costs more than 2 % (50x: ~5 %). The comparison (and the copy of the backend's
     output) can cost more than the eager call on a small module, several times a served call
     (``benchmarks/wrapper_cost.py`` prints the checks' share of the mean), so each check's time is measured
-    and ``N`` widens until the cheapest check seen, beyond one served call (the row's measured p50), costs at
-    most 2 % of ``N`` served calls, never past ``max_check_every``. ``s`` is the tune row's paired speed-up (the
+    and ``N`` widens, at most doubling per check, until the cheapest check seen, beyond one served call (the
+    row's measured p50), costs at most 2 % of ``N`` served calls, never past ``max_check_every``. ``s`` is the tune row's paired speed-up (the
     median of per-round ratios, NOTE [paired speed-up] in :mod:`aitune.torch.measure.profiling`), or its lower
     quartile when that figure is marked noisy.
     Signatures are remembered up to ``max_signatures``; the per-call cost of an unchecked call is building
@@ -288,6 +288,13 @@ _DATA_PTR = torch.Tensor.data_ptr
 
 
 def _count_registration(*_args) -> None:
+    # NOTE [registrations while compiling]: a forward that builds modules as it runs (``self.layers[:n]`` makes a
+    # new ModuleList, as transformers' decoders do on every call) fires these global hooks inside a torch.compile
+    # trace. Counted there, dynamo would guard on the counter, which that same forward bumps: every later call
+    # would recompile, until the recompile limit leaves the module to run eagerly. A module built inside a
+    # compiled forward is transient, not a change to a tuned module's state: it is not counted.
+    if torch.compiler.is_compiling():
+        return
     _REGISTRATIONS[0] += 1
 
 
@@ -349,7 +356,9 @@ class StateWatch:
         return self.reason
 
     def changed_now(self) -> str | None:
-        """:meth:`changed` with every check made now (no sampled pointer scan): for rare callers (an export)."""
+        """:meth:`changed` with every check made now (no sampled pointer scan): for rare callers (an export).
+        What it finds is kept, as :meth:`changed` keeps it: the calls of a backend that baked the old weights
+        run eager from then on."""
         if self.reason is None:
             self.reason = self._what_changed()
         return self.reason

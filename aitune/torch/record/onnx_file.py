@@ -134,19 +134,34 @@ def _tensor_info(value, path: Path, role: str) -> OnnxTensorInfo:
     return OnnxTensorInfo(name=value.name, dtype=dtype, shape=shape)
 
 
-def graph_tensors(graph) -> list:
-    """Every ``TensorProto`` an ONNX graph holds: initializers and tensor attributes of its nodes, those of the
-    subgraphs of control-flow nodes (``If``'s branches, ``Loop``/``Scan`` bodies) included, at any depth."""
+def model_tensors(model) -> list:
+    """Every ``TensorProto`` an ONNX model holds: its graph's initializers (sparse ones' values and indices too)
+    and the tensor attributes of its nodes and of its local functions' nodes, those inside the subgraphs of
+    control-flow nodes (``If``'s branches, ``Loop``/``Scan`` bodies) included, at any depth."""
+    tensors = _graph_tensors(model.graph)
+    for function in model.functions:
+        tensors.extend(_node_tensors(function.node))
+    return tensors
+
+
+def _graph_tensors(graph) -> list:
     tensors = list(graph.initializer)
-    for node in graph.node:
+    for sparse in graph.sparse_initializer:
+        tensors.extend((sparse.values, sparse.indices))
+    return tensors + _node_tensors(graph.node)
+
+
+def _node_tensors(nodes) -> list:
+    tensors = []
+    for node in nodes:
         for attribute in node.attribute:
             if attribute.HasField("t"):
                 tensors.append(attribute.t)
             tensors.extend(attribute.tensors)
             if attribute.HasField("g"):
-                tensors.extend(graph_tensors(attribute.g))
+                tensors.extend(_graph_tensors(attribute.g))
             for subgraph in attribute.graphs:
-                tensors.extend(graph_tensors(subgraph))
+                tensors.extend(_graph_tensors(subgraph))
     return tensors
 
 
@@ -156,7 +171,7 @@ def _external_data_locations(model, path: Path) -> tuple[str, ...]:
 
     folder = path.parent.resolve()
     locations: dict[str, None] = {}
-    for tensor in graph_tensors(model.graph):
+    for tensor in model_tensors(model):
         if not uses_external_data(tensor):
             continue
         location = next((entry.value for entry in tensor.external_data if entry.key == "location"), None)

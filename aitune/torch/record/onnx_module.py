@@ -289,8 +289,8 @@ class _Forward:
 
 def onnx_files_digest(model_path: Path, external_data) -> str:
     """sha256 hex over the model file's digest and each external data file's (its location, relative to the
-    model's folder, and digest): :attr:`OnnxModule.sha256`."""
+    model's folder, and digest; locations in sorted order): :attr:`OnnxModule.sha256`."""
     hasher = hashlib.sha256(sha256_file(model_path).encode())
-    for location in external_data:
+    for location in sorted(external_data):
         hasher.update(f"\n{location}:{sha256_file(Path(model_path).parent / location)}".encode())
     return hasher.hexdigest()
