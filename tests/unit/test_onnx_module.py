@@ -399,6 +399,28 @@ def test_saving_after_the_file_changed_is_refused_and_writes_nothing(tmp_path, f
     assert re.search(message, reasons["graph0"]) and "not what the tuned module serves" in reasons["graph0"]
 
 
+def test_a_derived_file_is_what_the_artifact_and_checkpoint_hold_after_the_users_file_changed(tmp_path,
+                                                                                              fast_profiling):
+    """With transformer fusions the session runs a file derived at build time (in the build folder): the
+    user's file changing later changes nothing the module serves, so the artifact stays and ait.save works."""
+    from aitune.torch.backend.ort import ONNXRuntimeBackendConfig
+
+    path = tmp_path / "net.onnx"
+    net = _export(path)
+    backend = ONNXRuntimeBackend(ONNXRuntimeBackendConfig(transformer_fusions="bert"))
+    tuned = ait.Module(ait.OnnxModule(path), "onnx-fused", strategy=ait.OneBackendStrategy(
+        backend, profiling_config=fast_profiling).enable_performance_validation(False))
+    ait.tune(tuned, _calls(2, 5), ready_batches=True, ignore_failing_modules=False)
+    assert tuned.backends["graph0"].build_info["onnx_path"] != str(path)  # a derived file
+    _export(path, seed=1)
+    artifact = tuned.deployment_artifacts()["graph0"]
+    assert artifact.model_file != path
+    loaded = ait.Module(ait.OnnxModule(path), "onnx-fused")
+    ait.load(loaded, ait.save(tuned, str(tmp_path / "ckpt" / "fused.ait")), weights="checkpoint")
+    x, mask = _calls(3)[0]
+    torch.testing.assert_close(loaded(x, mask)[0], net(x, mask)[0], atol=1e-5, rtol=1e-5)  # the file as tuned
+
+
 def test_one_external_data_file_per_tensor_tunes_saves_and_loads(exported, tmp_path, fast_profiling):
     """External data files listed in graph order, not sorted (``all_tensors_to_one_file=False``): the file's
     digest does not depend on that order, so the checkpoint stores the file as tuned."""

@@ -84,7 +84,7 @@ class ONNXRuntimeBackend(Backend):
         self._session = None
         self._io: OnnxCallIO | None = None
         self._onnx_path: Path | None = None
-        self._file_sha256: str | None = None  # an OnnxModule's file: its sha256 when built (checked at save)
+        self._file_sha256: str | None = None  # an OnnxModule's file the session runs: its sha256 (see _build)
         self._provider: ONNXExecutionProvider | None = None
         self._io_device = torch.device("cpu")
         self._use_io_binding = False
@@ -136,10 +136,12 @@ class ONNXRuntimeBackend(Backend):
                                         config_key=self.config.key())
         self._io = OnnxCallIO.from_export(export, graph, module)
         self._onnx_path = export.path
-        self._file_sha256 = module.sha256 if isinstance(module, OnnxModule) else None
         if self.config.transformer_fusions:
             self._onnx_path = self._fuse(export, device, workdir)
             self.build_info["onnx_path"] = str(self._onnx_path)  # the graph the session runs
+        # the session runs an OnnxModule's own file (not a derived one in the workdir): its digest, for later checks
+        self._file_sha256 = module.sha256 if isinstance(module, OnnxModule) and self._onnx_path == export.path \
+            else None
         self._setup_device(device)
         self._create_session(BackendBuildError)
         self._validate_samples(graph, export)
