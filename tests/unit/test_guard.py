@@ -393,6 +393,24 @@ def test_a_compiled_forward_that_builds_modules_compiles_once_while_weights_are_
         torch.testing.assert_close(output, expected)
 
 
+def test_a_parameter_replaced_inside_a_compiled_function_is_still_noticed():
+    """NOTE [registrations while compiling]: dynamo replays ``module.weight = param`` without the registration
+    hooks; the parameter hook's count, traced and replayed, is what tells the watch."""
+    net = _net()
+    watch = StateWatch(net)
+
+    @torch.compile(backend="eager")
+    def load(module, param):
+        module[0].weight = param
+        return param.sum()
+
+    load(net, nn.Parameter(torch.zeros_like(net[0].weight)))  # traced
+    assert "'0.weight' was replaced by a new tensor" in watch.changed()
+    again = StateWatch(net)
+    load(net, nn.Parameter(torch.ones_like(net[0].weight)))  # the compiled code replays it: no hook runs
+    assert "'0.weight' was replaced by a new tensor" in again.changed()
+
+
 # ------------------------------------------------------------------------------------------ checkpoints
 
 

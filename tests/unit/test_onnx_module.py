@@ -287,6 +287,35 @@ def test_external_data_inside_a_local_function_is_listed_and_checked(tmp_path):
         ait.OnnxModule(model_with("../ones.data"))
 
 
+@pytest.mark.parametrize("kind", ["sparse initializer", "sparse Constant"])
+def test_external_data_of_sparse_tensors_is_listed(tmp_path, kind):
+    """``y = x + c`` with ``c`` a sparse tensor ([1, 0, 0, 1]) whose values are external data: as a sparse
+    initializer or a Constant's ``sparse_value``, the data file is the model's, and ONNX Runtime runs it."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.external_data_helper import set_external_data
+
+    (tmp_path / "m").mkdir()
+    values = numpy_helper.from_array(np.ones(2, np.float32), "c")
+    (tmp_path / "m" / "values.data").write_bytes(values.raw_data)
+    set_external_data(values, location="values.data", offset=0, length=len(values.raw_data))
+    values.ClearField("raw_data")
+    values.data_location = TensorProto.EXTERNAL
+    constant = helper.make_sparse_tensor(values, numpy_helper.from_array(np.array([0, 3], np.int64), "i"), [4])
+    x, y = (helper.make_tensor_value_info(name, TensorProto.FLOAT, [4]) for name in ("x", "y"))
+    if kind == "sparse Constant":
+        graph = helper.make_graph([helper.make_node("Constant", [], ["c"], sparse_value=constant),
+                                   helper.make_node("Add", ["x", "c"], ["y"])], "g", [x], [y])
+    else:
+        graph = helper.make_graph([helper.make_node("Add", ["x", "c"], ["y"])], "g", [x], [y],
+                                  sparse_initializer=[constant])
+    path = tmp_path / "m" / "sparse.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    module = ait.OnnxModule(path)
+    assert module.external_data == ["values.data"]
+    torch.testing.assert_close(module(torch.zeros(4)), torch.tensor([1.0, 0, 0, 1]))
+
+
 # ---- tuning, checkpoints
 
 
@@ -397,6 +426,11 @@ def test_saving_after_the_file_changed_is_refused_and_writes_nothing(tmp_path, f
     reasons: dict = {}  # the live artifact is the user's file, which the module no longer serves: left out
     assert tuned.deployment_artifacts(reasons) == {}
     assert re.search(message, reasons["graph0"]) and "not what the tuned module serves" in reasons["graph0"]
+    path.unlink()  # gone: the same, said as such
+    with pytest.raises(OnnxFileError, match=r"net\.onnx \(or its external data\) can no longer be read as it was "
+                                            r"\(FileNotFoundError"):
+        ait.save(tuned, str(tmp_path / "ckpt" / "net.ait"))
+    assert tuned.deployment_artifacts(reasons) == {} and "can no longer be read" in reasons["graph0"]
 
 
 def test_a_derived_file_is_what_the_artifact_and_checkpoint_hold_after_the_users_file_changed(tmp_path,

@@ -371,6 +371,22 @@ class ONNXRuntimeBackend(Backend):
 
     # ---- checkpoints
     def _save(self, directory: Path) -> dict:
+        consequence = "the checkpoint would not hold what was tuned"
+        try:
+            metadata, stored, inside = self._copy_model(directory)
+        except Exception as exc:  # noqa: BLE001 - an OnnxModule's file deleted or damaged since: said as such
+            changed = self._file_changed(self._onnx_path, consequence)
+            if changed is None:
+                raise
+            raise OnnxFileError(changed) from exc
+        changed = None if inside else self._file_changed(directory / stored, consequence)
+        if changed is not None:
+            raise OnnxFileError(changed)
+        return {**metadata, "onnx_file": stored}
+
+    def _copy_model(self, directory: Path) -> tuple[dict, str, bool]:
+        """Copy the model the session runs and its external data into ``directory``: (metadata, stored name,
+        whether the model is in the build folder)."""
         metadata = self._metadata()
         source_dir = self._onnx_path.parent
         # a model outside the workdir is an OnnxModule's file: stored as model.onnx (its external data locations
@@ -383,22 +399,22 @@ class ONNXRuntimeBackend(Backend):
             if source.resolve() != target.resolve():
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(source, target)
-        changed = None if inside else self._file_changed(directory / stored, "the checkpoint would not hold what "
-                                                                              "was tuned")
-        if changed is not None:
-            raise OnnxFileError(changed)
-        return {**metadata, "onnx_file": stored}
+        return metadata, stored, inside
 
     def _file_changed(self, model_path: Path, consequence: str) -> str | None:
         """Why an OnnxModule's file (``model_path``: the file or a copy, with its external data) is not the one
         the session runs: its sha256 differs from the OnnxModule's, taken when it was created. None when equal,
         and for exported models (no OnnxModule)."""
-        if self._file_sha256 is None or onnx_files_digest(
-                model_path, external_data_files(model_path)) == self._file_sha256:
+        if self._file_sha256 is None:
             return None
-        return (f"onnxruntime: {self._onnx_path} (or its external data) changed since its OnnxModule was created "
-                f"(sha256 differs), so {consequence}; restore the file, or build a new OnnxModule of it and tune "
-                "again")
+        try:
+            if onnx_files_digest(model_path, external_data_files(model_path)) == self._file_sha256:
+                return None
+            what = "changed since its OnnxModule was created (sha256 differs)"
+        except Exception as exc:  # noqa: BLE001 - a deleted or damaged file is a changed one, said as such
+            what = f"can no longer be read as it was ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        return (f"onnxruntime: {self._onnx_path} (or its external data) {what}, so {consequence}; restore the "
+                "file, or build a new OnnxModule of it and tune again")
 
     def _metadata(self) -> dict:
         """What :meth:`_save` stores; its file names are relative to the ONNX model's folder (the model's own name
@@ -417,7 +433,7 @@ class ONNXRuntimeBackend(Backend):
         OnnxModule's own file while live).
 
         Raises:
-            OnnxFileError: an OnnxModule's file changed since the module was created (the session runs the old one).
+            OnnxFileError: an OnnxModule's file changed (or is gone) since the module was created.
         """
         require_built(self)
         changed = self._file_changed(self._onnx_path, "this file is not what the tuned module serves") \

@@ -17,9 +17,9 @@ Two mechanisms protect a tuned module once it serves calls:
     output) can cost more than the eager call on a small module, several times a served call
     (``benchmarks/wrapper_cost.py`` prints the checks' share of the mean), so each check's time is measured
     and ``N`` widens, at most doubling per check, until the cheapest check seen, beyond one served call (the
-    row's measured p50), costs at most 2 % of ``N`` served calls, never past ``max_check_every``. ``s`` is the tune row's paired speed-up (the
-    median of per-round ratios, NOTE [paired speed-up] in :mod:`aitune.torch.measure.profiling`), or its lower
-    quartile when that figure is marked noisy.
+    row's measured p50), costs at most 2 % of ``N`` served calls, never past ``max_check_every``. ``s`` is the
+    tune row's paired speed-up (the median of per-round ratios, NOTE [paired speed-up] in
+    :mod:`aitune.torch.measure.profiling`), or its lower quartile when that figure is marked noisy.
     Signatures are remembered up to ``max_signatures``; the per-call cost of an unchecked call is building
     a tuple of shapes and a set lookup (a few µs; ``benchmarks/trust_overhead.py`` measures it).
 
@@ -288,11 +288,16 @@ _DATA_PTR = torch.Tensor.data_ptr
 
 
 def _count_registration(*_args) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+def _count_module_registration(*_args) -> None:
     # NOTE [registrations while compiling]: a forward that builds modules as it runs (``self.layers[:n]`` makes a
-    # new ModuleList, as transformers' decoders do on every call) fires these global hooks inside a torch.compile
-    # trace. Counted there, dynamo would guard on the counter, which that same forward bumps: every later call
-    # would recompile, until the recompile limit leaves the module to run eagerly. A module built inside a
-    # compiled forward is transient, not a change to a tuned module's state: it is not counted.
+    # new ModuleList, as transformers' decoders do on every call) fires the module registration hook inside a
+    # torch.compile trace. Counted there, dynamo would guard on the counter, which that same forward bumps: every
+    # later call would recompile, until the recompile limit leaves the module to run eagerly. A module registered
+    # inside a compiled forward is taken as transient and not counted. Parameters and buffers registered there
+    # are counted (dynamo replays such an assignment without the hooks, so the counter is the only sign of it).
     if torch.compiler.is_compiling():
         return
     _REGISTRATIONS[0] += 1
@@ -303,11 +308,12 @@ def _install_hooks() -> None:
         return
     from torch.nn.modules import module as nn_module
 
-    for name in ("register_module_parameter_registration_hook", "register_module_buffer_registration_hook",
-                 "register_module_module_registration_hook"):
+    for name, hook in (("register_module_parameter_registration_hook", _count_registration),
+                       ("register_module_buffer_registration_hook", _count_registration),
+                       ("register_module_module_registration_hook", _count_module_registration)):
         register = getattr(nn_module, name, None)
         if register is not None:
-            _HOOKS.append(register(_count_registration))
+            _HOOKS.append(register(hook))
 
 
 class StateWatch:

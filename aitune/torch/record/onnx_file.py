@@ -136,7 +136,8 @@ def _tensor_info(value, path: Path, role: str) -> OnnxTensorInfo:
 
 def model_tensors(model) -> list:
     """Every ``TensorProto`` an ONNX model holds: its graph's initializers (sparse ones' values and indices too)
-    and the tensor attributes of its nodes and of its local functions' nodes, those inside the subgraphs of
+    and the tensor attributes (sparse ones too) of its nodes and of its local functions' nodes, those inside the
+    subgraphs of
     control-flow nodes (``If``'s branches, ``Loop``/``Scan`` bodies) included, at any depth."""
     tensors = _graph_tensors(model.graph)
     for function in model.functions:
@@ -158,6 +159,10 @@ def _node_tensors(nodes) -> list:
             if attribute.HasField("t"):
                 tensors.append(attribute.t)
             tensors.extend(attribute.tensors)
+            sparse = ([attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else []) + list(
+                attribute.sparse_tensors)
+            for value in sparse:
+                tensors.extend((value.values, value.indices))
             if attribute.HasField("g"):
                 tensors.extend(_graph_tensors(attribute.g))
             for subgraph in attribute.graphs:
