@@ -135,8 +135,8 @@ class Dispatch:
 
     def stale_weights(self) -> str | None:
         """What changed in the module's weights since a backend baked them in (every check made now, values
-        edited through ``.data`` included where the sampled values show it); else None. A change found here is found for the calls too: they run
-        eager from now on, as they would once the per-call watch saw it."""
+        edited through ``.data`` included where the sampled values show it); else None. A change found here is
+        found for the calls too: they run eager from now on, as they would once the per-call watch saw it."""
         changed = self.watch.changed_now() if self.watch is not None else None
         return changed or (self.baked.values_changed() if self.baked is not None and self.watch is not None else None)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aitune.torch.backend.flat import FlatIO
-from aitune.torch.record.onnx_file import model_tensors
+from aitune.torch.record.onnx_file import external_tensors
 
 
 def match_io(model, flat_io: FlatIO, notes: list[str]) -> tuple[list[str], list[int], list[str]]:
@@ -72,13 +72,6 @@ def specialized_axes(model, dynamic_axes: dict[str, dict[int, str]]) -> list[str
 def external_data_files(path: Path | str) -> list[str]:
     """File names (relative to the model's folder) holding the model's external tensor data."""
     import onnx
-    from onnx.external_data_helper import uses_external_data
 
     model = onnx.load(str(path), load_external_data=False)
-    files: set[str] = set()
-    for tensor in model_tensors(model):
-        if uses_external_data(tensor):
-            for entry in tensor.external_data:
-                if entry.key == "location":
-                    files.add(entry.value)
-    return sorted(files)
+    return sorted({location for _, location in external_tensors(model) if location})

@@ -436,8 +436,7 @@ class ONNXRuntimeBackend(Backend):
             OnnxFileError: an OnnxModule's file changed (or is gone) since the module was created.
         """
         require_built(self)
-        changed = self._file_changed(self._onnx_path, "this file is not what the tuned module serves") \
-            if self._file_sha256 is not None else None
+        changed = self._file_changed(self._onnx_path, "this file is not what the tuned module serves")
         if changed is not None:
             raise OnnxFileError(changed)
         return self.artifact_from_metadata(self._metadata(), self._onnx_path.parent, self.config.to_dict(),

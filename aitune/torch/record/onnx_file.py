@@ -137,8 +137,7 @@ def _tensor_info(value, path: Path, role: str) -> OnnxTensorInfo:
 def model_tensors(model) -> list:
     """Every ``TensorProto`` an ONNX model holds: its graph's initializers (sparse ones' values and indices too)
     and the tensor attributes (sparse ones too) of its nodes and of its local functions' nodes, those inside the
-    subgraphs of
-    control-flow nodes (``If``'s branches, ``Loop``/``Scan`` bodies) included, at any depth."""
+    subgraphs of control-flow nodes (``If``'s branches, ``Loop``/``Scan`` bodies) included, at any depth."""
     tensors = _graph_tensors(model.graph)
     for function in model.functions:
         tensors.extend(_node_tensors(function.node))
@@ -170,16 +169,20 @@ def _node_tensors(nodes) -> list:
     return tensors
 
 
-def _external_data_locations(model, path: Path) -> tuple[str, ...]:
-    """The external data locations of ``model`` (loaded without its data), each checked to lie in its folder."""
+def external_tensors(model) -> list[tuple[object, str | None]]:
+    """``(tensor, location)`` of every tensor of ``model`` (:func:`model_tensors`) stored as external data; the
+    location as the file writes it (relative to the model's folder), None when it has none."""
     from onnx.external_data_helper import uses_external_data
 
+    return [(tensor, next((entry.value for entry in tensor.external_data if entry.key == "location"), None))
+            for tensor in model_tensors(model) if uses_external_data(tensor)]
+
+
+def _external_data_locations(model, path: Path) -> tuple[str, ...]:
+    """The external data locations of ``model`` (loaded without its data), each checked to lie in its folder."""
     folder = path.parent.resolve()
     locations: dict[str, None] = {}
-    for tensor in model_tensors(model):
-        if not uses_external_data(tensor):
-            continue
-        location = next((entry.value for entry in tensor.external_data if entry.key == "location"), None)
+    for tensor, location in external_tensors(model):
         if not location:
             raise OnnxFileError(f"{path}: tensor {tensor.name!r} is stored as external data without a location; "
                                 "re-save the model with onnx.save_model(..., save_as_external_data=True)")
