@@ -2,13 +2,14 @@
 
 Modules: :mod:`~aitune.torch.backend.ort_config` (the config), :mod:`~aitune.torch.backend.ort_io` (binding
 types, CUDA outputs without a copy), :mod:`~aitune.torch.backend.ort_fusions` (transformer fusions); their
-names stay importable from here.
+names stay importable from here. :mod:`~aitune.torch.backend.ort_session` (session options, providers),
+:mod:`~aitune.torch.backend.ort_placement` (which EP ran each node), :mod:`~aitune.torch.backend.ort_cuda_graph`
+(CUDA graphs with persistent buffers).
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import warnings
 from pathlib import Path
 
@@ -30,13 +31,17 @@ from aitune.torch.backend.ort_config import (  # noqa: F401 - re-exported
 )
 from aitune.torch.backend.ort_fusions import (  # noqa: F401 - re-exported
     SESSION_FUSIONS,
+    fuse_transformer,
     looks_like_transformer_encoder,
     transformer_fusion_note,
 )
-from aitune.torch.backend.ort_artifact import onnx_artifact
+from aitune.torch.backend.ort_artifact import copy_onnx_model, onnx_artifact, onnx_file_changed
+from aitune.torch.backend.ort_cuda_graph import PersistentBindings, cuda_graph_variants, graph_capture_refused
 from aitune.torch.backend.ort_io import NUMPY_NAMES, ORT_TYPES, CudaArray
+from aitune.torch.backend.ort_placement import PROFILE_PREFIX, placement_info
+from aitune.torch.backend.ort_session import inactive_provider_message, provider_list, session_options
 from aitune.torch.common.files import checkpoint_path
-from aitune.torch.record.onnx_module import OnnxModule, onnx_files_digest
+from aitune.torch.record.onnx_module import OnnxModule
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +60,12 @@ class ONNXRuntimeBackend(Backend):
     Build: export to ``workdir/model.onnx`` (+ ``model.onnx.data``), create the session, check that the
     requested EP is really active (ONNX Runtime silently falls back to CPU when a GPU EP cannot be
     created, microsoft/onnxruntime#23372) and run every recorded sample once, so EP compile errors surface at build.
+    The build session is profiled to record which EP ran each node (``build_info["node_placement"]``; nodes off
+    the requested EP are named in the report row: :mod:`~aitune.torch.backend.ort_placement`).
     Inference on CUDA binds inputs and outputs with IOBinding on the device (they never leave the GPU);
-    on CPU it feeds numpy views. Outputs come back in eager's structure, dtypes and device.
+    on CPU it feeds numpy views. Outputs come back in eager's structure, dtypes and device. With ``cuda_graph``
+    each recorded input shape gets a captured CUDA graph replayed from persistent buffers, and other shapes are
+    refused (:mod:`~aitune.torch.backend.ort_cuda_graph`).
 
     An :class:`~aitune.torch.OnnxModule` is not exported: the session runs its file as it is (derived files, such
     as the transformer optimizer's, go to ``workdir``; the user's file is only read).
@@ -88,6 +97,7 @@ class ONNXRuntimeBackend(Backend):
         self._provider: ONNXExecutionProvider | None = None
         self._io_device = torch.device("cpu")
         self._use_io_binding = False
+        self._graphs: PersistentBindings | None = None  # cuda_graph: persistent buffers per input shape
 
     # ---- eligibility
     def _supports(self, module, graph, device: torch.device) -> Check:
@@ -95,6 +105,8 @@ class ONNXRuntimeBackend(Backend):
         if reason is not None:
             return Check(False, reason)
         provider = self.config.resolved_provider(device)
+        if self.config.cuda_graph and provider is not ONNXExecutionProvider.CUDA:
+            return Check(False, f"cuda_graph needs the CUDA execution provider (device {device})")
         if provider is not ONNXExecutionProvider.CPU and device.type != "cuda":
             return Check(False, f"execution provider {provider.value} needs a CUDA device, got {device}")
         import onnxruntime
@@ -143,18 +155,59 @@ class ONNXRuntimeBackend(Backend):
         self._file_sha256 = module.sha256 if isinstance(module, OnnxModule) and self._onnx_path == export.path \
             else None
         self._setup_device(device)
-        self._create_session(BackendBuildError)
+        try:
+            self._create_session(BackendBuildError, profile_prefix=workdir / PROFILE_PREFIX)
+        except Exception as exc:
+            if self.config.cuda_graph and graph_capture_refused(exc):
+                self._refuse_graphs(exc, graph, workdir)
+            raise
         self._validate_samples(graph, export)
+        self._record_placement()
+        if self.config.cuda_graph:
+            self._capture_graphs(graph)
+
+    def _record_placement(self) -> None:
+        """End the build session's profiling; which EP ran each node goes to build_info (NOTE [node placement
+        from the profile] in :mod:`~aitune.torch.backend.ort_placement`)."""
+        self.build_info.update(placement_info(self._session.end_profiling(), self._provider.ort_name))
+
+    def _capture_graphs(self, graph) -> None:
+        """Bind persistent buffers and capture one CUDA graph per validated input shape; only those run."""
+        self._graphs = self._persistent_bindings(capture=True)
+        shapes = set()
+        for leaves in (sample.leaves() for sample in graph.samples):
+            if self._io.check(leaves) is None:  # the shapes that passed validation
+                self._graphs.run(self._io.flat_inputs(leaves))
+                shapes.add(tuple(tuple(leaves[index].shape) for index in self._io.tensor_indices))
+        self._io.accepted_shapes = shapes  # one graph per shape: rejects() refuses the others
+        self.build_info.update(cuda_graphs=len(self._graphs.shapes), shape_specialized=True,
+                               accepted_shapes=sorted([list(map(list, s)) for s in shapes]))
+
+    def _refuse_graphs(self, exc: BaseException, graph, workdir: Path) -> None:
+        """ONNX Runtime refused CUDA graphs: fail the build naming why, with the nodes a plain CUDA session puts
+        elsewhere (one profiled run of the first sample) when that can be found."""
+        note = ""
+        try:
+            self._create_session(BackendBuildError, profile_prefix=workdir / PROFILE_PREFIX, cuda_graph=False)
+            self._run(self._io.flat_inputs(graph.samples[0].leaves()), quiet=True)
+            self._record_placement()
+            note = self.build_info.get("placement_note", "")
+        except Exception:  # noqa: BLE001 - the refusal is the error; the placement only explains it
+            logger.debug("onnxruntime: placement probe without CUDA graphs failed", exc_info=True)
+        self._session = None
+        raise BackendBuildError(f"onnxruntime: ONNX Runtime refused CUDA graph capture ({one_line(exc)})"
+                                + (f"; {note}" if note else "") + " — use the variant without cuda_graph",
+                                backend=self.name, config_key=self.config.key()) from exc
+
+    def _persistent_bindings(self, capture: bool) -> PersistentBindings:
+        return PersistentBindings(self._session, self._io.input_names, self._io.output_names, self._io_device,
+                                  capture=capture)
 
     def _fuse(self, export, device: torch.device, workdir: Path) -> Path:
         """ONNX Runtime's transformer optimizer on the model; returns the fused model's path (in ``workdir``)."""
-        from onnxruntime.transformers import optimizer
-
         fused_path = workdir / f"fused_{ONNX_FILE}"
-        fused = optimizer.optimize_model(str(export.path), model_type=self.config.transformer_fusions, num_heads=0,
-                                         hidden_size=0, opt_level=0, use_gpu=device.type == "cuda")
-        fused.save_model_to_file(str(fused_path), use_external_data_format=bool(export.external_data_files))
-        counts = {name: count for name, count in fused.get_fused_operator_statistics().items() if count}
+        counts = fuse_transformer(export.path, self.config.transformer_fusions, device.type == "cuda", fused_path,
+                                  bool(export.external_data_files))
         self.build_info["transformer_fusions"] = counts
         self.build_info["fusion_note"] = transformer_fusion_note(counts)  # the report row's note
         logger.debug("onnxruntime: transformer fusions %s", counts)
@@ -165,12 +218,19 @@ class ONNXRuntimeBackend(Backend):
         transformer fusions for a BERT-like encoder; with a time budget (tier 1) also level ``extended``, which
         leaves out the layout optimizations of ``all`` (on CPU: NCHWc conversions, which do not pay off for
         every graph; ONNX Runtime's "Graph optimizations" documentation). A configuration the user chose is tried
-        as given."""
+        as given.
+
+        On CUDA, also CUDA graphs (:func:`~aitune.torch.backend.ort_cuda_graph.cuda_graph_variants` says which
+        and why)."""
         if self.config != ONNXRuntimeBackendConfig():
             return [self]
         variants = [self]
-        if looks_like_transformer_encoder(module):
+        encoder = looks_like_transformer_encoder(module)
+        if encoder:
             variants.append(ONNXRuntimeBackend(ONNXRuntimeBackendConfig(transformer_fusions="bert")))
+        for config, tier in cuda_graph_variants(encoder, graph, device):
+            variants.append(ONNXRuntimeBackend(config))
+            variants[-1]._tier = tier
         extended = ONNXRuntimeBackend(ONNXRuntimeBackendConfig(graph_optimization_level="extended"))
         extended._tier = 1
         return variants + [extended]
@@ -218,29 +278,17 @@ class ONNXRuntimeBackend(Backend):
                 torch.cuda.current_device() if torch.cuda.is_available() else 0)
             self._io_device = torch.device("cuda", index)
 
-    def _provider_list(self) -> list:
-        index = self._io_device.index or 0
-        cuda = ("CUDAExecutionProvider", {"device_id": index})
-        if self._provider is ONNXExecutionProvider.CUDA:
-            return [cuda]
-        if self._provider is ONNXExecutionProvider.TENSORRT:
-            return [("TensorrtExecutionProvider", {"device_id": index}), cuda]
-        return ["CPUExecutionProvider"]
-
-    def _create_session(self, error_type: type[Exception]) -> None:
+    def _create_session(self, error_type: type[Exception], profile_prefix: Path | None = None,
+                        cuda_graph: bool | None = None) -> None:
         """Create the InferenceSession and check the requested EP is active (ONNX Runtime may fall back to CPU
-        silently: microsoft/onnxruntime#23372)."""
+        silently: microsoft/onnxruntime#23372). ``profile_prefix``: profile the session (build only);
+        ``cuda_graph``: overrides the config's. Without profiling, a ``cuda_graph`` session gets its persistent
+        bindings (graphs are captured at the first call of each shape)."""
         import onnxruntime
 
-        options = onnxruntime.SessionOptions()
-        options.graph_optimization_level = getattr(onnxruntime.GraphOptimizationLevel,
-                                                   GRAPH_OPTIMIZATION_LEVELS[self.config.graph_optimization_level])
-        if self.config.intra_op_num_threads is not None:
-            options.intra_op_num_threads = self.config.intra_op_num_threads
-        if self.config.inter_op_num_threads is not None:
-            options.inter_op_num_threads = self.config.inter_op_num_threads
-        options.log_severity_level = 3  # errors only; failures reach us as exceptions
-        providers = self._provider_list()
+        cuda_graph = self.config.cuda_graph if cuda_graph is None else cuda_graph
+        options = session_options(self.config, profile_prefix)
+        providers = provider_list(self._provider, self._io_device.index or 0, cuda_graph)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             session = onnxruntime.InferenceSession(str(self._onnx_path), sess_options=options, providers=providers)
@@ -249,16 +297,13 @@ class ONNXRuntimeBackend(Backend):
         active = session.get_providers()
         self.build_info["providers"] = list(active)
         if self._provider.ort_name not in active:
-            on = "CPU" if active and active[0] == "CPUExecutionProvider" else (active[0] if active else "nothing")
-            on = "CUDA" if on == "CUDAExecutionProvider" else on
-            message = (f"onnxruntime: requested {self._provider.label} EP not active; session on {on} "
-                       f"(active providers: {', '.join(active)}; install an onnxruntime-gpu that matches this "
-                       "CUDA — pip install 'aitune[onnx-gpu]')")
+            message = inactive_provider_message(self._provider, active)
             if error_type is BackendBuildError:
                 raise BackendBuildError(message, backend=self.name, config_key=self.config.key())
             raise error_type(message)
         logger.debug("onnxruntime session on %s (requested %s)", active, providers)
         self._session = session
+        self._graphs = self._persistent_bindings(True) if cuda_graph and profile_prefix is None else None
 
     def _activate(self) -> None:
         if self._session is None:
@@ -266,6 +311,7 @@ class ONNXRuntimeBackend(Backend):
 
     def _deactivate(self) -> None:
         self._session = None
+        self._graphs = None  # its buffers and graphs go with the session
 
     # ---- inference
     def _infer(self, args, kwargs):
@@ -294,12 +340,17 @@ class ONNXRuntimeBackend(Backend):
         """
         if self._session is None:
             self._create_session(BackendRuntimeError)
+        if self._graphs is not None:
+            return [self._as_eager(t, dtype) for t, dtype in zip(self._graphs.run(tensors, quiet), self._io.output_dtypes)]
         run_options = None
-        if quiet:  # build-time probes: failures come back as exceptions, keep ONNX Runtime's log quiet
+        if quiet or self.config.cuda_graph:
             import onnxruntime
 
             run_options = onnxruntime.RunOptions()
-            run_options.log_severity_level = 4
+            if quiet:  # build-time probes: failures come back as exceptions, keep ONNX Runtime's log quiet
+                run_options.log_severity_level = 4
+            if self.config.cuda_graph:  # before the graphs are bound (build): run without capturing
+                run_options.add_run_config_entry("gpu_graph_id", "-1")
         if self._use_io_binding:
             return self._run_bound(tensors, run_options)
         feeds = {}
@@ -363,6 +414,9 @@ class ONNXRuntimeBackend(Backend):
             tensor = torch.empty(shape, dtype=ort_dtype, device=self._io_device)
         else:
             tensor = torch.as_tensor(CudaArray(value, ort_dtype), device=self._io_device).clone()
+        return self._as_eager(tensor, eager_dtype)
+
+    def _as_eager(self, tensor: torch.Tensor, eager_dtype: torch.dtype) -> torch.Tensor:
         if tensor.dtype != eager_dtype:
             tensor = tensor.to(eager_dtype)
         if self.device is not None and tensor.device != self.device:
@@ -388,33 +442,12 @@ class ONNXRuntimeBackend(Backend):
         """Copy the model the session runs and its external data into ``directory``: (metadata, stored name,
         whether the model is in the build folder)."""
         metadata = self._metadata()
-        source_dir = self._onnx_path.parent
-        # a model outside the workdir is an OnnxModule's file: stored as model.onnx (its external data locations
-        # are relative to its folder, whatever its name)
-        inside = self.workdir is not None and source_dir.resolve() == Path(self.workdir).resolve()
-        stored = self._onnx_path.name if inside else ONNX_FILE
-        files = [(self._onnx_path, stored)] + [(source_dir / name, name) for name in metadata["external_data_files"]]
-        for source, name in files:
-            target = directory / name
-            if source.resolve() != target.resolve():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(source, target)
+        stored, inside = copy_onnx_model(self._onnx_path, metadata["external_data_files"], self.workdir, directory,
+                                         ONNX_FILE)
         return metadata, stored, inside
 
     def _file_changed(self, model_path: Path, consequence: str) -> str | None:
-        """Why an OnnxModule's file (``model_path``: the file or a copy, with its external data) is not the one
-        the session runs: its sha256 differs from the OnnxModule's, taken when it was created. None when equal,
-        and for exported models (no OnnxModule)."""
-        if self._file_sha256 is None:
-            return None
-        try:
-            if onnx_files_digest(model_path, external_data_files(model_path)) == self._file_sha256:
-                return None
-            what = "changed since its OnnxModule was created (sha256 differs)"
-        except Exception as exc:  # noqa: BLE001 - a deleted or damaged file is a changed one, said as such
-            what = f"can no longer be read as it was ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-        return (f"onnxruntime: {self._onnx_path} (or its external data) {what}, so {consequence}; restore the "
-                "file, or build a new OnnxModule of it and tune again")
+        return onnx_file_changed(self._onnx_path, model_path, self._file_sha256, consequence)
 
     def _metadata(self) -> dict:
         """What :meth:`_save` stores; its file names are relative to the ONNX model's folder (the model's own name

@@ -3,6 +3,7 @@ metadata the backend writes into checkpoints (:mod:`aitune.torch.backend.artifac
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from aitune.torch.backend.artifact import (
@@ -13,7 +14,9 @@ from aitune.torch.backend.artifact import (
     output_infos,
     stored_files,
 )
+from aitune.torch.backend.onnx_graph import external_data_files
 from aitune.torch.backend.ort_config import GRAPH_OPTIMIZATION_LEVELS, ONNXExecutionProvider
+from aitune.torch.record.onnx_module import onnx_files_digest
 
 
 def onnx_artifact(metadata: dict, directory: Path, config: dict, graph: GraphFacts,
@@ -40,7 +43,8 @@ def onnx_artifact(metadata: dict, directory: Path, config: dict, graph: GraphFac
     device_id = int(graph.device.partition(":")[2] or 0)
     providers: list = {
         ONNXExecutionProvider.CPU: [["CPUExecutionProvider", {}]],
-        ONNXExecutionProvider.CUDA: [["CUDAExecutionProvider", {"device_id": device_id}]],
+        ONNXExecutionProvider.CUDA: [["CUDAExecutionProvider", {"device_id": device_id, **(
+            {"enable_cuda_graph": "1"} if settings.get("cuda_graph") else {})}]],
         ONNXExecutionProvider.TENSORRT: [["TensorrtExecutionProvider", {"device_id": device_id}],
                                          ["CUDAExecutionProvider", {"device_id": device_id}]],
     }[provider]
@@ -55,7 +59,7 @@ def onnx_artifact(metadata: dict, directory: Path, config: dict, graph: GraphFac
         "graph_optimization_level": level,
         "session_options": session_options,
         "io_binding": provider is not ONNXExecutionProvider.CPU,
-        "cuda_graphs": False,
+        "cuda_graphs": bool(settings.get("cuda_graph")),  # one per accepted shape, run config "gpu_graph_id" 1, 2...
         "transformer_fusions": settings.get("transformer_fusions"),
         "exporter": metadata.get("exporter"),
         "feeds": "one array per input name; outputs in the listed order",
@@ -64,3 +68,37 @@ def onnx_artifact(metadata: dict, directory: Path, config: dict, graph: GraphFac
     return DeploymentArtifact(graph=graph.name, backend=backend, format="onnx", files=files, inputs=tuple(inputs),
                               outputs=output_infos(io["outputs"], io["output_names"]),
                               constants=dict(graph.constants), runtime=runtime)
+
+
+def copy_onnx_model(onnx_path: Path, external_files: list[str], workdir: Path | None, directory: Path,
+                    default_name: str) -> tuple[str, bool]:
+    """Copy the model a session runs (``onnx_path``) and its external data (names relative to its folder) into
+    ``directory``; returns (the stored model's name, whether the model is in the build folder ``workdir``).
+
+    A model outside the workdir is an OnnxModule's file: stored as ``default_name`` (its external data locations
+    are relative to its folder, whatever its name)."""
+    source_dir = onnx_path.parent
+    inside = workdir is not None and source_dir.resolve() == Path(workdir).resolve()
+    stored = onnx_path.name if inside else default_name
+    for source, name in [(onnx_path, stored)] + [(source_dir / name, name) for name in external_files]:
+        target = directory / name
+        if source.resolve() != target.resolve():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return stored, inside
+
+
+def onnx_file_changed(onnx_path: Path, model_path: Path, sha256: str | None, consequence: str) -> str | None:
+    """Why an OnnxModule's file (``model_path``: the file at ``onnx_path`` or a copy, with its external data) is
+    not the one the session runs: its sha256 differs from ``sha256``, the OnnxModule's, taken when it was created.
+    None when equal, and for exported models (``sha256`` None)."""
+    if sha256 is None:
+        return None
+    try:
+        if onnx_files_digest(model_path, external_data_files(model_path)) == sha256:
+            return None
+        what = "changed since its OnnxModule was created (sha256 differs)"
+    except Exception as exc:  # noqa: BLE001 - a deleted or damaged file is a changed one, said as such
+        what = f"can no longer be read as it was ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    return (f"onnxruntime: {onnx_path} (or its external data) {what}, so {consequence}; restore the "
+            "file, or build a new OnnxModule of it and tune again")

@@ -87,6 +87,11 @@ class ONNXRuntimeBackendConfig(BackendConfig):
         transformer_fusions: run ONNX Runtime's transformer optimizer (``onnxruntime.transformers.optimizer``:
             attention, LayerNorm, GELU and bias fusions) on the exported graph before the session is built,
             for this ``model_type`` (``"bert"`` covers BERT-like encoders); None = off.
+        cuda_graph: capture ONNX Runtime CUDA graphs (the CUDA EP's ``enable_cuda_graph``), one per recorded
+            input shape, replayed with inputs and outputs in persistent device buffers; other shapes are refused
+            (:meth:`~aitune.torch.backend.ort.ONNXRuntimeBackend.rejects`) and run eager. CUDA EP only; the build
+            fails if ONNX Runtime places compute nodes off the CUDA EP (see
+            :mod:`~aitune.torch.backend.ort_cuda_graph`).
 
     Raises:
         ConfigError: on an invalid field.
@@ -99,6 +104,7 @@ class ONNXRuntimeBackendConfig(BackendConfig):
     inter_op_num_threads: int | None = None
     graph_optimization_level: str = "all"
     transformer_fusions: str | None = None
+    cuda_graph: bool = False
 
     def validate(self) -> None:
         if not isinstance(self.use_dynamo, bool):
@@ -114,6 +120,11 @@ class ONNXRuntimeBackendConfig(BackendConfig):
         if self.transformer_fusions is not None and self.transformer_fusions not in TRANSFORMER_MODEL_TYPES:
             raise ConfigError(f"transformer_fusions must be one of {TRANSFORMER_MODEL_TYPES} or None, got "
                               f"{self.transformer_fusions!r}")
+        if not isinstance(self.cuda_graph, bool):
+            raise ConfigError(f"cuda_graph must be a bool, got {self.cuda_graph!r}")
+        if self.cuda_graph and self.execution_provider not in (None, ONNXExecutionProvider.CUDA):
+            raise ConfigError(f"cuda_graph=True needs the CUDA execution provider (execution_provider='cuda' or None "
+                              f"on a CUDA device), got execution_provider={self.execution_provider.value!r}")
         if self.graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
             raise ConfigError(f"graph_optimization_level must be one of {list(GRAPH_OPTIMIZATION_LEVELS)}, "
                               f"got {self.graph_optimization_level!r}")

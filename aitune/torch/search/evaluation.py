@@ -377,6 +377,8 @@ def build_notes(details: dict) -> str:
         notes.append("exported at batch >= 2 (sample repeated)")
     if details.get("fusion_note"):
         notes.append(details["fusion_note"])
+    if details.get("placement_note"):  # nodes off the requested execution provider (ONNX Runtime)
+        notes.append(details["placement_note"])
     return "; ".join(notes)
 
 
