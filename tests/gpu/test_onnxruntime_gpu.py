@@ -2,7 +2,8 @@
 
 With the CUDA EP requested, either the session really runs on it (sub-check B: CUDA tensors in
 and out, IOBinding, values match eager) or the build fails saying the EP is not active (sub-check A: a
-CPU-only onnxruntime on a GPU machine). Also: the CPU EP on a CUDA device returns CUDA tensors.
+CPU-only onnxruntime on a GPU machine). Also: the CPU EP on a CUDA device returns CUDA tensors; CUDA graphs
+(``cuda_graph``) on a conv net and a BERT-like encoder, and the node placement report.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from aitune.errors import BackendBuildError
 from aitune.torch.backend import ONNXRuntimeBackend, ONNXRuntimeBackendConfig
 from aitune.torch.check.correctness import OutputComparator
+from aitune.torch.record.pytree import tree_flatten
 from aitune.torch.record.samples import record_graphs
 
 pytestmark = [pytest.mark.gpu,
@@ -124,3 +126,108 @@ def test_onnx_module_runs_on_cuda_and_tunes_with_the_cuda_ep(tmp_path):
     out = tuned(x)
     assert out.device.type == "cuda"
     torch.testing.assert_close(out, y, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- CUDA graphs, placement
+
+
+def require_cuda_ep():
+    import onnxruntime
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        pytest.skip("onnxruntime has no CUDA execution provider here (pip install onnxruntime-gpu)")
+
+
+def tiny_bert():
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                        vocab_size=100, max_position_embeddings=64)
+    return BertModel(config).cuda().eval()
+
+
+def check_cuda_graph_backend(net, backend, shapes, make_input, unrecorded):
+    """Values vs eager at each captured shape, a call's output not overwritten by the next call, an unrecorded
+    shape refused, every node on the CUDA EP."""
+    assert backend.build_info["cuda_graphs"] == len(shapes)
+    assert set(backend.build_info["node_placement"]) == {"CUDAExecutionProvider"}, backend.build_info["node_op_types"]
+    assert "placement_note" not in backend.build_info
+    comparator = OutputComparator()
+    for shape in shapes:
+        x1, x2 = make_input(shape), make_input(shape)
+        first = backend(x1)
+        kept = [leaf.clone() for leaf in tree_flatten(first)[0] if isinstance(leaf, torch.Tensor)]
+        second = backend(x2)
+        with torch.no_grad():
+            comparator.compare(net(x1), first)
+            comparator.compare(net(x2), second)
+        after = [leaf for leaf in tree_flatten(first)[0] if isinstance(leaf, torch.Tensor)]
+        for before, now in zip(kept, after, strict=True):  # call 2 did not overwrite call 1's outputs
+            torch.testing.assert_close(now, before, rtol=0, atol=0)
+    assert backend.rejects(canonical_leaves(net, make_input(unrecorded))) is not None
+    assert backend.rejects(canonical_leaves(net, make_input(shapes[0]))) is None
+
+
+def canonical_leaves(net, x) -> list:
+    """The flattened canonical input leaves aitune.Module hands to Backend.accepts/rejects."""
+    from aitune.torch.record.samples import CallSignature
+
+    args, kwargs = CallSignature(net.forward).normalize((x,), {})
+    return tree_flatten((args, kwargs))[0]
+
+
+def test_cuda_graphs_on_a_conv_net_one_graph_per_recorded_batch(tmp_path):
+    require_cuda_ep()
+    net = c28_net()
+    graph = c28_graph(net)  # batches 2 and 8
+    backend = ONNXRuntimeBackend(ONNXRuntimeBackendConfig(cuda_graph=True))
+    assert backend.supports(net, graph, "cuda").ok
+    backend.build(net, graph, "cuda", tmp_path)
+    check_cuda_graph_backend(net, backend, (2, 8), lambda b: torch.randn(b, 3, 32, 32, device="cuda"), 5)
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    loaded = ONNXRuntimeBackend.from_checkpoint(checkpoint, backend.config, backend.save(checkpoint), None, graph, "cuda")
+    assert loaded.config.cuda_graph is True
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    with torch.no_grad():
+        OutputComparator().compare(net(x), loaded(x))
+    assert loaded.rejects(canonical_leaves(net, torch.randn(5, 3, 32, 32, device="cuda"))) is not None
+
+
+def test_cuda_graphs_on_a_bert_like_encoder_with_fusions(tmp_path):
+    require_cuda_ep()
+    net = tiny_bert()
+    [graph] = record_graphs(net, [((torch.randint(0, 100, (4, 16), device="cuda"),), {})])
+    for fusions in (None, "bert"):
+        backend = ONNXRuntimeBackend(ONNXRuntimeBackendConfig(cuda_graph=True, transformer_fusions=fusions))
+        backend.build(net, graph, "cuda", tmp_path / str(fusions))
+        check_cuda_graph_backend(net, backend, ((4, 16),),
+                                 lambda shape: torch.randint(0, 100, shape, device="cuda"), (2, 16))
+
+
+def test_plain_cuda_ep_reports_placement_and_cuda_graphs_on_dynamic_axes_fail_or_run_right(tmp_path):
+    """Two batch sizes give the encoder a dynamic batch axis, whose shape computations ONNX Runtime may put on
+    the CPU EP: the plain CUDA EP build then says so in its placement note, and the CUDA-graph build fails with
+    ONNX Runtime's refusal naming them. If every node stays on CUDA, both run and match eager."""
+    require_cuda_ep()
+    net = tiny_bert()
+    [graph] = record_graphs(net, [((torch.randint(0, 100, (b, 16), device="cuda"),), {}) for b in (2, 4)])
+    plain = ONNXRuntimeBackend(ONNXRuntimeBackendConfig())
+    plain.build(net, graph, "cuda", tmp_path / "plain")
+    placement = plain.build_info["node_placement"]
+    assert placement.get("CUDAExecutionProvider", 0) > 0
+    off_cuda = {k: v for k, v in placement.items() if k != "CUDAExecutionProvider"}
+    graphs = ONNXRuntimeBackend(ONNXRuntimeBackendConfig(cuda_graph=True))
+    if off_cuda:
+        assert "nodes not on CUDA" in plain.build_info["placement_note"]
+        with pytest.raises(BackendBuildError, match="refused CUDA graph capture") as caught:
+            graphs.build(net, graph, "cuda", tmp_path / "graphs")
+        assert "nodes not on CUDA" in str(caught.value)
+        return
+    graphs.build(net, graph, "cuda", tmp_path / "graphs")
+    x = torch.randint(0, 100, (4, 16), device="cuda")
+    with torch.no_grad():
+        OutputComparator().compare(net(x), graphs(x))
