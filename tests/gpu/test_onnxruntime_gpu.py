@@ -189,7 +189,8 @@ def test_cuda_graphs_on_a_conv_net_one_graph_per_recorded_batch(tmp_path):
     check_cuda_graph_backend(net, backend, (2, 8), lambda b: torch.randn(b, 3, 32, 32, device="cuda"), 5)
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
-    loaded = ONNXRuntimeBackend.from_checkpoint(checkpoint, backend.config, backend.save(checkpoint), None, graph, "cuda")
+    loaded = ONNXRuntimeBackend.from_checkpoint(checkpoint, backend.config, backend.save(checkpoint), None, graph,
+                                                "cuda")
     assert loaded.config.cuda_graph is True
     x = torch.randn(8, 3, 32, 32, device="cuda")
     with torch.no_grad():

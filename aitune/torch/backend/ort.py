@@ -341,7 +341,8 @@ class ONNXRuntimeBackend(Backend):
         if self._session is None:
             self._create_session(BackendRuntimeError)
         if self._graphs is not None:
-            return [self._as_eager(t, dtype) for t, dtype in zip(self._graphs.run(tensors, quiet), self._io.output_dtypes)]
+            outputs = self._graphs.run(tensors, quiet)
+            return [self._as_eager(tensor, dtype) for tensor, dtype in zip(outputs, self._io.output_dtypes)]
         run_options = None
         if quiet or self.config.cuda_graph:
             import onnxruntime

@@ -11,8 +11,9 @@ created without it (the contract tests check that later runs add nothing to the 
 ONNX Runtime puts shape computations (``Shape`` -> ``Gather`` -> ``Concat`` ... feeding a ``Reshape``) on the
 CPU EP on purpose even when a GPU EP is requested, and ops without a kernel in the requested EP also fall back
 to it; its own warning says "ORT explicitly assigns shape related ops to CPU to improve perf"
-(``VerifyEachNodeIsAssignedToAnEp`` in ``onnxruntime/core/framework/session_state.cc``). Each such node costs a device/host copy, and a
-session with any of them cannot capture CUDA graphs (see :mod:`~aitune.torch.backend.ort_cuda_graph`).
+(``VerifyEachNodeIsAssignedToAnEp`` in ``onnxruntime/core/framework/session_state.cc``). Data crossing between
+them costs device/host copies, and a session with any of them cannot capture CUDA graphs (see
+:mod:`~aitune.torch.backend.ort_cuda_graph`).
 """
 
 from __future__ import annotations

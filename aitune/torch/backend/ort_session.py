@@ -50,4 +50,5 @@ def inactive_provider_message(provider: ONNXExecutionProvider, active: list[str]
     on = "CPU" if active and active[0] == "CPUExecutionProvider" else (active[0] if active else "nothing")
     on = "CUDA" if on == "CUDAExecutionProvider" else on
     return (f"onnxruntime: requested {provider.label} EP not active; session on {on} (active providers: "
-            f"{', '.join(active)}; install an onnxruntime-gpu that matches this CUDA — pip install 'aitune[onnx-gpu]')")
+            f"{', '.join(active)}; install an onnxruntime-gpu that matches this CUDA — pip install "
+            "'aitune[onnx-gpu]')")
