@@ -203,16 +203,19 @@ def test_cuda_graph_is_refused_on_a_cpu_device():
 def test_search_space_adds_cuda_graphs_on_cuda_for_few_shapes_only():
     def configs(module, batches, device):
         [graph] = record_graphs(module, [((torch.randint(0, 50, (batch, 8)),), {}) for batch in batches])
-        return [(b.config.cuda_graph, b.config.transformer_fusions, b.config.graph_optimization_level, b.search_tier)
-                for b in ONNXRuntimeBackend().search_space(module, graph, torch.device(device))]
+        return [(b.config.cuda_graph, b.config.transformer_fusions, b.config.graph_optimization_level, b.search_tier,
+                 b.search_fallback) for b in ONNXRuntimeBackend().search_space(module, graph, torch.device(device))]
 
     encoder = TinyEncoder().eval()
+    # on CUDA the first-tier CUDA-graph variant comes first and the variants without graphs are its fallbacks
     assert configs(encoder, (1, 2), "cuda") == [
-        (False, None, "all", 0), (False, "bert", "all", 0), (True, "bert", "all", 0), (True, None, "all", 1),
-        (False, None, "extended", 1)]
-    assert configs(encoder, (1, 2), "cpu") == [(False, None, "all", 0), (False, "bert", "all", 0),
-                                               (False, None, "extended", 1)]
-    assert not any(graphs for graphs, *_ in configs(encoder, (1, 2, 3, 4, 5), "cuda"))  # too many shapes
+        (True, "bert", "all", 0, False), (False, None, "all", 1, True), (False, "bert", "all", 1, True),
+        (True, None, "all", 1, False), (False, None, "extended", 1, False)]
+    assert configs(encoder, (1, 2), "cpu") == [(False, None, "all", 0, False), (False, "bert", "all", 0, False),
+                                               (False, None, "extended", 1, False)]
+    too_many = configs(encoder, (1, 2, 3, 4, 5), "cuda")  # too many shapes: no graphs, no fallbacks
+    assert not any(graphs or fallback for graphs, *_, fallback in too_many)
+    assert [tier for *_, tier, _ in too_many] == [0, 0, 1]
     plain = nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(64, 4)).eval()
-    assert configs(plain, (1, 4), "cuda") == [(False, None, "all", 0), (True, None, "all", 0),
-                                              (False, None, "extended", 1)]
+    assert configs(plain, (1, 4), "cuda") == [(True, None, "all", 0, False), (False, None, "all", 1, True),
+                                              (False, None, "extended", 1, False)]

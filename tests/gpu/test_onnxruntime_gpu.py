@@ -15,6 +15,7 @@ from torch import nn
 from aitune.errors import BackendBuildError
 from aitune.torch.backend import ONNXRuntimeBackend, ONNXRuntimeBackendConfig
 from aitune.torch.check.correctness import OutputComparator
+from aitune.torch.check.tolerance import Tolerance
 from aitune.torch.record.pytree import tree_flatten
 from aitune.torch.record.samples import record_graphs
 
@@ -149,13 +150,15 @@ def tiny_bert():
     return BertModel(config).cuda().eval()
 
 
-def check_cuda_graph_backend(net, backend, shapes, make_input, unrecorded):
+def check_cuda_graph_backend(net, backend, shapes, make_input, unrecorded, comparator=None, all_on_cuda=True):
     """Values vs eager at each captured shape, a call's output not overwritten by the next call, an unrecorded
-    shape refused, every node on the CUDA EP."""
+    shape refused, every node on the CUDA EP (``all_on_cuda``)."""
     assert backend.build_info["cuda_graphs"] == len(shapes)
-    assert set(backend.build_info["node_placement"]) == {"CUDAExecutionProvider"}, backend.build_info["node_op_types"]
-    assert "placement_note" not in backend.build_info
-    comparator = OutputComparator()
+    if all_on_cuda:
+        assert set(backend.build_info["node_placement"]) == {"CUDAExecutionProvider"}, \
+            backend.build_info["node_op_types"]
+        assert "placement_note" not in backend.build_info
+    comparator = comparator or OutputComparator()
     for shape in shapes:
         x1, x2 = make_input(shape), make_input(shape)
         first = backend(x1)
@@ -205,14 +208,19 @@ def test_cuda_graphs_on_a_bert_like_encoder_with_fusions(tmp_path):
     for fusions in (None, "bert"):
         backend = ONNXRuntimeBackend(ONNXRuntimeBackendConfig(cuda_graph=True, transformer_fusions=fusions))
         backend.build(net, graph, "cuda", tmp_path / str(fusions))
+        # fp32 kernels of ONNX Runtime's CUDA EP sum in another order than PyTorch's: 1.4e-4 seen on pooler_output
+        # (tanh of a 64-wide dot product), over the default atol of 1e-4; this test is about capture and replay
         check_cuda_graph_backend(net, backend, ((4, 16),),
-                                 lambda shape: torch.randint(0, 100, shape, device="cuda"), (2, 16))
+                                 lambda shape: torch.randint(0, 100, shape, device="cuda"), (2, 16),
+                                 comparator=OutputComparator(Tolerance(atol=1e-3, rtol=1e-3)))
 
 
 def test_plain_cuda_ep_reports_placement_and_cuda_graphs_on_dynamic_axes_fail_or_run_right(tmp_path):
     """Two batch sizes give the encoder a dynamic batch axis, whose shape computations ONNX Runtime may put on
-    the CPU EP: the plain CUDA EP build then says so in its placement note, and the CUDA-graph build fails with
-    ONNX Runtime's refusal naming them. If every node stays on CUDA, both run and match eager."""
+    the CPU EP: the plain CUDA EP build then says so in its placement note. The CUDA-graph build then either
+    fails with ONNX Runtime's refusal naming them, or (onnxruntime-gpu 1.31.1 on an H200 captured such a graph)
+    captures one graph per batch size whose replays match eager. If every node stays on CUDA, both run and match
+    eager."""
     require_cuda_ep()
     net = tiny_bert()
     [graph] = record_graphs(net, [((torch.randint(0, 100, (b, 16), device="cuda"),), {}) for b in (2, 4)])
@@ -224,9 +232,14 @@ def test_plain_cuda_ep_reports_placement_and_cuda_graphs_on_dynamic_axes_fail_or
     graphs = ONNXRuntimeBackend(ONNXRuntimeBackendConfig(cuda_graph=True))
     if off_cuda:
         assert "nodes not on CUDA" in plain.build_info["placement_note"]
-        with pytest.raises(BackendBuildError, match="refused CUDA graph capture") as caught:
+        try:
             graphs.build(net, graph, "cuda", tmp_path / "graphs")
-        assert "nodes not on CUDA" in str(caught.value)
+        except BackendBuildError as exc:
+            assert "refused CUDA graph capture" in str(exc) and "nodes not on CUDA" in str(exc), exc
+            return
+        check_cuda_graph_backend(net, graphs, ((2, 16), (4, 16)),
+                                 lambda shape: torch.randint(0, 100, shape, device="cuda"), (3, 16),
+                                 comparator=OutputComparator(Tolerance(atol=1e-3, rtol=1e-3)), all_on_cuda=False)
         return
     graphs.build(net, graph, "cuda", tmp_path / "graphs")
     x = torch.randint(0, 100, (4, 16), device="cuda")

@@ -7,9 +7,11 @@ IOBinding with inputs and outputs bound to buffers that stay put: a call's input
 outputs copied out (the next replay overwrites the buffers). Since ONNX Runtime 1.18 one session holds several
 graphs, chosen by the run config entry ``gpu_graph_id`` (``onnxruntime_run_options_config_keys.h``: -1 runs
 without graphs, 0 is not for users): each input shape gets its own id, buffers and binding. The first run with
-an id allocates ONNX Runtime's memory, the next captures the graph, later ones replay it. ONNX Runtime refuses to
-create such a session when any compute node sits on the CPU EP (shape computations of a graph with dynamic
-axes do: :mod:`~aitune.torch.backend.ort_placement`).
+an id allocates ONNX Runtime's memory, the next captures the graph, later ones replay it. ONNX Runtime's
+documentation asks for every node on the CUDA EP; shape computations of a graph with dynamic axes sit on the CPU
+EP (:mod:`~aitune.torch.backend.ort_placement`). onnxruntime-gpu 1.31.1 still captured such a graph (a BERT-like
+encoder recorded at two batch sizes, ``tests/gpu/test_onnxruntime_gpu.py``); where a version refuses, the build
+fails with its message. Either way the candidate is judged by value against eager like any other.
 
 The same class binds CPU buffers without graphs (``capture=False``), so the copy-in/copy-out logic runs in tests
 on the CPU EP too. Calls must not overlap: they share the buffers.
@@ -42,8 +44,8 @@ def cuda_graph_variants(encoder: bool, graph, device) -> list[tuple[ONNXRuntimeB
     with the transformer fusions for an ``encoder``, else plain. It costs one more session and two runs per shape
     on top of the export, and removes the per-kernel launch cost that dominates small batches on a GPU (as
     ``reduce-overhead`` does for Inductor). Plain CUDA graphs next to the fused ones: tier 1 (with a budget).
-    A graph whose dynamic axes leave shape computations on the CPU EP fails these builds with ONNX Runtime's
-    refusal, which their report rows show.
+    Where ONNX Runtime refuses to capture a graph (nodes on the CPU EP), these builds fail with its message,
+    which their report rows show, and the variants without graphs are built instead (:func:`in_search_order`).
     """
     if torch.device(device).type != "cuda" or graph is None:
         return []
@@ -55,6 +57,23 @@ def cuda_graph_variants(encoder: bool, graph, device) -> list[tuple[ONNXRuntimeB
     if encoder:
         variants.append((ONNXRuntimeBackendConfig(cuda_graph=True), 1))
     return variants
+
+
+def in_search_order(variants: list, graphs: list[tuple], extras: list) -> list:
+    """The search space of :meth:`ONNXRuntimeBackend.search_space`: first-tier ``variants`` without CUDA graphs,
+    the CUDA-graph ``graphs`` as ``(backend, tier)`` from :func:`cuda_graph_variants`, and ``extras`` (tier 1).
+
+    With CUDA graphs, the first-tier graph variant comes first and the ``variants`` back it up as fallbacks
+    (:attr:`Backend.search_fallback`: built without a budget only when no graph variant passes)."""
+    for backend, tier in graphs:
+        backend._tier = tier
+    for backend in extras:
+        backend._tier = 1
+    if not graphs:
+        return variants + extras
+    for backend in variants:
+        backend._tier, backend._fallback = 1, True
+    return [graphs[0][0]] + variants + [backend for backend, _ in graphs[1:]] + extras
 
 
 @dataclasses.dataclass
