@@ -187,32 +187,39 @@ def main(argv=None) -> int:
     model, x = resnet50(args.device) if args.model == "resnet50" else small_mlp(args.device)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     rows = []
+    header = f"{'backend':44s} {'grad':18s} " + " ".join(f"{name:>17s}" for name in
+                                                       ("tuned", "backend_run", "direct", "torch_compile")) + \
+        f" {'tuned-direct':>13s}"
+    print(f"# {args.model} on {args.device}, torch {torch.__version__}, load {load}; host µs per call, p50 / p90",
+          flush=True)
+    print(header, flush=True)
     for label, config in configs(args.device).items():
         if args.config and label not in args.config:
             continue
         if uses_cuda_graphs(config.mode, config.options) and args.device != "cuda":
             continue
-        rows.extend(measure(label, config, model, x, args))
-    header = f"{'backend':44s} {'grad':18s} " + " ".join(f"{name:>17s}" for name in
-                                                       ("tuned", "backend_run", "direct", "torch_compile")) + \
-        f" {'tuned-direct':>13s}"
-    print(f"# {args.model} on {args.device}, torch {torch.__version__}, load {load}; host µs per call, p50 / p90")
-    print(header)
-    for row in rows:
-        cells = " ".join(f"{row[f'{path}_p50_us']:7.1f} / {row[f'{path}_p90_us']:7.1f}"
-                         for path in ("tuned", "backend_run", "direct", "torch_compile"))
-        print(f"{row['backend']:44s} {row['grad']:18s} {cells} {row['tuned_minus_direct_us']:13.1f}"
-              f"   per round: {row['tuned_minus_direct_per_round_us']}"
-              + ("" if row["served_by_backend"] else "   (tuned calls ran eager)"))
-    print("means (µs; the tuned module's includes the run-time guard's periodic checks against eager):")
-    for row in rows:
-        extra = f"   direct+copy p50 {row['direct+copy_p50_us']:.1f}" if "direct+copy_p50_us" in row else ""
-        guard = row["guard"] or {}
-        print(f"  {row['backend']:44s} {row['grad']:18s} tuned {row['tuned_mean_us']:7.1f}   direct "
-              f"{row['direct_mean_us']:7.1f}   guard: {guard.get('checks')} checks in {guard.get('calls')} calls"
-              f"{extra}   max |tuned - eager| {row['max_abs_diff_vs_eager']:.2g}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"load": load, "rows": rows}, indent=2))
+        started = time.perf_counter()
+        measured = measure(label, config, model, x, args)
+        rows.extend(measured)
+        for row in measured:  # printed as each configuration finishes: a run cut short keeps what it measured
+            print_row(row, time.perf_counter() - started)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"load": load, "rows": rows}, indent=2))
+    return 0
+
+
+def print_row(row: dict, seconds: float) -> None:
+    cells = " ".join(f"{row[f'{path}_p50_us']:7.1f} / {row[f'{path}_p90_us']:7.1f}"
+                     for path in ("tuned", "backend_run", "direct", "torch_compile"))
+    print(f"{row['backend']:44s} {row['grad']:18s} {cells} {row['tuned_minus_direct_us']:13.1f}"
+          f"   per round: {row['tuned_minus_direct_per_round_us']}"
+          + ("" if row["served_by_backend"] else "   (tuned calls ran eager)"), flush=True)
+    extra = f"   direct+copy p50 {row['direct+copy_p50_us']:.1f}" if "direct+copy_p50_us" in row else ""
+    guard = row["guard"] or {}
+    print(f"    means (µs; the tuned module's includes the run-time guard's periodic checks against eager): tuned "
+          f"{row['tuned_mean_us']:7.1f}   direct {row['direct_mean_us']:7.1f}   guard: {guard.get('checks')} checks "
+          f"in {guard.get('calls')} calls{extra}   max |tuned - eager| {row['max_abs_diff_vs_eager']:.2g}   "
+          f"(configuration measured in {seconds:.0f} s, its tune and compiles included)", flush=True)
     return 0
 
 
