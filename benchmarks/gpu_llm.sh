@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_llm.sh tests     the GPU tests of generation, then the benchmark
 #   bash benchmarks/gpu_llm.sh           the benchmark only
 # Environment: BATCHES (default "1"; e.g. "1 8"), TUNE_PROMPTS (prompt lengths the tune records, default
-# "112 128"), BENCH_TIMEOUT (seconds per batch, default 400).
+# "112 128"), BENCH_TIMEOUT (seconds per batch, default 400; a two-length tune plus the rounds needed ~560 s
+# on the H200, so run the benchmark in a call of its own with BENCH_TIMEOUT=560 rather than after the tests).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

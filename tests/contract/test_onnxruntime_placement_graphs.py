@@ -155,6 +155,21 @@ def test_persistent_buffers_copy_outputs_out_and_inputs_in(mlp_build):
     assert first.data_ptr() != second.data_ptr()
 
 
+def test_persistent_buffers_let_concurrent_calls_take_turns(mlp_build):
+    """Calls from several threads share one shape's buffers: each still gets eager's result for its own input
+    (without the lock, one thread's input could be overwritten by another's before the run)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    module, _, backend, _ = mlp_build
+    graphs = backend._persistent_bindings(capture=False)
+    inputs = [torch.randn(2, 16) for _ in range(128)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        outputs = list(pool.map(lambda x: graphs.run([x])[0], inputs))
+    comparator = OutputComparator()
+    for x, output in zip(inputs, outputs, strict=True):
+        comparator.compare(eager(module, x), output)
+
+
 def test_graph_capture_path_restricts_calls_to_the_recorded_shapes(tmp_path):
     """_capture_graphs on a CPU session (the run config entry gpu_graph_id is ignored by the CPU EP): one binding
     per recorded shape, any other shape refused by rejects(), values equal eager's through the backend."""

@@ -14,12 +14,13 @@ encoder recorded at two batch sizes, ``tests/gpu/test_onnxruntime_gpu.py``); whe
 fails with its message. Either way the candidate is judged by value against eager like any other.
 
 The same class binds CPU buffers without graphs (``capture=False``), so the copy-in/copy-out logic runs in tests
-on the CPU EP too. Calls must not overlap: they share the buffers.
+on the CPU EP too. Calls take turns (a lock): they share the buffers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import torch
 
@@ -105,6 +106,7 @@ class PersistentBindings:
         self._device = torch.device(device)
         self._capture = capture
         self._bound: dict[tuple, _Bound] = {}
+        self._lock = threading.Lock()
 
     @property
     def shapes(self) -> list[tuple]:
@@ -116,14 +118,15 @@ class PersistentBindings:
         buffers' device) that later runs do not overwrite. A shape not seen before is bound first (on CUDA: its
         graph is captured)."""
         key = tuple(tuple(tensor.shape) for tensor in tensors)
-        bound = self._bound.get(key)
-        if bound is None:
-            bound = self._bound[key] = self._bind(tensors)
-        bound.run_options.log_severity_level = 4 if quiet else 2  # build probes: failures come back as exceptions
-        for buffer, tensor in zip(bound.inputs, tensors):
-            buffer.copy_(tensor.detach())
-        self._execute(bound.binding, bound.run_options)
-        return [output.clone() for output in bound.outputs]
+        with self._lock:  # calls from several threads take turns: they share the buffers
+            bound = self._bound.get(key)
+            if bound is None:
+                bound = self._bound[key] = self._bind(tensors)
+            bound.run_options.log_severity_level = 4 if quiet else 2  # build probes: failures come back as exceptions
+            for buffer, tensor in zip(bound.inputs, tensors):
+                buffer.copy_(tensor.detach())
+            self._execute(bound.binding, bound.run_options)
+            return [output.clone() for output in bound.outputs]
 
     def _bind(self, tensors: list[torch.Tensor]) -> _Bound:
         """Buffers for one input shape, bound once; on CUDA the graph is captured here (two runs)."""
@@ -171,3 +174,5 @@ class PersistentBindings:
             # buffers, from the call before) must be done first. It synchronizes its stream at the end of a run.
             torch.cuda.current_stream(self._device).synchronize()
         self._session.run_with_iobinding(binding, run_options)
+        if self._device.type == "cuda":
+            binding.synchronize_outputs()  # the outputs are read on PyTorch's stream next
