@@ -222,9 +222,10 @@ def test_search_space_adds_cuda_graphs_on_cuda_for_few_shapes_only():
                  b.search_fallback) for b in ONNXRuntimeBackend().search_space(module, graph, torch.device(device))]
 
     encoder = TinyEncoder().eval()
-    # on CUDA the first-tier CUDA-graph variant comes first and the variants without graphs are its fallbacks
+    # on CUDA the first-tier CUDA-graph variant comes first and the variants without graphs are its fallbacks,
+    # the fused one first
     assert configs(encoder, (1, 2), "cuda") == [
-        (True, "bert", "all", 0, False), (False, None, "all", 1, True), (False, "bert", "all", 1, True),
+        (True, "bert", "all", 0, False), (False, "bert", "all", 1, True), (False, None, "all", 1, True),
         (True, None, "all", 1, False), (False, None, "extended", 1, False)]
     assert configs(encoder, (1, 2), "cpu") == [(False, None, "all", 0, False), (False, "bert", "all", 0, False),
                                                (False, None, "extended", 1, False)]

@@ -65,7 +65,9 @@ def in_search_order(variants: list, graphs: list[tuple], extras: list) -> list:
     the CUDA-graph ``graphs`` as ``(backend, tier)`` from :func:`cuda_graph_variants`, and ``extras`` (tier 1).
 
     With CUDA graphs, the first-tier graph variant comes first and the ``variants`` back it up as fallbacks
-    (:attr:`Backend.search_fallback`: built without a budget only when no graph variant passes)."""
+    (:attr:`Backend.search_fallback`: built without a budget only when no earlier variant passes), the last of
+    ``variants`` (the transformer fusions, for an encoder) first: without graphs it was the faster one on BERT-base
+    (``benchmarks/gpu_ort.py``), and if the fusions are what failed, the plain variant is built next."""
     for backend, tier in graphs:
         backend._tier = tier
     for backend in extras:
@@ -74,7 +76,7 @@ def in_search_order(variants: list, graphs: list[tuple], extras: list) -> list:
         return variants + extras
     for backend in variants:
         backend._tier, backend._fallback = 1, True
-    return [graphs[0][0]] + variants + [backend for backend, _ in graphs[1:]] + extras
+    return [graphs[0][0]] + variants[::-1] + [backend for backend, _ in graphs[1:]] + extras
 
 
 @dataclasses.dataclass
