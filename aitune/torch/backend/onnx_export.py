@@ -18,8 +18,10 @@ import contextlib
 import dataclasses
 import inspect
 import io
+import linecache
 import logging
 import math
+import re
 import traceback
 import warnings
 from pathlib import Path
@@ -91,7 +93,8 @@ def training_mode_reason(module: torch.nn.Module) -> str | None:
 
 
 def export_onnx(module: torch.nn.Module, graph, path: Path | str, *, use_dynamo: bool = True,
-                opset_version: int | None = None, device: torch.device | str) -> OnnxExport:
+                opset_version: int | None = None, device: torch.device | str,
+                shape_only_branches: frozenset[tuple[str, str]] = frozenset()) -> OnnxExport:
     """Export one graph of ``module`` to an ONNX file with flat, named tensor inputs and outputs.
 
     The dynamo exporter (``torch.onnx.export(dynamo=True)``, which runs ``torch.export``) gets
@@ -115,6 +118,9 @@ def export_onnx(module: torch.nn.Module, graph, path: Path | str, *, use_dynamo:
         use_dynamo: try the dynamo exporter first (True) or use only the TorchScript exporter (False).
         opset_version: ONNX opset; None lets the exporter choose.
         device: device the module and the export sample live on.
+        shape_only_branches: ``(file path suffix, stripped source line)`` of ``if`` statements the TorchScript trace
+            may bake because the caller knows they compare sizes that are equal in every valid call (NOTE [baked
+            branches]); noted instead of refused.
 
     Returns:
         An :class:`OnnxExport` describing the file.
@@ -168,7 +174,7 @@ def export_onnx(module: torch.nn.Module, graph, path: Path | str, *, use_dynamo:
             try:
                 _export_torchscript(flat_module, example, path, flat_io, dynamic_axes, opset_version, output_ranks,
                                     log)
-                _check_trace_warnings(log, notes)
+                _check_trace_warnings(log, notes, shape_only_branches)
             except Exception as exc:
                 log.append("TorchScript exporter failed:\n" + traceback.format_exc())
                 if use_dynamo:
@@ -280,7 +286,8 @@ def _quiet_exporter(log: list[str]):
         text = stdout.getvalue().strip()
         if text:
             log.append(text)
-        log.extend(f"warning: {warning.category.__name__}: {warning.message}" for warning in caught)
+        log.extend(f"warning: {warning.category.__name__}: {warning.message} (at {warning.filename}:{warning.lineno})"
+                   for warning in caught)
 
 
 def _export_dynamo(flat_module, example, path: Path, flat_io: FlatIO, graph, opset_version, log: list[str]) -> None:
@@ -325,16 +332,24 @@ def _export_torchscript(flat_module, example, path: Path, flat_io: FlatIO, dynam
         torch.onnx.export(flat_module, tuple(example), str(path), **options)
 
 
-def _check_trace_warnings(log: list[str], notes: list[str]) -> None:
+def _check_trace_warnings(log: list[str], notes: list[str],
+                          shape_only_branches: frozenset[tuple[str, str]] = frozenset()) -> None:
     """Refuse a TorchScript trace that baked a branch; note other tracer warnings.
 
     NOTE [baked branches]: the tracer records one path through ``if tensor:`` (tensor values or traced
     sizes, e.g. ``if x.shape[0] == 4``). The graph then runs at every shape and silently gives the traced
     branch's result for inputs that would take the other one, which no shape check catches (measured with
     torch 2.13). Conversions to Python numbers are only noted: when they turn sizes into constants, the
-    backend's run at the other recorded shapes fails and restricts the graph.
+    backend's run at the other recorded shapes fails and restricts the graph. A branch at one of
+    ``shape_only_branches`` (its file and source line, read back from the warning's location) is only noted.
     """
     tracer = [line for line in log if "TracerWarning" in line]
+    baked = [line for line in tracer if "Python boolean" in line]
+    allowed = [line for line in baked if _branch_at(line) in shape_only_branches]
+    if allowed:
+        notes.append(f"the TorchScript trace baked {len(allowed)} branch(es) on sizes equal in every valid call "
+                     f"({', '.join(sorted({_branch_at(line)[0] for line in allowed}))})")
+        tracer = [line for line in tracer if line not in allowed]
     if any("Python boolean" in line for line in tracer):
         raise RuntimeError("the TorchScript trace baked a data-dependent branch (TracerWarning: converting a "
                            "tensor to a Python boolean); its ONNX graph would be wrong for inputs that take the "
@@ -342,6 +357,17 @@ def _check_trace_warnings(log: list[str], notes: list[str]) -> None:
     if tracer:
         notes.append(f"the TorchScript tracer warned {len(tracer)} time(s) that the trace might not generalise "
                      "to other inputs; see the export log")
+
+
+def _branch_at(line: str) -> tuple[str, str] | None:
+    """``(path suffix, stripped source line)`` of a logged warning's ``(at FILE:LINE)`` location: the suffix is the
+    path from its ``site-packages``/``dist-packages`` folder on (the whole path elsewhere)."""
+    match = re.search(r"\(at (.+):(\d+)\)$", line)
+    if match is None:
+        return None
+    filename = match.group(1)
+    suffix = re.split(r"[/\\](?:site|dist)-packages[/\\]", filename)[-1].replace("\\", "/")
+    return suffix, linecache.getline(filename, int(match.group(2))).strip()
 
 
 def _remove_outputs(path: Path) -> None:

@@ -20,7 +20,6 @@ from aitune.torch.backend.artifact import DeploymentArtifact, GraphFacts, requir
 from aitune.torch.backend.base import Backend, BuildMode, Check, Requirement
 from aitune.torch.backend.onnx_call_io import OnnxCallIO
 from aitune.torch.backend.onnx_export import training_mode_reason
-from aitune.torch.backend.onnx_file_io import onnx_for_backend
 from aitune.torch.backend.onnx_graph import external_data_files
 from aitune.torch.backend.ort_config import (  # noqa: F401 - re-exported
     GRAPH_OPTIMIZATION_LEVELS,
@@ -30,9 +29,7 @@ from aitune.torch.backend.ort_config import (  # noqa: F401 - re-exported
     coerce_execution_provider,
 )
 from aitune.torch.backend.ort_fusions import (  # noqa: F401 - re-exported
-    SESSION_FUSIONS,
-    fuse_transformer,
-    looks_like_transformer_encoder,
+    SESSION_FUSIONS, attention_shape, export_for_fusions, fuse_transformer, looks_like_transformer_encoder,
     transformer_fusion_note,
 )
 from aitune.torch.backend.ort_artifact import copy_onnx_model, onnx_artifact, onnx_file_changed
@@ -140,8 +137,9 @@ class ONNXRuntimeBackend(Backend):
     # ---- build
     def _build(self, module, graph, device, workdir: Path) -> None:
         self._provider = self.config.resolved_provider(device)
-        export = onnx_for_backend(module, graph, workdir / ONNX_FILE, use_dynamo=self.config.use_dynamo,
-                                  opset_version=self.config.opset_version, device=device)
+        export = export_for_fusions(module, graph, workdir / ONNX_FILE, fusions=self.config.transformer_fusions,
+                                    use_dynamo=self.config.use_dynamo, opset_version=self.config.opset_version,
+                                    device=device)
         self.build_info.update(exporter=export.exporter, export_notes=list(export.notes),
                                shape_specialized=export.shape_specialized, onnx_path=str(export.path),
                                onnx_size_bytes=sum(p.stat().st_size for p in [export.path] + [
@@ -154,7 +152,7 @@ class ONNXRuntimeBackend(Backend):
         self._io = OnnxCallIO.from_export(export, graph, module)
         self._onnx_path = export.path
         if self.config.transformer_fusions:
-            self._onnx_path = self._fuse(export, device, workdir)
+            self._onnx_path = self._fuse(export, module, device, workdir)
             self.build_info["onnx_path"] = str(self._onnx_path)  # the graph the session runs
         # the session runs an OnnxModule's own file (not a derived one in the workdir): its digest, for later checks
         self._file_sha256 = module.sha256 if isinstance(module, OnnxModule) and self._onnx_path == export.path \
@@ -208,11 +206,12 @@ class ONNXRuntimeBackend(Backend):
         return PersistentBindings(self._session, self._io.input_names, self._io.output_names, self._io_device,
                                   capture=capture)
 
-    def _fuse(self, export, device: torch.device, workdir: Path) -> Path:
-        """ONNX Runtime's transformer optimizer on the model; returns the fused model's path (in ``workdir``)."""
+    def _fuse(self, export, module, device: torch.device, workdir: Path) -> Path:
+        """ONNX Runtime's transformer optimizer on the model (heads and width from the module's Hugging Face config:
+        :func:`attention_shape`); returns the fused model's path (in ``workdir``)."""
         fused_path = workdir / f"fused_{ONNX_FILE}"
         counts = fuse_transformer(export.path, self.config.transformer_fusions, device.type == "cuda", fused_path,
-                                  bool(export.external_data_files))
+                                  bool(export.external_data_files), *attention_shape(module))
         self.build_info["transformer_fusions"] = counts
         self.build_info["fusion_note"] = transformer_fusion_note(counts)  # the report row's note
         logger.debug("onnxruntime: transformer fusions %s", counts)

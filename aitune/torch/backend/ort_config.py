@@ -86,7 +86,10 @@ class ONNXRuntimeBackendConfig(BackendConfig):
             ``GraphOptimizationLevel``).
         transformer_fusions: run ONNX Runtime's transformer optimizer (``onnxruntime.transformers.optimizer``:
             attention, LayerNorm, GELU and bias fusions) on the exported graph before the session is built,
-            for this ``model_type`` (``"bert"`` covers BERT-like encoders); None = off.
+            for this ``model_type`` (``"bert"`` covers BERT-like encoders); None = off. A module holding a Hugging
+            Face model is then exported as a copy with eager attention by the TorchScript exporter, which attention
+            fusion needs (:func:`~aitune.torch.backend.ort_fusions.export_for_fusions`; the copy costs as much
+            memory again while it is exported).
         cuda_graph: capture ONNX Runtime CUDA graphs (the CUDA EP's ``enable_cuda_graph``), one per recorded
             input shape, replayed with inputs and outputs in persistent device buffers; other shapes are refused
             (:meth:`~aitune.torch.backend.ort.ONNXRuntimeBackend.rejects`) and run eager. CUDA EP only; the build
