@@ -220,7 +220,6 @@ def print_row(row: dict, seconds: float) -> None:
           f"{row['tuned_mean_us']:7.1f}   direct {row['direct_mean_us']:7.1f}   guard: {guard.get('checks')} checks "
           f"in {guard.get('calls')} calls{extra}   max |tuned - eager| {row['max_abs_diff_vs_eager']:.2g}   "
           f"(configuration measured in {seconds:.0f} s, its tune and compiles included)", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

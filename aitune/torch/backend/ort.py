@@ -230,7 +230,7 @@ class ONNXRuntimeBackend(Backend):
         the CUDA-graph variant ran 1.13-2.45x the same session without graphs (``benchmarks/gpu_ort.py``)."""
         if self.config != ONNXRuntimeBackendConfig():
             return [self]
-        variants = [self]
+        variants = [self.copy()]  # a copy: in_search_order sets tiers on it
         encoder = looks_like_transformer_encoder(module)
         if encoder:
             variants.append(ONNXRuntimeBackend(ONNXRuntimeBackendConfig(transformer_fusions="bert")))

@@ -92,8 +92,8 @@ class ONNXRuntimeBackendConfig(BackendConfig):
             memory again while it is exported).
         cuda_graph: capture ONNX Runtime CUDA graphs (the CUDA EP's ``enable_cuda_graph``), one per recorded
             input shape, replayed with inputs and outputs in persistent device buffers; other shapes are refused
-            (:meth:`~aitune.torch.backend.ort.ONNXRuntimeBackend.rejects`) and run eager. CUDA EP only; the build
-            fails if ONNX Runtime places compute nodes off the CUDA EP (see
+            (:meth:`~aitune.torch.backend.ort.ONNXRuntimeBackend.rejects`) and run eager. CUDA EP only; where ONNX Runtime
+            refuses the capture (nodes off the CUDA EP, in some versions), the build fails with its message (see
             :mod:`~aitune.torch.backend.ort_cuda_graph`).
 
     Raises:

@@ -124,14 +124,20 @@ class PersistentBindings:
             bound = self._bound.get(key)
             if bound is None:
                 bound = self._bound[key] = self._bind(tensors)
-            bound.run_options.log_severity_level = 4 if quiet else 2  # build probes: failures come back as exceptions
+            bound.run_options.log_severity_level = 4 if quiet else 3  # errors only, as the session's options
             for buffer, tensor in zip(bound.inputs, tensors):
                 buffer.copy_(tensor.detach())
             self._execute(bound.binding, bound.run_options)
-            return [output.clone() for output in bound.outputs]
+            outputs = [output.clone() for output in bound.outputs]
+            if self._device.type == "cuda":
+                # the copies out run on this thread's stream; another thread's next replay (on its own stream)
+                # must not overwrite the buffers before they are done
+                torch.cuda.current_stream(self._device).synchronize()
+            return outputs
 
     def _bind(self, tensors: list[torch.Tensor]) -> _Bound:
-        """Buffers for one input shape, bound once; on CUDA the graph is captured here (two runs)."""
+        """Buffers for one input shape, bound once; on CUDA the graph is captured here (three runs: one without a graph, which gives the output shapes, then one
+        that allocates and one that captures)."""
         import numpy
         import onnxruntime
 

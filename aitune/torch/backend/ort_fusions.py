@@ -145,25 +145,35 @@ def export_for_fusions(module: torch.nn.Module, graph, path: Path, *, fusions: s
         what :func:`~aitune.torch.backend.onnx_file_io.onnx_for_backend` raises for the plain export.
     """
     if fusions and not isinstance(module, OnnxModule):
-        twin = None
-        try:
-            twin = eager_attention_copy(module)
-            if twin is not None:
-                export = export_onnx(twin, graph, path, use_dynamo=False, opset_version=opset_version, device=device,
-                                     shape_only_branches=TRANSFORMERS_SHAPE_ONLY_BRANCHES)
-                export.notes.append("exported a copy with eager attention, TorchScript exporter (for ONNX Runtime's "
-                                    "attention fusion)")
-                return export
-        except Exception as exc:  # noqa: BLE001 - the plain export follows; the note says why
-            logger.debug("onnxruntime: eager-attention export failed", exc_info=True)
-            twin = None
+        export, failure = _eager_attention_export(module, graph, path, fusions, opset_version, device)
+        gc.collect()  # the copy's parameters (and, after a failure, the frames that held it), before what follows
+        if export is not None:
+            return export
+        if failure is not None:
             export = onnx_for_backend(module, graph, path, use_dynamo=use_dynamo, opset_version=opset_version,
                                       device=device)
-            export.notes.append(f"eager-attention export for ONNX Runtime's attention fusion failed "
-                                f"({one_line(exc, 240)}); exported the module as it is")
+            export.notes.append(f"eager-attention export for ONNX Runtime's attention fusion failed ({failure}); "
+                                "exported the module as it is")
             return export
-        finally:
-            if twin is not None:
-                del twin
-                gc.collect()  # the copy's parameters, before the session is created
     return onnx_for_backend(module, graph, path, use_dynamo=use_dynamo, opset_version=opset_version, device=device)
+
+
+def _eager_attention_export(module, graph, path: Path, fusions: str, opset_version: int | None,
+                            device: torch.device) -> tuple[OnnxExport | None, str | None]:
+    """(the export of an eager-attention copy, None), (None, why it failed), or (None, None) when ``module`` holds
+    no Hugging Face model. The copy and any traceback that holds it are gone once this returns. The traced size
+    branch of ``prepare_padding_mask`` is allowed for ``"bert"`` (encoders) only: with a key/value cache (gpt2, t5,
+    bart) its padding is real."""
+    try:
+        twin = eager_attention_copy(module)
+        if twin is None:
+            return None, None
+        allowed = TRANSFORMERS_SHAPE_ONLY_BRANCHES if fusions == "bert" else frozenset()
+        export = export_onnx(twin, graph, path, use_dynamo=False, opset_version=opset_version, device=device,
+                             shape_only_branches=allowed)
+    except Exception as exc:  # noqa: BLE001 - the caller exports the module as it is; the note says why
+        logger.debug("onnxruntime: eager-attention export failed", exc_info=True)
+        return None, one_line(exc, 240)
+    export.notes.append("exported a copy with eager attention, TorchScript exporter (for ONNX Runtime's attention "
+                        "fusion)")
+    return export, None

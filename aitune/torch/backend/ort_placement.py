@@ -72,8 +72,9 @@ class NodePlacement:
         listed = ", ".join(f"{op} {count}" for op, count in sorted(off.items(), key=lambda item: (-item[1], item[0])))
         label = provider.removesuffix("ExecutionProvider")
         copies = self.copies()
+        elsewhere = "CUDA or the CPU" if label == "Tensorrt" else "the CPU"  # TensorRT's EP hands the rest to CUDA
         return (f"{sum(off.values())} of {total} nodes not on {label} ({listed}): ONNX Runtime puts shape "
-                f"computations and ops without a {label} kernel on the CPU"
+                f"computations and ops without a {label} kernel on {elsewhere}"
                 + (f"; {copies} device/host copies" if copies else ""))
 
     def to_json(self) -> dict:
