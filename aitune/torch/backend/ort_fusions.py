@@ -75,11 +75,40 @@ def fuse_transformer(onnx_path: Path, model_type: str, use_gpu: bool, fused_path
     """
     from onnxruntime.transformers import optimizer
 
-    fused = optimizer.optimize_model(str(onnx_path), model_type=model_type, num_heads=num_heads,
-                                     hidden_size=hidden_size, opt_level=0,
-                                     use_gpu=use_gpu)
+    source = _with_inferred_shapes(onnx_path, fused_path)
+    try:
+        fused = optimizer.optimize_model(str(source), model_type=model_type, num_heads=num_heads,
+                                         hidden_size=hidden_size, opt_level=0, use_gpu=use_gpu)
+    finally:
+        if source != onnx_path:
+            source.unlink(missing_ok=True)
     fused.save_model_to_file(str(fused_path), use_external_data_format=external_data)
     return {name: count for name, count in fused.get_fused_operator_statistics().items() if count}
+
+
+def _with_inferred_shapes(onnx_path: Path, fused_path: Path) -> Path:
+    """A copy of the model at ``onnx_path`` with every tensor's shape ONNX can infer written into the graph
+    (``onnx.shape_inference.infer_shapes_path`` with data propagation), beside it; ``onnx_path`` itself when
+    that fails or when the model is not in ``fused_path``'s folder (an OnnxModule's own file: nothing is written
+    beside it).
+
+    NOTE [shapes for the fusions]: the transformer optimizer's attention and skip-layer-norm fusions read tensor
+    shapes from its own symbolic shape inference. That inference failed (``TypeError`` in ``_infer_Expand``) on an
+    encoder followed by ``F.normalize`` (a sentence encoder: masked mean, then L2 norm), and then nothing but
+    BiasGelu and LayerNormalization fused. With ONNX's shapes in the graph first, attention fused there too
+    (``tests/unit/test_ort_attention_fusion.py``)."""
+    import onnx
+
+    if onnx_path.parent.resolve() != fused_path.parent.resolve():
+        return onnx_path
+    inferred = fused_path.with_name(f"shapes_{onnx_path.name}")  # beside the model: its external data resolves
+    try:
+        onnx.shape_inference.infer_shapes_path(str(onnx_path), str(inferred), data_prop=True)
+    except Exception:  # noqa: BLE001 - the optimizer then infers shapes itself, as without this step
+        logger.debug("onnxruntime: ONNX shape inference failed before the transformer fusions", exc_info=True)
+        inferred.unlink(missing_ok=True)
+        return onnx_path
+    return inferred
 
 
 def hf_models(module: torch.nn.Module) -> list[torch.nn.Module]:
