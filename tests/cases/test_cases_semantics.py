@@ -1,6 +1,6 @@
 """A tuned module keeps the module's semantics on values, state and randomness the samples never showed
-(pytorch/pytorch#126691, #195402, microsoft/onnxruntime#1533, pytorch/ao PR#3089; test names keep the project's
-case numbers).
+(pytorch/pytorch#126691, #195402, PR#159973, microsoft/onnxruntime#1533, #13626, pytorch/ao PR#3089; test names
+keep the project's case numbers).
 
 Each test forces one backend (OneBackendStrategy, no performance validation) and compares with eager; the
 Inductor cases whose bad call could abort the process run that call in a subprocess, so a crash fails the test
@@ -196,3 +196,99 @@ def test_tuning_leaves_attribute_state_as_the_users_calls_left_it(which, fast_pr
     assert graph.stateful
     for name in ("mean", "count", "cache"):
         assert f"attribute `{name}`" in graph.describe()["stateful_reason"]
+
+
+# ------------------------------------------------------------- attention with fully masked rows (padding)
+
+
+class PaddedAttn(nn.Module):
+    def forward(self, q, k, v, keep):  # keep: bool [B, 1, Lq, Lk], True = attend
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+def _padded_attention_batch():
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    keep = torch.ones(2, 1, 8, 8, dtype=torch.bool)
+    keep[:, :, :, 6:] = False  # padded keys
+    keep[1, :, 5:, :] = False  # padded queries: these rows have every key masked
+    return q, k, v, keep
+
+
+@pytest.mark.parametrize("which", ["onnxruntime"])
+def test_c09_fully_masked_attention_rows_give_eagers_values(which, fast_profiling):
+    """Exporters lower a boolean SDPA mask to an additive one (pytorch/pytorch PR#159973, microsoft/onnxscript
+    PR#2479): on a row with every key masked the backend may give NaN or the mean of ``v`` where eager gives its
+    own answer. Whatever the backend computes, the user gets eager's values there, NaN positions included."""
+    torch.manual_seed(0)
+    model = PaddedAttn().eval()
+    backend = BACKENDS[which]()
+    strategy = ait.OneBackendStrategy(backend, profiling_config=fast_profiling).enable_performance_validation(False)
+    tuned = ait.Module(model, "attn", strategy=strategy)
+    report = ait.tune(lambda batch: tuned(*batch), [_padded_attention_batch() for _ in range(2)],
+                      ready_batches=True)
+    row = report.rows[0]
+    assert row.backend == backend.name
+    later = _padded_attention_batch()
+    with torch.no_grad():
+        out, expected = tuned(*later), model(*later)
+    torch.testing.assert_close(out, expected, equal_nan=True, atol=1e-4, rtol=1e-3)
+    masked = expected[1, :, 5:]  # the fully masked rows: [H, 3, D]
+    torch.testing.assert_close(out[1, :, 5:], masked, equal_nan=True, atol=1e-4, rtol=1e-3)
+    if row.status == "selected":  # the backend agreed with eager on the masked rows, and it serves the call
+        assert tuned.state is ait.ModuleState.TUNED and tuned.backends["graph0"].name == backend.name
+        assert tuned.stats["backend_calls"] == 1
+    else:  # rejected on the recorded samples, with a reason that names the disagreement on those rows
+        assert row.status == "rejected (correctness)", (row.status, row.reason)
+        assert tuned.state is ait.ModuleState.PASSTHROUGH and tuned.stats["backend_calls"] == 0
+        assert report.module_errors["attn"] == row.reason
+        assert row.reason.startswith("ToleranceExceededError: output <root>: "), row.reason
+        # exactly the values of the fully masked rows: non-finite where eager is finite, or off by more than
+        # the tolerance
+        assert (f"{masked.numel()} non-finite values where eager is finite" in row.reason
+                or f"{masked.numel()} of {expected.numel()} values off by more than atol=0.0001" in row.reason), \
+            row.reason
+
+
+# --------------------------------------------------------------------- zero-size batch and spatial input
+
+
+class Pooler(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):  # [B, 8, H, W] -> [B, 32]
+        y = nn.functional.interpolate(x, scale_factor=2.0, mode="bilinear")
+        return self.fc(y.flatten(2).mean(-1).repeat(1, 4))
+
+
+@pytest.mark.parametrize("which", ["onnxruntime"])
+def test_c15_zero_size_batch_and_spatial_input_through_a_backend(which, fast_profiling):
+    """Exported graphs mishandle empty batches (microsoft/onnxruntime#13626, #20026) and compiled resizes of an
+    empty spatial dim read out of bounds (pytorch/pytorch#197095): a zero-size call gets eager's empty result or
+    eager's error, and the other calls still go to the backend."""
+    torch.manual_seed(0)
+    model = Pooler().eval()
+    tuned = tune_forced(model, "pooler", BACKENDS[which](), [torch.randn(b, 8, 7, 7) for b in (2, 4)],
+                        fast_profiling)
+    with torch.no_grad():
+        x = torch.randn(3, 8, 7, 7)
+        torch.testing.assert_close(tuned(x), model(x), atol=1e-4, rtol=1e-3)
+        assert tuned.stats["backend_calls"] == 1 and tuned.stats["eager_fallbacks"] == {}
+        empty = torch.randn(0, 8, 7, 7)
+        out, expected = tuned(empty), model(empty)
+        assert out.shape == expected.shape == (0, 32) and out.dtype == expected.dtype == torch.float32
+        torch.testing.assert_close(out, expected)
+        assert tuned.stats["eager_fallbacks"] == {"empty": 1}
+        bad = torch.randn(2, 8, 0, 7)  # zero-size spatial dim
+        try:
+            expected = model(bad)
+        except Exception as exc:  # noqa: BLE001 -- eager's error, whatever it is, is the one the user gets
+            with pytest.raises(type(exc)) as raised:
+                tuned(bad)
+            assert str(raised.value) == str(exc)
+        else:
+            torch.testing.assert_close(tuned(bad), expected, equal_nan=True)
+        assert tuned.stats["eager_fallbacks"] == {"empty": 2}
+        torch.testing.assert_close(tuned(x), model(x), atol=1e-4, rtol=1e-3)
+        assert tuned.stats["backend_calls"] == 2  # the zero-size calls did not take the backend off the module
