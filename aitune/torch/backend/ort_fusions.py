@@ -74,11 +74,18 @@ def fuse_transformer(onnx_path: Path, model_type: str, use_gpu: bool, fused_path
     which failed on Hugging Face BERT exports (NOTE [what attention fusion needs]).
     """
     from onnxruntime.transformers import optimizer
+    from onnxruntime.transformers.fusion_options import FusionOptions
 
+    # NOTE [raw attention mask]: by default the optimizer turns a BERT mask into per-row lengths
+    # (AttentionMaskFormat.MaskIndexEnd), which assumes every row is ones then zeros; a left-padded row then gets
+    # another answer than eager's, at shapes the value check may never see. The raw mask keeps any pattern.
+    options = FusionOptions(model_type)
+    options.use_raw_attention_mask(True)
     source = _with_inferred_shapes(onnx_path, fused_path)
     try:
         fused = optimizer.optimize_model(str(source), model_type=model_type, num_heads=num_heads,
-                                         hidden_size=hidden_size, opt_level=0, use_gpu=use_gpu)
+                                         hidden_size=hidden_size, opt_level=0, use_gpu=use_gpu,
+                                         optimization_options=options)
     finally:
         if source != onnx_path:
             source.unlink(missing_ok=True)
