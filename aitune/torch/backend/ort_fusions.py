@@ -103,7 +103,8 @@ def _with_inferred_shapes(onnx_path: Path, fused_path: Path) -> Path:
     shapes from its own symbolic shape inference. That inference failed (``TypeError`` in ``_infer_Expand``) on an
     encoder followed by ``F.normalize`` (a sentence encoder: masked mean, then L2 norm), and then nothing but
     BiasGelu and LayerNormalization fused. With ONNX's shapes in the graph first, attention fused there too
-    (``tests/unit/test_ort_attention_fusion.py``)."""
+    (``tests/unit/test_ort_attention_fusion.py``). The copy holds the graph and, for a model without external data,
+    its weights too: up to 2 GiB more on disk until the optimizer has read it."""
     import onnx
 
     if onnx_path.parent.resolve() != fused_path.parent.resolve():
