@@ -34,6 +34,7 @@ from aitune.torch.backend.ort_fusions import (  # noqa: F401 - re-exported
 )
 from aitune.torch.backend.ort_artifact import copy_onnx_model, onnx_artifact, onnx_file_changed
 from aitune.torch.backend.ort_cuda_graph import (
+    GRAPH_ID,
     PersistentBindings,
     cuda_graph_variants,
     graph_capture_refused,
@@ -354,7 +355,7 @@ class ONNXRuntimeBackend(Backend):
             if quiet:  # build-time probes: failures come back as exceptions, keep ONNX Runtime's log quiet
                 run_options.log_severity_level = 4
             if self.config.cuda_graph:  # before the graphs are bound (build): run without capturing
-                run_options.add_run_config_entry("gpu_graph_id", "-1")
+                run_options.add_run_config_entry(GRAPH_ID, "-1")
         if self._use_io_binding:
             return self._run_bound(tensors, run_options)
         feeds = {}
@@ -364,15 +365,8 @@ class ONNXRuntimeBackend(Backend):
                 tensor = tensor.cpu()
             feeds[name] = tensor.contiguous().numpy()
         values = self._session.run(self._io.output_names, feeds, run_options)
-        outputs = []
-        for value, dtype in zip(values, self._io.output_dtypes):
-            tensor = torch.from_numpy(value)  # ONNX Runtime returns fresh arrays: no copy needed
-            if tensor.dtype != dtype:
-                tensor = tensor.to(dtype)
-            if self.device is not None and tensor.device != self.device:
-                tensor = tensor.to(self.device)
-            outputs.append(tensor)
-        return outputs
+        # ONNX Runtime returns fresh arrays: no copy needed
+        return [self._as_eager(torch.from_numpy(value), dtype) for value, dtype in zip(values, self._io.output_dtypes)]
 
     def _run_bound(self, tensors: list[torch.Tensor], run_options) -> list[torch.Tensor]:
         """IOBinding run on the session's device (documented ``onnxruntime.IOBinding`` API)."""

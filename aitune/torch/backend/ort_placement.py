@@ -12,8 +12,8 @@ ONNX Runtime puts shape computations (``Shape`` -> ``Gather`` -> ``Concat`` ... 
 CPU EP on purpose even when a GPU EP is requested, and ops without a kernel in the requested EP also fall back
 to it; its own warning says "ORT explicitly assigns shape related ops to CPU to improve perf"
 (``VerifyEachNodeIsAssignedToAnEp`` in ``onnxruntime/core/framework/session_state.cc``). Data crossing between
-them costs device/host copies, and a session with any of them cannot capture CUDA graphs (see
-:mod:`~aitune.torch.backend.ort_cuda_graph`).
+them costs device/host copies, and ONNX Runtime's documentation asks for every node on the CUDA EP before it
+captures CUDA graphs (what it does otherwise: :mod:`~aitune.torch.backend.ort_cuda_graph`).
 """
 
 from __future__ import annotations
