@@ -20,6 +20,14 @@ Usage (from the repository root):
     python -m benchmarks.llm_generate                       # tiny model on this CPU, 32 new tokens
     python -m benchmarks.llm_generate --model qwen2-0.5b --device cuda --dtype bfloat16 --new-tokens 256
     python -m benchmarks.llm_generate ... --batch 8
+    python -m benchmarks.llm_generate ... --decode-calls 200   # + one decode step timed call by call
+
+``--decode-calls N`` also times one decode call (the last of a short ``generate``, replayed with the same
+inputs: it rewrites the same cache position) call by call, N calls per path per round, interleaved: the tuned
+decoder as ``generate`` calls it, the decode graph's backend ``run`` on the normalised call, its compiled
+callable alone (CUDA-graph step marker included, no output copy) and, on CUDA, the hand-picked decoder. Per
+path: host µs until the call returns (device idle before it) and µs until the device is done. The tuned
+decoder minus the compiled callable is what aitune's dispatch costs per generated token.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import time
 import torch
 
 import aitune.torch as ait
+from aitune.torch.record.llm import find_cache, rewind_cache
 
 MODELS = {
     # the tests' tiny model: 2 layers, hidden 64
@@ -90,6 +99,8 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--once", nargs="*", default=[], help="variants timed by their warm-up run only (slow ones)")
+    parser.add_argument("--decode-calls", type=int, default=0, help="also time one decode call, N calls per path "
+                                                                    "per round (0: not timed)")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -154,6 +165,8 @@ def main(argv=None) -> int:
                 sync(device)
                 first_token[name].append(time.perf_counter() - start)
     model.model = wrapped
+    decode_cost = decode_call_cost(model, wrapped, hand_decoder if device.startswith("cuda") else None, measured,
+                                   args.decode_calls, args.rounds) if args.decode_calls else None
     tokens = args.batch * args.new_tokens
     result = {"model": args.model, "device": device, "dtype": args.dtype, "batch": args.batch, "prompt": args.prompt,
               "new_tokens": args.new_tokens, "tune_s": round(tune_s, 1), "variants": {}}
@@ -181,10 +194,89 @@ def main(argv=None) -> int:
     for key in ("tuned_vs_hf_compile", "tuned_vs_hand_decoder"):
         if key in result:
             print(f"{key}: {result[key]} (median of per-round ratios of tokens/s)")
+    if decode_cost is not None:
+        result["decode_call_us"] = decode_cost
+        print("one decode call, µs (p50 over all rounds): host until it returns / until the device is done")
+        for name, entry in decode_cost.items():
+            print(f"  {name:14s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)
     return 0
+
+
+class _Spy(torch.nn.Module):
+    """Passes calls to ``inner`` and keeps the last call's arguments."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.last = None
+
+    def forward(self, *args, **kwargs):
+        self.last = (args, dict(kwargs))
+        return self.inner(*args, **kwargs)
+
+
+def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: int) -> dict:
+    """Host and device µs of one decode call per path (see the module docstring), p50 over all calls; the paths
+    alternate call by call, ``rounds * calls`` calls each."""
+    spy = _Spy(wrapped)
+    model.model = spy
+    generate(model, prompt, 3, static=True)
+    model.model = wrapped
+    args, kwargs = spy.last
+    cache = find_cache(kwargs, args)
+    tokens = kwargs.get("input_ids")
+    cached = int(cache.get_seq_length()) - (tokens.shape[1] if tokens is not None else 1)  # before that call
+    dispatch = wrapped._self_dispatch
+    graph = next(graph for graph in wrapped.graphs if getattr(graph, "phase", None) == "decode")
+    backend = wrapped.backends[graph.name]
+    normal_args, normal_kwargs = dispatch.signature.normalize(args, kwargs)
+    cuda = prompt.is_cuda
+    compiled = getattr(backend, "_compiled", None)
+
+    def compiled_call():
+        if cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*normal_args, **normal_kwargs)
+
+    def hand_call():
+        torch.compiler.cudagraph_mark_step_begin()
+        return hand_decoder(*args, **kwargs)
+
+    paths = {"tuned": lambda: wrapped(*args, **kwargs),
+             "backend_run": lambda: backend.run(normal_args, normal_kwargs)}
+    if compiled is not None:
+        paths["compiled"] = compiled_call
+    if hand_decoder is not None:
+        paths["hand-decoder"] = hand_call
+    host, done = {name: [] for name in paths}, {name: [] for name in paths}
+    clock = time.perf_counter_ns
+    with torch.no_grad():
+        for function in paths.values():  # warm-up
+            for _ in range(20):
+                rewind_cache(cache, cached)
+                function()
+        names = list(paths)
+        for call in range(rounds * calls):  # call by call, the order rotating: drift hits every path alike
+            for name in names[call % len(names):] + names[:call % len(names)]:
+                rewind_cache(cache, cached)  # the call writes where the recorded one did
+                sync("cuda" if cuda else "cpu")
+                started = clock()
+                paths[name]()
+                returned = clock()
+                sync("cuda" if cuda else "cpu")
+                host[name].append((returned - started) / 1e3)
+                done[name].append((clock() - started) / 1e3)
+    base = "compiled" if "compiled" in paths else "backend_run"
+    result = {name: {"host_p50_us": round(statistics.median(host[name]), 1),
+                     "done_p50_us": round(statistics.median(done[name]), 1)} for name in paths}
+    # aitune's dispatch per decode call: the median of the call-by-call differences to the compiled callable
+    result[f"tuned - {base}"] = {key: round(statistics.median(mine - other for mine, other in zip(times["tuned"],
+                                                                                               times[base])), 1)
+                                 for key, times in (("host_p50_us", host), ("done_p50_us", done))}
+    return result
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ class Dispatch:
 
     __slots__ = ("module", "name", "signature", "graphs", "_by_key", "_by_flat_key", "_by_id", "_routes", "watch",
                  "fallbacks", "backend_calls", "_warned", "eager_fallback_error", "baked", "phases",
-                 "_phase_routes")
+                 "_phase_routes", "_phase_plans")
 
     def __init__(self, module: torch.nn.Module, name: str, signature, entries=(),
                  eager_fallback_error: str | None = None) -> None:
@@ -108,6 +108,7 @@ class Dispatch:
         self._by_key = {tuned.graph.key: tuned for tuned in self.graphs}
         self.phases = any(tuned.graph.phase is not None for tuned in self.graphs)  # route by LLM phase too
         self._phase_routes: dict = {}  # PhaseCall.route -> (TunedGraph, top-level leaf offsets, leaf count)
+        self._phase_plans: dict = {}  # keyword names of a phase call -> CallSignature.plan (NOTE [phase fast path])
         self._by_id = {id(tuned.graph): tuned for tuned in self.graphs}
         self._by_flat_key = {}  # flat key of a graph's first sample -> TunedGraph (no flattening for such calls)
         for tuned in self.graphs:
@@ -185,25 +186,37 @@ class Dispatch:
         # (whose per-call facts were computed once) and the normalising plan made from the first such call. The
         # host work before the backend's launch is then a few µs, which counts in the GPU latency of every call
         # (the wrapped module should stay within 3 % of the backend called directly: benchmarks/gpu_wrapper_cost.py).
-        raw_key = flat_call_key(args, kwargs)
-        route = self._routes.get(raw_key) if raw_key is not None else None
         phase = flat = None
-        if route is not None:
-            tuned, normalize = route
-            args, kwargs = normalize(args, kwargs)
-            leaves = flat = [*args, *kwargs.values()]  # every leaf of the call (tensors and plain constants)
+        # NOTE [phase fast path]: a decoder inside generate is called with the same keywords at every step, and one
+        # of them is a key/value cache, so the flat key above never applies. The keyword names of such a call
+        # find the normalising plan made from the first one (no flat key tried, no binding); the phase and the
+        # cache's fill are then read per call (phase_call), and the route from them.
+        plan = self._phase_plans.get(tuple(kwargs)) if self.phases and not args else None
+        if plan is not None and (phase := phase_call(*(normal := plan(args, kwargs)))) is not None:
+            args, kwargs = normal
+            tuned, leaves, checked = self._phase_route(phase, args, kwargs)
         else:
-            raw_args, raw_kwargs = args, kwargs
-            args, kwargs = self.signature.normalize(args, kwargs)
-            if self.phases and (phase := phase_call(args, kwargs)) is not None:
-                tuned, leaves = self._phase_route(phase, args, kwargs)
+            raw_key = flat_call_key(args, kwargs)
+            route = self._routes.get(raw_key) if raw_key is not None else None
+            if route is not None:
+                tuned, normalize = route
+                args, kwargs = normalize(args, kwargs)
+                leaves = checked = flat = [*args, *kwargs.values()]  # every leaf (tensors and plain constants)
             else:
-                tuned, leaves = self._route(raw_key, args, kwargs, raw_args, raw_kwargs)
-                if tuned is not None and tuned.graph.phase is not None:  # a phase call with other nested inputs
-                    phase = slow_route_facts(args, kwargs, tuned.graph.phase)
-            if tuned is None:
-                return self.eager(args, kwargs, "graph", "a call whose input structure, constants or dtypes were "
-                                                         "never recorded runs eager")
+                raw_args, raw_kwargs = args, kwargs
+                args, kwargs = self.signature.normalize(args, kwargs)
+                if self.phases and (phase := phase_call(args, kwargs)) is not None:
+                    tuned, leaves, checked = self._phase_route(phase, args, kwargs)
+                    if not raw_args and tuple(raw_kwargs) not in self._phase_plans:
+                        self._phase_plans[tuple(raw_kwargs)] = self.signature.plan(raw_args, raw_kwargs)
+                else:
+                    tuned, leaves = self._route(raw_key, args, kwargs, raw_args, raw_kwargs)
+                    checked = leaves
+                    if tuned is not None and tuned.graph.phase is not None:  # a phase call, other nested inputs
+                        phase = slow_route_facts(args, kwargs, tuned.graph.phase)
+        if tuned is None:
+            return self.eager(args, kwargs, "graph", "a call whose input structure, constants or dtypes were "
+                                                     "never recorded runs eager")
         backend = tuned.backend
         # NOTE [what a backend follows] in aitune/torch/check/baked_state.py: grad mode, the caller's autocast,
         # hooks, submodules' flags and attributes, weights edited through .data.
@@ -233,7 +246,7 @@ class Dispatch:
                                                                     f"position(s) to a key/value cache holding "
                                                                     f"{phase.cached} of {phase.capacity}")
         contiguous = True
-        for leaf in leaves:
+        for leaf in checked:
             if isinstance(leaf, torch.Tensor):
                 if leaf.numel() == 0:
                     # NOTE [zero-size inputs]: compiled kernels and exported graphs mishandle empty batches and
@@ -301,11 +314,12 @@ class Dispatch:
             self._routes[raw_key] = (tuned, self.signature.plan(raw_args, raw_kwargs))
         return tuned, [*args, *kwargs.values()]
 
-    def _phase_route(self, phase: PhaseCall, args, kwargs) -> tuple[TunedGraph | None, list]:
+    def _phase_route(self, phase: PhaseCall, args, kwargs) -> tuple[TunedGraph | None, list, list]:
         """The graph of a decoder call with a key/value cache, found by :attr:`PhaseCall.route` (the cache is
-        flattened once per route, not per call), and the call's leaves with only its top-level tensors filled
-        in (None elsewhere): the per-call checks read those; the cache's own tensors are the artifact's business
-        and its fill is checked from :class:`PhaseCall` (NOTE [caches as inputs] in aitune/torch/record/llm.py)."""
+        flattened once per route, not per call); the call's leaves with only its top-level tensors filled in
+        (None elsewhere), which the value gate reads by index; and those top-level tensors alone, which the
+        per-call checks walk. The cache's own tensors are the artifact's business and its fill is checked from
+        :class:`PhaseCall` (NOTE [caches as inputs] in aitune/torch/record/llm.py)."""
         entry = self._phase_routes.get(phase.route)
         if entry is None:
             leaves, spec = tree_flatten((args, kwargs))
@@ -318,9 +332,11 @@ class Dispatch:
             entry = self._phase_routes[phase.route] = (tuned, offsets, offset)
         tuned, offsets, count = entry
         leaves = [None] * count
+        top = []
         for name, index in offsets.items():
-            leaves[index] = kwargs[name]
-        return tuned, leaves
+            leaves[index] = value = kwargs[name]
+            top.append(value)
+        return tuned, leaves, top
 
     def _stale(self, args, kwargs, backend):
         return self.eager(args, kwargs, "stale", f"{self.watch.reason}: {backend.name} baked the old weights "

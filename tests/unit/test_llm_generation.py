@@ -414,3 +414,66 @@ def test_a_candidate_that_does_not_write_the_cache_is_rejected(tuned, tmp_path):
             check_against_eager(lazy, context, Tolerance())
     finally:
         context.release()
+
+
+def test_each_cache_object_is_checked_against_its_own_capacity(tuned):
+    """The description of a cache's layers is kept for the last cache seen (NOTE [cache facts memo] in
+    aitune/torch/record/llm.py): a call that brings another, smaller cache is checked against that cache's
+    capacity, and the first cache is served again afterwards."""
+    model, eager, _ = tuned
+    call = decode_call(eager, prompt(8))
+    name = next(key for key, value in call.items() if isinstance(value, transformers.Cache))
+    with torch.no_grad():
+        model.model(**copy.deepcopy(call))  # the memo now holds this call's cache
+        small = transformers.StaticCache(config=eager.config, max_cache_len=9)
+        eager.model(input_ids=prompt(9), **{name: small}, use_cache=True)  # a prefill fills all 9 positions
+    assert small.get_seq_length() == 9
+    overflowing = dict(call, **{name: small})
+    if "cache_position" in overflowing:
+        overflowing["cache_position"] = torch.full_like(call["cache_position"], 9)
+    fallbacks = model.model.stats["eager_fallbacks"].get("values", 0)
+    with pytest.raises(IndexError), torch.no_grad():
+        model.model(**overflowing)
+    assert model.model.stats["eager_fallbacks"]["values"] == fallbacks + 1
+    served = model.model.stats["backend_calls"]
+    mine, theirs = copy.deepcopy(call), copy.deepcopy(call)
+    with torch.no_grad():
+        output, expected = model.model(**mine), eager.model(**theirs)
+    assert model.model.stats["backend_calls"] == served + 1
+    torch.testing.assert_close(output.last_hidden_state, expected.last_hidden_state, rtol=1e-4, atol=1e-5)
+
+
+def test_a_call_with_a_decode_calls_keywords_but_no_cache_runs_eager(tuned):
+    """A decode call's keyword names lead to its normalising plan (NOTE [phase fast path] in aitune/torch/dispatch.py);
+    a call with the same names but no cache is not a phase call and takes the general route: never recorded, so
+    eager answers, with eager's output."""
+    model, eager, _ = tuned
+    call = decode_call(eager, prompt(8))
+    with torch.no_grad():
+        model.model(**copy.deepcopy(call))  # the plan for these keyword names exists now
+    name = next(key for key, value in call.items() if isinstance(value, transformers.Cache))
+    uncached = dict(call, **{name: None}, use_cache=False, attention_mask=None)
+    uncached.pop("cache_position", None)
+    fallbacks = model.model.stats["eager_fallbacks"].get("graph", 0)
+    with torch.no_grad():
+        output, expected = model.model(**uncached), eager.model(**uncached)
+    assert model.model.stats["eager_fallbacks"]["graph"] == fallbacks + 1
+    assert torch.equal(output.last_hidden_state, expected.last_hidden_state)
+
+
+def test_a_served_call_keeps_no_reference_to_its_cache(tuned):
+    """Once the caller drops a cache, nothing of aitune's keeps it (or its tensors) alive."""
+    import gc
+    import weakref
+
+    model, eager, _ = tuned
+    call = decode_call(eager, prompt(8))
+    cache = next(value for value in call.values() if isinstance(value, transformers.Cache))
+    served = model.model.stats["backend_calls"]
+    with torch.no_grad():
+        model.model(**call)
+    assert model.model.stats["backend_calls"] == served + 1
+    references = [weakref.ref(cache)] + [weakref.ref(layer.keys) for layer in cache.layers]
+    del call, cache
+    gc.collect()
+    assert all(reference() is None for reference in references)

@@ -241,23 +241,24 @@ class ValueGate:
         """
         for index in self.leaf_indices:  # (Tensor.is_cpu: no torch.device built per access)
             leaf = leaves[index]
-            if leaf is not None and not leaf.is_cpu:
-                leaves = [leaf if isinstance(leaf, torch.Tensor) and leaf.is_cpu else None for leaf in leaves]
+            if leaf is not None and not leaf.is_cpu:  # only the indices read below, not every leaf of a cache
+                leaves = {index: leaf if isinstance(leaf := leaves[index], torch.Tensor) and leaf.is_cpu else None
+                          for index in self.leaf_indices}
                 break
         for index, path, recorded in self.positions:
             if leaves[index] is None or not leaves[index].numel():
                 continue
             bound = recorded if capacity is None else capacity
-            found_low, found_high = torch.aminmax(leaves[index])
-            if int(found_low) < 0 or int(found_high) >= bound:
-                return (f"input '{path}' holds positions in [{int(found_low)}, {int(found_high)}], outside the "
+            found_low, found_high = _int_bounds(leaves[index])
+            if found_low < 0 or found_high >= bound:
+                return (f"input '{path}' holds positions in [{found_low}, {found_high}], outside the "
                         f"key/value cache's [0, {bound})")
         for index, path, low, high in self.integers:
             if leaves[index] is None:
                 continue
-            found_low, found_high = torch.aminmax(leaves[index])
-            if int(found_low) < low or int(found_high) > high:
-                return (f"input '{path}' holds values in [{int(found_low)}, {int(found_high)}], outside the "
+            found_low, found_high = _int_bounds(leaves[index])
+            if found_low < low or found_high > high:
+                return (f"input '{path}' holds values in [{found_low}, {found_high}], outside the "
                         f"accepted [{low}, {high}] (the recorded ids, or the embedding table they index)")
         for index, path in self.finite:
             tensor = leaves[index]
@@ -279,3 +280,13 @@ class ValueGate:
                         f"recorded largest ({limit / QUANTIZED_RANGE_FACTOR:.4g}) the quantized candidate was "
                         "checked on")
         return None
+
+
+def _int_bounds(tensor: torch.Tensor) -> tuple[int, int]:
+    """Smallest and largest value of a non-empty integer tensor: one read for a single element (a decode step's
+    token or position: ~1 µs less than a reduction and two reads), else ``aminmax`` and two reads."""
+    if tensor.numel() == 1:
+        value = int(tensor.item())
+        return value, value
+    low, high = torch.aminmax(tensor)
+    return int(low), int(high)
