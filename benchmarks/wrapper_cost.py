@@ -105,7 +105,9 @@ def measure(label: str, config, model, x, args) -> list[dict]:
     cuda = device == "cuda"
     strategy = ait.OneBackendStrategy(TorchInductorJitBackend(config)).enable_performance_validation(False)
     tuned = ait.Module(model, f"wrapper-cost-{label}", strategy=strategy)
+    started = time.perf_counter()
     ait.tune(lambda batch: tuned(batch), [x], ready_batches=True, progress=False)
+    print(f"  {label}: tuned in {time.perf_counter() - started:.1f} s", flush=True)
     backend = tuned.backends["graph0"]
     compiled = backend._compiled
     freezing = parameter_freezing(config.freezing)
@@ -132,7 +134,10 @@ def measure(label: str, config, model, x, args) -> list[dict]:
         try:
             with torch.set_grad_enabled(grad):
                 before = tuned.backend_calls
+                started = time.perf_counter()
                 samples = timed_rounds(paths, args.rounds, args.calls, cuda)
+                print(f"  {label}, grad {'on' if grad else 'off'}: timed in {time.perf_counter() - started:.1f} s "
+                      "(the hand-picked compile's first calls included)", flush=True)
                 served = tuned.backend_calls - before
                 with torch.no_grad():
                     difference = float((tuned(x).float() - model(x).float()).abs().max())
