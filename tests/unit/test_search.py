@@ -59,6 +59,13 @@ def test_successive_halving_measures_only_the_finalists_at_full_length(fast_prof
     # 3 finalists + eager measured in full; all 5 delayed candidates and eager passed their checks
     assert "among 4 correct candidates (eager included) measured in full (6 passed their checks)" in \
         report.graphs[0].selection_reason
+    # every finalist that lost says why: its figure against the selected one's
+    selected = next(r for r in report.rows if r.status == "selected")
+    losers = [r for r in rows if r.details.get("finalist") and r.status == "passed"]
+    assert len(losers) == (3 if selected.backend == "eager" else 2)
+    for row in losers:
+        assert row.reason.startswith(f"not selected: {row.speedup:.2f}x eager against {selected.speedup:.2f}x "
+                                     f"for the selected {selected.description}"), row.reason
 
 
 def test_a_finalist_measured_below_a_non_finalist_says_which_quick_figure_made_it_a_finalist():

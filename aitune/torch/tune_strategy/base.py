@@ -22,7 +22,7 @@ from aitune.torch.check.correctness import Tolerance
 from aitune.torch.check.probes import ProbeConfig
 from aitune.torch.common.arguments import init_keywords, reject_unknown_keywords
 from aitune.torch.measure.profiling import ProfilingConfig, reaches_speedup
-from aitune.torch.report.rows import SELECTED, CandidateResult
+from aitune.torch.report.rows import PASSED, SELECTED, CandidateResult
 from aitune.torch.search import engine
 from aitune.torch.search.engine import default_backends, relative_noise, score_for
 from aitune.torch.search.engine import explain_finalists as _explain_finalists  # noqa: F401 - its old import path
@@ -406,8 +406,30 @@ class TuneStrategy:
         """Mark ``chosen`` selected and release every other built candidate."""
         chosen.row.status = SELECTED
         for candidate in candidates:
-            if candidate is not chosen and candidate.backend is not None:
-                candidate.backend.deactivate()
+            if candidate is not chosen:
+                _say_why_not_chosen(candidate, chosen)
+                if candidate.backend is not None:
+                    candidate.backend.deactivate()
+
+
+def _say_why_not_chosen(candidate: Candidate, chosen: Candidate) -> None:
+    """A passing, fully measured candidate that lost gets its reason: its figure against the chosen one's. Rows that
+    already say why (quick measurement only, not allowed to be chosen, rejected, the eager baseline) keep theirs."""
+    row = candidate.row
+    if (row.status != PASSED or candidate.measurement is None or getattr(candidate.backend, "passthrough", False)
+            or not row.details.get("finalist", True)
+            or any(note in (row.reason or "") for note in (QUANTIZATION_NOTE, REDUCED_PRECISION_NOTE))):
+        return
+    mine, theirs = row.speedup, chosen.row.speedup
+    if mine is None or theirs is None:
+        verdict = f"not selected: {chosen.row.description} was"
+    elif mine <= theirs:
+        verdict = f"not selected: {mine:.2f}x eager against {theirs:.2f}x for the selected {chosen.row.description}"
+    else:
+        verdict = (f"not selected: {mine:.2f}x eager against {theirs:.2f}x for the selected "
+                   f"{chosen.row.description}, which the strategy's rule preferred (a tie within the measured noise "
+                   "goes to the simpler candidate; a latency strategy ranks by latency)")
+    row.reason = "; ".join(filter(None, [verdict, row.reason]))
 
 
 def _simplicity(backend: Backend) -> tuple[int, int]:
