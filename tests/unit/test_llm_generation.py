@@ -477,3 +477,24 @@ def test_a_served_call_keeps_no_reference_to_its_cache(tuned):
     del call, cache
     gc.collect()
     assert all(reference() is None for reference in references)
+
+
+def test_cuda_graph_output_copies_clone_a_model_outputs_tensors_and_keep_its_cache():
+    """What a CUDA-graph backend returns (``clone_output``): every tensor a copy (the next replay overwrites its
+    buffers), the key/value cache the caller's own object; a transformers output's tensors are replaced in place
+    (NOTE [fresh model outputs]), other structures are rebuilt and left as they were."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    from aitune.torch.backend.inductor_jit import clone_output
+
+    cache = transformers.StaticCache(config=tiny_llama().config, max_cache_len=8)
+    hidden = torch.randn(1, 1, 64)
+    output = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache)
+    copied = clone_output(output)
+    for value in (copied.last_hidden_state, copied["last_hidden_state"], copied.to_tuple()[0]):
+        assert torch.equal(value, hidden) and value.data_ptr() != hidden.data_ptr()
+    assert copied.past_key_values is cache
+    plain = {"hidden": hidden, "cache": cache}
+    rebuilt = clone_output(plain)
+    assert rebuilt is not plain and plain["hidden"] is hidden and rebuilt["cache"] is cache
+    assert torch.equal(rebuilt["hidden"], hidden) and rebuilt["hidden"].data_ptr() != hidden.data_ptr()

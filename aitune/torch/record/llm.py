@@ -115,7 +115,8 @@ def _phase_and_fill(kwargs: dict, cache: Any) -> tuple[str, int | None] | None:
     is None when ``cache_position`` decides. None when neither applies (or the cache cannot say)."""
     position = kwargs.get("cache_position")
     if isinstance(position, torch.Tensor) and position.numel() and not position.is_floating_point():
-        return (PREFILL if int(position.reshape(-1)[0]) == 0 else DECODE), None
+        first = position[0] if position.dim() == 1 else position.reshape(-1)[0]  # one view op fewer, per call
+        return (PREFILL if int(first) == 0 else DECODE), None
     if cache is None:
         return None
     try:
