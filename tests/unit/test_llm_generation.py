@@ -498,3 +498,15 @@ def test_cuda_graph_output_copies_clone_a_model_outputs_tensors_and_keep_its_cac
     rebuilt = clone_output(plain)
     assert rebuilt is not plain and plain["hidden"] is hidden and rebuilt["cache"] is cache
     assert torch.equal(rebuilt["hidden"], hidden) and rebuilt["hidden"].data_ptr() != hidden.data_ptr()
+
+
+def test_cache_position_decides_the_phase_as_in_the_reference():
+    """An input named ``cache_position`` decides the phase: prefill when its first position is 0, else decode
+    (1-D, as transformers passes it, or any other shape); a floating one is no position."""
+    from aitune.torch.record.llm import llm_phase
+
+    assert llm_phase((), {"cache_position": torch.arange(5)}) == "prefill"
+    assert llm_phase((), {"cache_position": torch.tensor([7])}) == "decode"
+    assert llm_phase((), {"cache_position": torch.tensor([[0, 1]])}) == "prefill"
+    assert llm_phase((), {"cache_position": torch.tensor([[3]])}) == "decode"
+    assert llm_phase((), {"cache_position": torch.tensor([0.0])}) is None
