@@ -127,7 +127,7 @@ def measure(label: str, config, model, x, args) -> list[dict]:
     if graphs:  # the output copy that protects CUDA-graph outputs from the next replay, on its own
         paths["direct+copy"] = lambda: clone_output(direct())
     rows = []
-    for grad in (False, True):
+    for grad in args.grad:
         frozen = [p for p in model.parameters() if p.requires_grad] if grad else []
         for parameter in frozen:
             parameter.requires_grad_(False)
@@ -156,6 +156,7 @@ def measure(label: str, config, model, x, args) -> list[dict]:
         row["tuned_minus_direct_us"] = row["tuned_p50_us"] - row["direct_p50_us"]
         row["tuned_minus_direct_per_round_us"] = [round(value, 1) for value in rounds]
         rows.append(row)
+        print_row(row, time.perf_counter() - started)  # as it is measured: a run cut short keeps it
         if args.profile and not grad:
             profile(tuned, x, cuda)
     return rows
@@ -185,8 +186,10 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=500, help="timed calls per path per round")
     parser.add_argument("--config", action="append", help="only these backend configurations (labels)")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions of the tuned path")
+    parser.add_argument("--grad", default="off,on", help="grad modes to time: off, on or off,on")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    args.grad = [{"off": False, "on": True}[mode] for mode in args.grad.split(",")]
     if args.device == "cuda":
         torch.backends.cudnn.benchmark = True
     model, x = resnet50(args.device) if args.model == "resnet50" else small_mlp(args.device)
@@ -206,8 +209,6 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         measured = measure(label, config, model, x, args)
         rows.extend(measured)
-        for row in measured:  # printed as each configuration finishes: a run cut short keeps what it measured
-            print_row(row, time.perf_counter() - started)
         if args.json:
             Path(args.json).write_text(json.dumps({"load": load, "rows": rows}, indent=2))
     return 0

@@ -510,3 +510,49 @@ def test_cache_position_decides_the_phase_as_in_the_reference():
     assert llm_phase((), {"cache_position": torch.tensor([[0, 1]])}) == "prefill"
     assert llm_phase((), {"cache_position": torch.tensor([[3]])}) == "decode"
     assert llm_phase((), {"cache_position": torch.tensor([0.0])}) is None
+
+
+def test_the_cache_facts_memo_follows_the_cache_object_and_its_layers():
+    """The layer facts kept for the last cache (NOTE [cache facts memo]) apply only to that same object (a new
+    cache at a dead one's ids is described anew) holding the same layers (a layer swapped in counts)."""
+    import weakref
+
+    from aitune.torch.record import llm
+
+    model = tiny_llama()
+
+    def filled(capacity):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=capacity)
+        with torch.no_grad():
+            model.model(input_ids=prompt(4), past_key_values=cache, use_cache=True)
+        return cache
+
+    big, small = filled(32), filled(8)
+    assert llm._layer_facts(big)[1] == 32 and llm._layer_facts(small)[1] == 8
+    layers_key, _ = llm._layer_facts(small)
+    # a memo left by another cache object that happened to hold layers at small's ids: not small's
+    llm._FACTS_MEMO[0] = (weakref.ref(big), tuple(map(id, small.layers)), torch.float32, layers_key, 32)
+    assert llm._layer_facts(small)[1] == 8
+    # the memo now holds big; a layer of small swapped into big bounds big's capacity
+    assert llm._layer_facts(big)[1] == 32
+    big.layers[0] = small.layers[0]
+    assert llm._layer_facts(big)[1] == 8
+
+
+def test_decode_calls_after_the_first_skip_binding_their_arguments(tuned, monkeypatch):
+    """NOTE [phase fast path]: once a decode call's keyword names are known, later calls with them are normalised
+    by the plan made from the first (no signature binding) and still served by the decode graph's backend."""
+    model, eager, _ = tuned
+    call = decode_call(eager, prompt(8))
+    with torch.no_grad():
+        model.model(**copy.deepcopy(call))
+    signature = model.model._self_dispatch.signature
+    bound = []
+    original = signature.normalize
+    monkeypatch.setattr(signature, "normalize", lambda *args: bound.append(1) or original(*args))
+    served = model.model.stats["backend_calls"]
+    mine, theirs = copy.deepcopy(call), copy.deepcopy(call)
+    with torch.no_grad():
+        output, expected = model.model(**mine), eager.model(**theirs)
+    assert bound == [] and model.model.stats["backend_calls"] == served + 1
+    torch.testing.assert_close(output.last_hidden_state, expected.last_hidden_state, rtol=1e-4, atol=1e-5)

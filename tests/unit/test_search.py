@@ -64,7 +64,7 @@ def test_successive_halving_measures_only_the_finalists_at_full_length(fast_prof
     losers = [r for r in rows if r.details.get("finalist") and r.status == "passed"]
     assert len(losers) == (3 if selected.backend == "eager" else 2)
     for row in losers:
-        assert row.reason.startswith(f"not selected: {row.speedup:.2f}x eager against {selected.speedup:.2f}x "
+        assert row.reason.startswith(f"not selected: {row.speedup:.2f}x eager against {selected.speedup:.2f}x eager "
                                      f"for the selected {selected.description}"), row.reason
 
 

@@ -123,6 +123,47 @@ def test_latency_budget_ties_follow_the_top_candidates_noise():
     assert chosen.backend is eager
 
 
+
+def _two_batch_candidate(backend, speedup: float, b1_ms: float, b8_ms: float) -> Candidate:
+    timings = [SampleTiming(batch_size=b, p50_ms=ms, p90_ms=ms, p99_ms=ms, mean_ms=ms, std_ms=0.0, calls=10)
+               for b, ms in ((1, b1_ms), (8, b8_ms))]
+    row = CandidateResult(module="m", graph="graph0", backend=backend.name, description=backend.describe(),
+                          status=PASSED, build_s=1.0, speedup=speedup)
+    return Candidate(backend, row, Measurement(samples=timings, rounds=10, round_ms=[b1_ms + b8_ms] * 10, noise=0.02))
+
+
+def test_a_losing_candidate_says_why_by_the_figure_its_strategy_chose_by():
+    """Every passing, fully measured candidate that lost gets a reason naming the figure the strategy ranked by:
+    the paired speed-up (and, when it was ahead, the tie rule), the smallest batch's latency, or the throughput
+    within a latency budget."""
+    from aitune.torch.tune_strategy.base import latency_figure
+
+    aot, jit = TorchInductorAotBackend(), TorchInductorJitBackend()
+    # throughput: the AOT candidate is kept within the JIT one's noise, though 1 % behind
+    strategy = ait.MaxThroughputStrategy()
+    kept, ahead = _candidate(aot, 100), _candidate(jit, 101)
+    assert strategy.pick([kept, ahead]) is kept
+    strategy.finish(kept, [kept, ahead])
+    assert kept.row.status == "selected" and kept.row.reason == ""
+    assert ahead.row.reason.startswith(f"not selected: 1.01x eager against 1.00x eager for the selected {aot.describe()} "
+                                       "(within the measured noise of this candidate, the simpler one is kept")
+    slower, faster = _candidate(jit, 100), _candidate(aot, 150)
+    strategy.finish(faster, [faster, slower])
+    assert slower.row.reason == f"not selected: 1.00x eager against 1.50x eager for the selected {aot.describe()}"
+    # a latency budget of 5 ms: A is 2.00x eager over both batches, but only its batch 1 fits (0.5 samples/ms);
+    # B fits batch 8 (2 samples/ms)
+    budget = ait.LatencyBudgetStrategy(5.0)
+    a, b = _two_batch_candidate(jit, 2.0, 2.0, 32.0), _two_batch_candidate(aot, 1.5, 2.0, 4.0)
+    assert budget.choose([a, b]) is b
+    budget.finish(b, [a, b], budget._budget_figure)
+    assert a.row.reason == (f"not selected: 0.5 samples/ms within 5.0 ms against 2 samples/ms within 5.0 ms for the "
+                            f"selected {aot.describe()}")
+    # lowest latency at the smallest batch
+    quick, slow = _two_batch_candidate(aot, 1.2, 1.0, 8.0), _two_batch_candidate(jit, 1.5, 2.0, 4.0)
+    ait.MinLatencyStrategy().finish(quick, [quick, slow], latency_figure)
+    assert slow.row.reason == (f"not selected: 2.000 ms at the smallest batch against 1.000 ms at the smallest "
+                               f"batch for the selected {aot.describe()}")
+
 class Affine(torch.nn.Module):
     def __init__(self):
         super().__init__()

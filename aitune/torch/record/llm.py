@@ -228,11 +228,12 @@ def phase_call(args: tuple, kwargs: dict) -> PhaseCall | None:
 # NOTE [cache facts memo]: a decode step's call brings the same cache object every step, and a model has one layer
 # object per decoder layer (24 for a 0.5B model): describing its layers took ~0.5 µs each per call, ~13 µs per
 # decode call on a 24-layer cache (this project's CPU), which a CUDA-graph replay does not hide. The description is
-# kept for the last cache seen, reused while the cache still holds the same list of layers, every one initialised
-# when it was described (a lazily initialised layer changes; an initialised static layer keeps its tensors'
-# dtype and its ``max_cache_len``). Only a weak reference and ids are kept: the memo never keeps a user's cache
-# (or its tensors) alive.
-_FACTS_MEMO: list = [None]  # (weakref to the cache, id of its layers list, their count, layers key, capacity)
+# kept for the last cache seen, once every layer is initialised (a lazily initialised layer changes), and reused
+# while that cache (a weak reference: the memo never keeps a cache or its tensors alive) holds the same layer
+# objects (their ids, in order: a layer swapped in, or a new list, is described again) and its first layer's keys
+# keep their dtype (``early_initialization`` re-initialises every layer in place, in any dtype). A layer's
+# ``max_cache_len`` is set when it is made. transformers itself never swaps a cache's layers.
+_FACTS_MEMO: list = [None]  # (weakref to the cache, ids of its layers, first keys' dtype, layers key, capacity)
 
 
 def _layer_facts(cache: Any) -> tuple[tuple, int | None] | None:
@@ -242,15 +243,17 @@ def _layer_facts(cache: Any) -> tuple[tuple, int | None] | None:
     if layers is None:
         return None
     memo = _FACTS_MEMO[0]
-    if memo is not None and memo[0]() is cache and memo[1] == id(layers) and memo[2] == len(layers):
-        return memo[3], memo[4]
+    if memo is not None and memo[0]() is cache:
+        ids = tuple(map(id, layers))
+        if ids == memo[1] and getattr(getattr(layers[0], "keys", None), "dtype", None) == memo[2]:
+            return memo[3], memo[4]
     initialized = [bool(getattr(layer, "is_initialized", True)) for layer in layers]
     key = tuple((type(layer), ready, getattr(getattr(layer, "keys", None), "dtype", None))
                 for layer, ready in zip(layers, initialized))
     capacity = _capacity_of(cache)
-    if all(initialized):
+    if layers and all(initialized):
         try:
-            _FACTS_MEMO[0] = (weakref.ref(cache), id(layers), len(layers), key, capacity)
+            _FACTS_MEMO[0] = (weakref.ref(cache), tuple(map(id, layers)), key[0][2], key, capacity)
         except TypeError:  # a cache class without weak references: described on every call
             pass
     return key, capacity

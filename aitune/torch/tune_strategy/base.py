@@ -402,33 +402,46 @@ class TuneStrategy:
         return max(passing, key=score_for(by_latency))
 
     @staticmethod
-    def finish(chosen: Candidate, candidates: list[Candidate]) -> None:
-        """Mark ``chosen`` selected and release every other built candidate."""
+    def finish(chosen: Candidate, candidates: list[Candidate],
+               figure: Callable[[Candidate], tuple[float, str] | None] | None = None) -> None:
+        """Mark ``chosen`` selected and release every other built candidate. A passing, fully measured
+        candidate that lost gets a reason: ``figure(candidate)`` — ``(score, text)``, higher is better, the
+        figure the strategy chose by — against the chosen one's (default: the paired speed-up over eager)."""
         chosen.row.status = SELECTED
         for candidate in candidates:
             if candidate is not chosen:
-                _say_why_not_chosen(candidate, chosen)
+                _say_why_not_chosen(candidate, chosen, figure or _speedup_figure)
                 if candidate.backend is not None:
                     candidate.backend.deactivate()
 
 
-def _say_why_not_chosen(candidate: Candidate, chosen: Candidate) -> None:
-    """A passing, fully measured candidate that lost gets its reason: its figure against the chosen one's. Rows that
+def _speedup_figure(candidate: Candidate) -> tuple[float, str] | None:
+    speedup = candidate.row.speedup
+    return None if speedup is None else (speedup, f"{speedup:.2f}x eager")
+
+
+def latency_figure(candidate: Candidate) -> tuple[float, str] | None:
+    """The figure a latency strategy chooses by: the smallest batch's median latency (lower is better)."""
+    latency = candidate.measurement.min_batch_latency_ms if candidate.measurement is not None else None
+    return None if not latency else (1.0 / latency, f"{latency:.3f} ms at the smallest batch")
+
+
+def _say_why_not_chosen(candidate: Candidate, chosen: Candidate, figure) -> None:
+    """The reason of a passing, fully measured candidate that lost: its figure against the chosen one's. Rows that
     already say why (quick measurement only, not allowed to be chosen, rejected, the eager baseline) keep theirs."""
     row = candidate.row
     if (row.status != PASSED or candidate.measurement is None or getattr(candidate.backend, "passthrough", False)
             or not row.details.get("finalist", True)
             or any(note in (row.reason or "") for note in (QUANTIZATION_NOTE, REDUCED_PRECISION_NOTE))):
         return
-    mine, theirs = row.speedup, chosen.row.speedup
+    mine, theirs = figure(candidate), figure(chosen)
     if mine is None or theirs is None:
-        verdict = f"not selected: {chosen.row.description} was"
-    elif mine <= theirs:
-        verdict = f"not selected: {mine:.2f}x eager against {theirs:.2f}x for the selected {chosen.row.description}"
+        verdict = f"not selected: the strategy chose {chosen.row.description}"
     else:
-        verdict = (f"not selected: {mine:.2f}x eager against {theirs:.2f}x for the selected "
-                   f"{chosen.row.description}, which the strategy's rule preferred (a tie within the measured noise "
-                   "goes to the simpler candidate; a latency strategy ranks by latency)")
+        verdict = f"not selected: {mine[1]} against {theirs[1]} for the selected {chosen.row.description}"
+        if mine[0] > theirs[0]:
+            verdict += (" (within the measured noise of this candidate, the simpler one is kept: eager, then AOT "
+                        "over JIT, then the backend's rank)")
     row.reason = "; ".join(filter(None, [verdict, row.reason]))
 
 

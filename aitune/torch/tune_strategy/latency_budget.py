@@ -39,6 +39,10 @@ class LatencyBudgetStrategy(TuneStrategy):
         fits = [t.batch_size / t.p50_ms for t in candidate.measurement.samples if t.p50_ms <= self.latency_budget_ms]
         return max(fits) if fits else None
 
+    def _budget_figure(self, candidate: Candidate) -> tuple[float, str] | None:
+        score = self.budget_score(candidate) if candidate.measurement is not None else None
+        return None if score is None else (score, f"{score:.3g} samples/ms within {self.latency_budget_ms} ms")
+
     def choose(self, pool: list[Candidate], where: str = "") -> Candidate:
         """The chosen candidate among evaluated ones (rows of those over budget are marked).
 
@@ -66,5 +70,5 @@ class LatencyBudgetStrategy(TuneStrategy):
         candidates = [self.evaluate(blueprint, context) for blueprint in self.candidates_for(context)]
         pool = candidates + [eager]
         chosen = self.choose(pool, f"{context.module_name}/{context.graph.name}")
-        self.finish(chosen, pool)
+        self.finish(chosen, pool, self._budget_figure)
         return chosen.backend, [c.row for c in pool], f"best throughput within {self.latency_budget_ms} ms"

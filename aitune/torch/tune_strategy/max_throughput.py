@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from aitune.torch.report.rows import REJECTED_PERFORMANCE
-from aitune.torch.tune_strategy.base import TuneStrategy
+from aitune.torch.tune_strategy.base import TuneStrategy, latency_figure
 
 
 class MaxThroughputStrategy(TuneStrategy):
@@ -42,7 +42,7 @@ class MaxThroughputStrategy(TuneStrategy):
         chosen = self.pick(contenders, by_latency=self.by_latency)
         fastest = self.pick_fastest(contenders, by_latency=self.by_latency)
         any_passed = any(c.passed for c in candidates)  # before finish(): the chosen row becomes "selected"
-        self.finish(chosen, pool)
+        self.finish(chosen, pool, latency_figure if self.by_latency else None)
         self.runners_up = self.rank([c for c in contenders if c is not chosen and c is not eager],
                                     by_latency=self.by_latency)[:2]
         metric = "lowest latency at the smallest batch" if self.by_latency else \
