@@ -5,6 +5,7 @@ profiles a few ``generate`` runs and prints aitune's functions by cumulative tim
 device value back to the host (``item``, ``__bool__``, ``tolist``, ``synchronize``)::
 
     python -m benchmarks.llm_decode_host --device cuda
+    python -m benchmarks.llm_decode_host --device cuda --dtype bfloat16 --model qwen2-0.5b   # 24 layers
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model", default="tiny", help="a model of benchmarks/llm_generate.py's MODELS")
     args = parser.parse_args(argv)
-    model = build("tiny", args.device, getattr(torch, args.dtype))
+    model = build(args.model, args.device, getattr(torch, args.dtype))
     mode = "reduce-overhead" if args.device.startswith("cuda") else "default"
     backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode=mode))
     model.model = ait.Module(model.model, "decoder", strategy=ait.OneBackendStrategy(backend))
     generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 256, (1, n), generator=generator).to(args.device) for n in (5, 7)]
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(1, vocab, (1, n), generator=generator).to(args.device) for n in (5, 7)]
     ait.tune(lambda ids: generate(model, ids, 8, static=True), prompts, ready_batches=True)
-    measured = torch.randint(1, 256, (1, 9), generator=generator).to(args.device)
+    measured = torch.randint(1, vocab, (1, 9), generator=generator).to(args.device)
     for _ in range(2):
         generate(model, measured, 64, static=True)
     profile = cProfile.Profile()
