@@ -175,7 +175,10 @@ def profile(tuned, x, cuda: bool, calls: int = 20000) -> None:
             tuned(x)
             profiler.disable()
     print(f"## cProfile of {calls} tuned calls (own time)")
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(25)
+    print("## aitune's functions by cumulative time (where the dispatch's share goes)")
+    stats.sort_stats("cumulative").print_stats("aitune", 30)
 
 
 def main(argv=None) -> int:
