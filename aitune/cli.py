@@ -219,6 +219,10 @@ def _serve(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's Python stack (a stop that hangs)
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         run(config, host=args.host, port=args.port, checkpoint_on_replicas=checkpoint_on_replicas)
         url = f"http://{args.host}:{args.port}{config.route_prefix}"

@@ -356,8 +356,12 @@ def test_the_cli_serves_the_documented_example_on_the_running_cluster(service, e
         try:
             remaining, _ = process.communicate(timeout=360)
         except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGUSR1)  # the CLI prints its threads' stacks: where the stop hangs
+            time.sleep(3)
             process.kill()  # never leave a driver behind in the cluster the next tests use
-            raise
+            remaining, _ = process.communicate()
+            pytest.fail("aitune serve did not exit within 360 s of SIGINT; its last output and stacks:\n"
+                        + "".join(lines[-10:]) + remaining[-6000:])
     assert process.returncode == 0, "".join(lines[-10:]) + remaining[-2000:]
     assert "cli" not in serve.status().applications  # the CLI deleted its application, and only its own
 
