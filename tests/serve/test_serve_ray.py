@@ -334,8 +334,11 @@ def test_the_cli_serves_the_documented_example_on_the_running_cluster(service, e
                "--preprocessor", "aitune.serve.examples:minilm_texts", "--address", service["address"],
                "--port", str(service["port"]), "--name", "cli", "--route-prefix", "/cli", "--num-cpus", "0.5",
                "--ship-checkpoint"]
+    # SIGINT back to its default in the child: a test run started in the background by a shell (`... &`) ignores
+    # SIGINT, the CLI would inherit that, and Python then never raises KeyboardInterrupt for it
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "RAY_LOG_TO_DRIVER": "0"})
+                               env={**os.environ, "RAY_LOG_TO_DRIVER": "0"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     try:
         for line in process.stdout:
