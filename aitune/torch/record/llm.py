@@ -138,11 +138,12 @@ def cache_capacity(kwargs: dict, args: tuple = ()) -> int | None:
     """Positions the call's static cache holds (its ``max_cache_len``), or None without one or when every layer is
     a sliding window (a rolling cache never fills). Sliding-window layers keep only the window; the full layers
     hold every position, so they bound the positions a call may write."""
-    cache = find_cache(kwargs, args)
-    return _capacity_of(cache) if cache is not None else None
+    return _capacity_of(find_cache(kwargs, args))
 
 
 def _capacity_of(cache: Any) -> int | None:
+    if cache is None:
+        return None
     layers = list(getattr(cache, "layers", ()))
     if not layers:
         length = getattr(cache, "max_cache_len", None)
@@ -270,8 +271,7 @@ def slow_route_facts(args: tuple, kwargs: dict, phase: str) -> PhaseCall:
     """The :class:`PhaseCall` of a phase call :func:`phase_call` could not key (other nested arguments)."""
     cache = find_cache(kwargs, args)
     found = _phase_and_fill(kwargs, cache)
-    return PhaseCall(None, phase, found[1] if found is not None else None,
-                     _capacity_of(cache) if cache is not None else None, _query(kwargs))
+    return PhaseCall(None, phase, found[1] if found is not None else None, _capacity_of(cache), _query(kwargs))
 
 
 def rewind_cache(cache: Any, cached: int) -> None:
