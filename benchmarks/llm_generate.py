@@ -218,9 +218,9 @@ class _Spy(torch.nn.Module):
         return self.inner(*args, **kwargs)
 
 
-def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: int) -> dict:
-    """Host and device µs of one decode call per path (see the module docstring), p50 over all calls; the paths
-    alternate call by call, ``rounds * calls`` calls each."""
+def last_decode_call(model, wrapped, prompt) -> tuple[tuple, dict, object, int]:
+    """``(args, kwargs, cache, tokens cached before it)`` of the last decode call of a 3-token generate from
+    ``prompt``, the decoder ``wrapped`` (``model.model``); rewinding the cache to that count repeats the call."""
     spy = _Spy(wrapped)
     model.model = spy
     generate(model, prompt, 3, static=True)
@@ -229,6 +229,13 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
     cache = find_cache(kwargs, args)
     tokens = kwargs.get("input_ids")
     cached = int(cache.get_seq_length()) - (tokens.shape[1] if tokens is not None else 1)  # before that call
+    return args, kwargs, cache, cached
+
+
+def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: int) -> dict:
+    """Host and device µs of one decode call per path (see the module docstring), p50 over all calls; the paths
+    alternate call by call, ``rounds * calls`` calls each."""
+    args, kwargs, cache, cached = last_decode_call(model, wrapped, prompt)
     dispatch = wrapped._self_dispatch
     graph = next(graph for graph in wrapped.graphs if getattr(graph, "phase", None) == "decode")
     backend = wrapped.backends[graph.name]

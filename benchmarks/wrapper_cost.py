@@ -25,6 +25,7 @@ Usage (repo root)::
 
     PYTHONPATH=. python -m benchmarks.wrapper_cost                      # small MLP, CPU, fp32
     PYTHONPATH=. python -m benchmarks.wrapper_cost --profile            # + cProfile of the tuned path
+    PYTHONPATH=. python -m benchmarks.wrapper_cost --stages 2000        # + host µs stage by stage
     python3 -m benchmarks.wrapper_cost --device cuda --model resnet50   # ResNet-50 b1 fp16 (GPU machine)
 """
 
@@ -44,6 +45,7 @@ import torch
 import aitune.torch as ait
 from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
 from aitune.torch.backend.inductor_jit import clone_output, parameter_freezing, uses_cuda_graphs
+from benchmarks.dispatch_stages import print_stages, stages
 
 
 def small_mlp(device: str):
@@ -159,6 +161,9 @@ def measure(label: str, config, model, x, args) -> list[dict]:
         print_row(row, time.perf_counter() - started)  # as it is measured: a run cut short keeps it
         if args.profile and not grad:
             profile(tuned, x, cuda)
+        if args.stages and not grad:
+            print_stages(f"{args.model} on {device}, {label}", stages(tuned, backend, lambda: tuned(x),
+                                                                       args.stages, cuda))
     return rows
 
 
@@ -189,6 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=500, help="timed calls per path per round")
     parser.add_argument("--config", action="append", help="only these backend configurations (labels)")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions of the tuned path")
+    parser.add_argument("--stages", type=int, default=0, metavar="CALLS",
+                        help="also time the tuned call's stages over CALLS calls (benchmarks/dispatch_stages.py)")
     parser.add_argument("--grad", default="off,on", help="grad modes to time: off, on or off,on")
     parser.add_argument("--json")
     args = parser.parse_args(argv)

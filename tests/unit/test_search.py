@@ -10,6 +10,7 @@ from fake_clock import pause
 
 import aitune.torch as ait
 from aitune.torch.backend import TorchEagerBackend, TorchInductorJitBackend, TorchInductorJitBackendConfig
+from aitune.torch.backend.inductor_jit import parameter_freezing
 from aitune.torch.backend.isolation import run_isolated
 
 
@@ -341,29 +342,18 @@ def test_freezing_variant_really_folds_the_weights(freezing, fast_profiling):
         torch.testing.assert_close(after, edited, atol=1e-4, rtol=1e-3)
 
 
-_FREEZING_SEEN: list = []
+_FREEZING_SEEN: list = []  # torch._inductor.config.freezing at the start of each compile
 
 
-@torch._dynamo.disable
-def _see_freezing(x):
-    """Runs eagerly inside a compiled forward (a graph break): what the process-wide flag is during the call."""
+def _see_freezing(_args) -> None:
     _FREEZING_SEEN.append(torch._inductor.config.freezing)
-    return x
-
-
-class _Observed(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.first, self.second = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
-
-    def forward(self, x):
-        return self.second(_see_freezing(torch.relu(self.first(x))))
 
 
 @pytest.mark.parametrize("backend_name", ["inductor_jit", "torchao"])
-def test_a_freezing_variant_sets_the_global_flag_only_during_its_calls(backend_name, fast_profiling):
-    """Inductor and TorchAO ``freezing`` variants turn ``torch._inductor.config.freezing`` on for each call of
-    theirs (seen from inside the forward) and give back the value it had before the call."""
+def test_a_freezing_variant_sets_the_global_flag_only_for_compiles_during_its_calls(backend_name, fast_profiling):
+    """NOTE [freezing per compile]: Inductor and TorchAO ``freezing`` variants turn ``torch._inductor.config.freezing``
+    on for every compile that starts during a call of theirs (a new input shape recompiles) and for no other
+    compile; the flag is off between compiles."""
     if backend_name == "torchao":
         from aitune.torch.backend import TorchAOBackend, TorchAOBackendConfig
 
@@ -373,22 +363,43 @@ def test_a_freezing_variant_sets_the_global_flag_only_during_its_calls(backend_n
                                                       fullgraph=False))
     else:
         backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(freezing=True, fullgraph=False))
-    model = _Observed().eval()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
     tuned = ait.Module(model, f"observed-{backend_name}", strategy=ait.OneBackendStrategy(
-        backend, profiling_config=fast_profiling).enable_performance_validation(False))
+        backend, profiling_config=fast_profiling).enable_performance_validation(False),
+        guard=ait.GuardConfig(enabled=False))
     x = torch.randn(2, 16)
     assert torch._inductor.config.freezing is False
-    ait.tune(tuned, [x], ignore_failing_modules=False, ready_batches=True)
-    assert torch._inductor.config.freezing is False  # tuning gave it back
-    _FREEZING_SEEN.clear()
+    with parameter_freezing(True):  # aitune's compile-start callback registered first: this test's runs after it
+        pass
+    handler = torch._dynamo.callback_handler
+    handler.register_start_callback(_see_freezing)
+    try:
+        _FREEZING_SEEN.clear()
+        ait.tune(tuned, [x], ignore_failing_modules=False, ready_batches=True)
+        assert _FREEZING_SEEN and all(_FREEZING_SEEN)  # the build's compiles
+        assert torch._inductor.config.freezing is False  # tuning gave it back
+        _FREEZING_SEEN.clear()
+        other = torch.compile(lambda value: value * 2 + 1, backend="eager")
+        with torch.no_grad():
+            other(x)  # another compile, outside the frozen callable's calls: the flag stays off
+        assert _FREEZING_SEEN == [False]
+    finally:
+        if _see_freezing in handler.start_callbacks:
+            handler.remove_start_callback(_see_freezing)
+    # torch._dynamo.reset() drops the compiled code and the callbacks: the next call compiles again, frozen
+    torch._dynamo.reset()
+    built = tuned.backends["graph0"]
     with torch.no_grad():
-        tuned(x)
-    assert _FREEZING_SEEN == [True] and torch._inductor.config.freezing is False
-    assert tuned.backend_calls >= 1
-    _FREEZING_SEEN.clear()
-    with torch.no_grad():
-        model(x)  # the module itself, outside the backend: the flag is off
-    assert _FREEZING_SEEN == [False]
+        before = built.run((x,), {})
+        torch.testing.assert_close(before, model(x), atol=1e-2, rtol=0.05)  # (int8 weights for TorchAO)
+        model[0].weight.add_(1.0)  # folded into the recompiled graph: the artifact does not see the edit
+        try:
+            after, edited = built.run((x,), {}), model(x)
+        finally:
+            model[0].weight.sub_(1.0)
+    torch.testing.assert_close(after, before)
+    assert not torch.allclose(after, edited, atol=1e-3)
+    assert torch._inductor.config.freezing is False
 
 
 def test_a_frozen_variant_retuned_after_new_weights_uses_them(fast_profiling):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -165,20 +166,65 @@ def compile_arguments(mode: str | None, options: dict | None, freezing: bool) ->
 
 
 class _FreezingWhileTracing:
-    """Sets the global ``torch._inductor.config.freezing`` for the duration of a call (re-entrant; the
-    previous value is restored). A plain attribute set/restore, roughly ten times cheaper per call than
-    ``inductor_config.patch(...)``."""
+    """Inductor ``freezing`` on for every compile that starts inside a call of a frozen callable (re-entrant).
+
+    NOTE [freezing per compile]: the flag is read only while Dynamo traces and Inductor compiles. A call marks
+    its thread (a thread-local depth, ~0.1 µs), and Dynamo's compile-start callback, which runs in the compiling
+    thread before tracing (``torch._dynamo.callback_handler``; compiles are serialised by Dynamo's compile lock),
+    sets the global ``torch._inductor.config.freezing`` for that compile only; the end callback restores it. The
+    callbacks are registered again by the first call after ``torch._dynamo.reset()``, which clears them. Setting
+    and restoring the flag around every call instead cost ~9 µs of host time per call (the config module's
+    attribute lookups; this project's CPU), and a ``torch.compile`` traced by another thread during the call saw
+    it. Where the callbacks are missing (another torch), the flag is set and restored around the call."""
 
     def __init__(self) -> None:
-        self._saved: list[bool] = []
+        self._local = _Depth()
+        self._handler = getattr(torch._dynamo, "callback_handler", None)
+        self._per_compile = isinstance(getattr(self._handler, "start_callbacks", None), list)
+        self._started, self._ended = self._compile_started, self._compile_ended  # (bound once: found by identity)
 
     def __enter__(self) -> None:
-        config = torch._inductor.config
-        self._saved.append(config.freezing)
-        config.freezing = True
+        local = self._local
+        local.depth += 1
+        if self._per_compile:
+            if self._started not in self._handler.start_callbacks:  # first call, or torch._dynamo.reset() cleared it
+                self._handler.register_start_callback(self._started)
+                self._handler.register_end_callback(self._ended)
+        else:
+            config = torch._inductor.config
+            local.saved.append(config.freezing)
+            config.freezing = True
 
     def __exit__(self, *exc_info) -> None:
-        torch._inductor.config.freezing = self._saved.pop()
+        local = self._local
+        local.depth -= 1
+        if not self._per_compile:
+            torch._inductor.config.freezing = local.saved.pop()
+
+    def _compile_started(self, *_args) -> None:
+        local = self._local
+        if local.depth:
+            config = torch._inductor.config
+            local.saved.append(config.freezing)
+            config.freezing = True
+        else:
+            local.saved.append(None)
+
+    def _compile_ended(self, *_args) -> None:
+        saved = self._local.saved
+        if saved:
+            previous = saved.pop()
+            if previous is not None:
+                torch._inductor.config.freezing = previous
+
+
+class _Depth(threading.local):
+    """Per thread: how many frozen calls are running, and the flag values to restore."""
+
+    depth = 0
+
+    def __init__(self) -> None:
+        self.saved: list = []
 
 
 _FREEZING_WHILE_TRACING: _FreezingWhileTracing | None = None
@@ -197,12 +243,13 @@ def parameter_freezing(enabled: bool):
     callable runs inside this context, not only the build's warm-up: a call that recompiles (a probe of
     another size during tuning, a new shape later) adds a cache entry that Dynamo tries first, so an
     unfrozen recompile would shadow the frozen one. The process-wide flag is set and restored around the
-    call; a ``torch.compile`` traced concurrently by another thread during that call sees it too.
+    call's compiles (NOTE [freezing per compile]).
     """
     global _FREEZING_WHILE_TRACING
     if not enabled:
         return contextlib.nullcontext()
     if _FREEZING_WHILE_TRACING is None:
+        import torch._dynamo  # noqa: F401 - makes torch._dynamo.callback_handler an attribute
         import torch._inductor.config  # noqa: F401 - makes torch._inductor.config an attribute
 
         _FREEZING_WHILE_TRACING = _FreezingWhileTracing()
