@@ -5,7 +5,8 @@
 # Environment: BATCHES (default "1"; e.g. "1 8"), TUNE_PROMPTS (prompt lengths the tune records, default
 # "112 128"), BENCH_TIMEOUT (seconds per batch, default 400; a two-length tune plus the rounds needed ~560 s
 # on the H200, so run the benchmark in a call of its own with BENCH_TIMEOUT=560 rather than after the tests),
-# DECODE_CALLS (default 200: one decode call timed N x 3 times per path, call by call; 0: not timed).
+# DECODE_CALLS (default 200: one decode call timed N x 3 times per path, call by call; 0: not timed),
+# EXTRA (more arguments, e.g. "--no-output-copies").
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,7 +18,7 @@ if [ "${1:-}" = "tests" ]; then
 fi
 for batch in ${BATCHES:-1}; do
   timeout ${BENCH_TIMEOUT:-400} python3 -m benchmarks.llm_generate --model qwen2-0.5b --device cuda --dtype bfloat16 \
-    --batch $batch --tune-prompts ${TUNE_PROMPTS:-112 128} --prompt 128 --new-tokens 256 --rounds 3 --once eager-dynamic --decode-calls ${DECODE_CALLS:-200} \
+    --batch $batch --tune-prompts ${TUNE_PROMPTS:-112 128} --prompt 128 --new-tokens 256 --rounds 3 --once eager-dynamic --decode-calls ${DECODE_CALLS:-200} ${EXTRA:-} \
     --json "$OUT/llm_b$batch.json" > "$OUT/llm_b$batch.log" 2>&1
   echo "benchmark b$batch rc $?"
   grep -v -i "warn" "$OUT/llm_b$batch.log" | grep -v "unavailable\|unsupported\|^\[" | tail -22

@@ -1,6 +1,7 @@
 """Where a tuned decoder's host time per decode call goes (cProfile of ``generate`` with the tiny model).
 
-Tunes the tiny Llama decoder (static cache) with Inductor reduce-overhead on CUDA (default mode on CPU), then
+Tunes the tiny Llama decoder (static cache; its decode graph with Inductor reduce-overhead on CUDA, default mode on
+CPU; prefill eager), then
 profiles a few ``generate`` runs and prints aitune's functions by cumulative time and the calls that read a
 device value back to the host (``item``, ``__bool__``, ``tolist``, ``synchronize``)::
 
@@ -51,9 +52,13 @@ def main(argv=None) -> int:
         wrapped = model.model
         call_args, call_kwargs, cache, cached = last_decode_call(model, wrapped, measured)
         graph = next(graph for graph in wrapped.graphs if getattr(graph, "phase", None) == "decode")
-        print_stages(f"one decode call, {args.model}, {args.dtype} on {args.device}",
-                     stages(wrapped, wrapped.backends[graph.name], lambda: wrapped(*call_args, **call_kwargs),
-                            args.stages, args.device.startswith("cuda"), lambda: rewind_cache(cache, cached)))
+        for copies in (True, False):  # NOTE [output copies] in aitune/torch/config.py
+            ait.config.copy_cuda_graph_outputs = copies
+            print_stages(f"one decode call, {args.model}, {args.dtype} on {args.device}, output copies "
+                         f"{'on' if copies else 'off'}",
+                         stages(wrapped, wrapped.backends[graph.name], lambda: wrapped(*call_args, **call_kwargs),
+                                args.stages, args.device.startswith("cuda"), lambda: rewind_cache(cache, cached)))
+        ait.config.copy_cuda_graph_outputs = True
     for _ in range(2):
         generate(model, measured, 64, static=True)
     profile = cProfile.Profile()

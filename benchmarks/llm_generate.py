@@ -101,8 +101,11 @@ def main(argv=None) -> int:
     parser.add_argument("--once", nargs="*", default=[], help="variants timed by their warm-up run only (slow ones)")
     parser.add_argument("--decode-calls", type=int, default=0, help="also time one decode call, N calls per path "
                                                                     "per round (0: not timed)")
+    parser.add_argument("--no-output-copies", action="store_true",
+                        help="config.copy_cuda_graph_outputs = False (NOTE [output copies] in aitune/torch/config.py)")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
+    ait.config.copy_cuda_graph_outputs = not args.no_output_copies
     dtype = getattr(torch, args.dtype)
     device = args.device
     model = build(args.model, device, dtype)

@@ -23,6 +23,8 @@ attribute                      default                                      used
                                ``<cache_dir>/tuning_data/report.json``      the end of ``ait.tune`` and by
                                                                             ``snapshot_tuning_data()``
 ``strict_mode``                True                                         see NOTE [strict mode]
+``copy_cuda_graph_outputs``    True                                         served calls of Inductor/TorchAO CUDA-graph
+                                                                            variants; see NOTE [output copies]
 ``enable_transformers_...``    ``$AITUNE_TRANSFORMERS_INTEGRATION`` (True)  recorded; see NOTE [integrations]
 ``enable_diffusers_...``       ``$AITUNE_DIFFUSERS_INTEGRATION`` (False)    recorded; see NOTE [integrations]
 =============================  ===========================================  ===========================================
@@ -32,6 +34,16 @@ identity, so calls that differ only in a flag or a size share one backend. aitun
 identity: its artifacts (Inductor AOT, ONNX, TensorRT) are specialised for the constant values they were
 built with, so sharing one across values would return results computed for another value. ``False`` is
 accepted (scripts run) and logged once as ignored.
+
+NOTE [output copies]: a CUDA-graph replay writes its outputs into the graph's own buffers, so a served call of an
+Inductor or TorchAO ``reduce-overhead`` variant returns a copy (one device-to-device copy per output tensor, ~50 µs
+of host time per call for a decoder's output on the GPU machine: ``benchmarks/llm_decode_host.py --stages``).
+``copy_cuda_graph_outputs = False`` returns the graph's own outputs instead, as a hand-picked ``torch.compile(...,
+mode="reduce-overhead")`` does: reading an output after the next call of the same graph then raises PyTorch's
+"accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run" (use the output, or copy
+it, before the next call; ``generate`` does). Tuning's own runs always copy. Backends whose replays would
+overwrite outputs silently (eager and TensorRT with ``use_cuda_graphs``, ONNX Runtime with ``cuda_graph``)
+copy whatever this says.
 
 NOTE [integrations]: the reference patches ``transformers``/``diffusers`` when these flags are on (cache
 classes for graph identity, a ``RMSNorm`` export workaround). aitune needs neither: transformers' caches are
@@ -82,8 +94,8 @@ class AITuneConfig:
     """
 
     _FIELDS = ("cache_dir", "min_num_samples", "max_num_samples_stored", "device_after_tuning",
-               "tuning_data_output_path", "strict_mode", "enable_transformers_integration",
-               "enable_diffusers_integration")
+               "tuning_data_output_path", "strict_mode", "copy_cuda_graph_outputs",
+               "enable_transformers_integration", "enable_diffusers_integration")
 
     def __init__(self) -> None:
         self.reset()
@@ -96,6 +108,7 @@ class AITuneConfig:
         object.__setattr__(self, "_max_num_samples_stored", 8)
         object.__setattr__(self, "_device_after_tuning", None)
         object.__setattr__(self, "_strict_mode", True)
+        object.__setattr__(self, "_copy_cuda_graph_outputs", True)
         object.__setattr__(self, "_enable_transformers_integration", _UNSET)
         object.__setattr__(self, "_enable_diffusers_integration", _UNSET)
         object.__setattr__(self, "_warned_strict", False)
@@ -181,6 +194,15 @@ class AITuneConfig:
             logger.warning("aitune: config.strict_mode=False is accepted but ignored: non-tensor arguments always "
                            "take part in a graph's identity, because artifacts are specialised for their values "
                            "(NOTE [strict mode] in aitune/torch/config.py)")
+
+    @property
+    def copy_cuda_graph_outputs(self) -> bool:
+        """Served calls of Inductor/TorchAO CUDA-graph variants return copies (NOTE [output copies])."""
+        return self._copy_cuda_graph_outputs
+
+    @copy_cuda_graph_outputs.setter
+    def copy_cuda_graph_outputs(self, value: bool) -> None:
+        object.__setattr__(self, "_copy_cuda_graph_outputs", _bool(value, "copy_cuda_graph_outputs"))
 
     @property
     def enable_transformers_integration(self) -> bool:

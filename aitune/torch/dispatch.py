@@ -192,9 +192,9 @@ class Dispatch:
         # find the normalising plan made from the first one (no flat key tried, no binding); the phase and the
         # cache's fill are then read per call (phase_call), and the route from them.
         plan = self._phase_plans.get(tuple(kwargs)) if self.phases and not args else None
-        if plan is not None and (phase := phase_call(*(normal := plan(args, kwargs)))) is not None:
+        if plan is not None and (phase := phase_call(*(normal := plan(args, kwargs)), read_device=False)) is not None:
             args, kwargs = normal
-            tuned, leaves, checked = self._phase_route(phase, args, kwargs)
+            tuned, leaves, checked, phase = self._phase_route(phase, args, kwargs)
         else:
             raw_key = flat_call_key(args, kwargs)
             route = self._routes.get(raw_key) if raw_key is not None else None
@@ -205,8 +205,8 @@ class Dispatch:
             else:
                 raw_args, raw_kwargs = args, kwargs
                 args, kwargs = self.signature.normalize(args, kwargs)
-                if self.phases and (phase := phase_call(args, kwargs)) is not None:
-                    tuned, leaves, checked = self._phase_route(phase, args, kwargs)
+                if self.phases and (phase := phase_call(args, kwargs, read_device=False)) is not None:
+                    tuned, leaves, checked, phase = self._phase_route(phase, args, kwargs)
                     if not raw_args and tuple(raw_kwargs) not in self._phase_plans:
                         self._phase_plans[tuple(raw_kwargs)] = self.signature.plan(raw_args, raw_kwargs)
                 else:
@@ -314,13 +314,19 @@ class Dispatch:
             self._routes[raw_key] = (tuned, self.signature.plan(raw_args, raw_kwargs))
         return tuned, [*args, *kwargs.values()]
 
-    def _phase_route(self, phase: PhaseCall, args, kwargs) -> tuple[TunedGraph | None, list, list]:
+    def _phase_route(self, phase: PhaseCall, args, kwargs) -> tuple[TunedGraph | None, list, list, PhaseCall]:
         """The graph of a decoder call with a key/value cache, found by :attr:`PhaseCall.route` (the cache is
         flattened once per route, not per call); the call's leaves with only its top-level tensors filled in
-        (None elsewhere), which the value gate reads by index; and those top-level tensors alone, which the
-        per-call checks walk. The cache's own tensors are the artifact's business and its fill is checked from
-        :class:`PhaseCall` (NOTE [caches as inputs] in aitune/torch/record/llm.py)."""
+        (None elsewhere), which the value gate reads by index; those top-level tensors alone, which the
+        per-call checks walk; and the call's :class:`PhaseCall`, read from the device where the phase assumed
+        without reading it finds no graph (NOTE [decode without a device read] in aitune/torch/record/llm.py). The
+        cache's own tensors are the artifact's business and its fill is checked from :class:`PhaseCall` (NOTE
+        [caches as inputs])."""
         entry = self._phase_routes.get(phase.route)
+        if phase.assumed and entry is not None and entry[0] is None:
+            read = phase_call(args, kwargs)
+            if read is not None and read.phase != phase.phase:
+                return self._phase_route(read, args, kwargs)
         if entry is None:
             leaves, spec = tree_flatten((args, kwargs))
             tuned = self._by_key.get(make_graph_key(leaves, spec, phase.phase))
@@ -330,13 +336,15 @@ class Dispatch:
                     offsets[name] = offset
                 offset += child.num_leaves
             entry = self._phase_routes[phase.route] = (tuned, offsets, offset)
+            if tuned is None and phase.assumed:
+                return self._phase_route(phase, args, kwargs)  # (the entry is there now: read the phase)
         tuned, offsets, count = entry
         leaves = [None] * count
         top = []
         for name, index in offsets.items():
             leaves[index] = value = kwargs[name]
             top.append(value)
-        return tuned, leaves, top
+        return tuned, leaves, top, phase
 
     def _stale(self, args, kwargs, backend):
         return self.eager(args, kwargs, "stale", f"{self.watch.reason}: {backend.name} baked the old weights "

@@ -29,6 +29,34 @@ def test_c20_cuda_graph_outputs_stay_valid():
     torch.testing.assert_close(y_b, model(b))
 
 
+def test_without_output_copies_a_kept_cuda_graph_output_raises_instead_of_changing():
+    """NOTE [output copies]: with config.copy_cuda_graph_outputs False a served call returns the graph's own output;
+    reading one after the next call raises PyTorch's error, never a silently overwritten value. Copies again when
+    set back."""
+    from aitune.torch.config import config
+
+    model = Gram().cuda().eval()
+    backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="reduce-overhead"))
+    tuned = ait.Module(model, "gram-uncopied", strategy=ait.OneBackendStrategy(backend, profiling_config=ProfilingConfig(
+        time_budget_s=0.2)).enable_performance_validation(False), guard=ait.GuardConfig(enabled=False))
+    a, b = torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda")
+    ait.tune(tuned, [a], ignore_failing_modules=False, ready_batches=True)
+    config.copy_cuda_graph_outputs = False
+    try:
+        with torch.no_grad():
+            y_a = tuned(a)
+            torch.testing.assert_close(y_a, model(a))  # used before the next call: right
+            tuned(b)
+            with pytest.raises(RuntimeError, match="overwritten"):
+                y_a + 0
+    finally:
+        config.copy_cuda_graph_outputs = True
+    with torch.no_grad():
+        y_a, y_b = tuned(a), tuned(b)
+    torch.testing.assert_close(y_a, model(a))
+    torch.testing.assert_close(y_b, model(b))
+
+
 def test_the_bf16_variant_of_an_fp32_model_runs_reduce_overhead_in_bf16_when_allowed(monkeypatch):
     """Issue "Search": on a GPU with bf16 tensor cores an fp32 model gets reduce-overhead + freezing + bf16
     autocast; it is selected when reduced precision is allowed, returns fp32, and stays within bf16 accuracy."""

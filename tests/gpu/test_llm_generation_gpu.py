@@ -68,3 +68,29 @@ def test_transformers_auto_compile_with_a_wrapped_decoder_gives_eagers_tokens(tu
     ids = prompt(9)
     expected = generate(eager, ids, cache_implementation="static", disable_compile=True)
     assert torch.equal(generate(model, ids, cache_implementation="static"), expected)
+
+
+def test_a_one_token_prompt_gives_eagers_tokens(tuned):
+    """NOTE [decode without a device read]: a one-token prompt's prefill looks like a decode call to the dispatch
+    (one position, not read). Into a new cache (lazily initialised: another structure) its phase is read; into a
+    cache transformers reuses (reset, initialised) the decode graph computes it. Tokens equal eager's both ways."""
+    model, eager = tuned
+    ids = prompt(1)
+    expected = generate(eager, ids, **STATIC)
+    for _ in range(2):  # the second generate reuses the first one's static cache
+        assert torch.equal(generate(model, ids, **STATIC), expected)
+
+
+def test_without_output_copies_generate_gives_eagers_tokens(tuned):
+    """NOTE [output copies]: generate uses each decoder output before the next call, so the decode graph's own
+    outputs serve it unchanged."""
+    from aitune.torch.config import config
+
+    model, eager = tuned
+    ids = prompt(9)
+    expected = generate(eager, ids, **STATIC)
+    config.copy_cuda_graph_outputs = False
+    try:
+        assert torch.equal(generate(model, ids, **STATIC), expected)
+    finally:
+        config.copy_cuda_graph_outputs = True

@@ -121,3 +121,44 @@ def test_runner_serialises_concurrent_calls():
     thread.join(10.0)
     assert overlapped == [False] and entered_second.is_set()
     assert (float(results["first"]), float(results["second"])) == (1.0, 2.0)
+
+
+def test_served_calls_of_a_reduce_overhead_variant_skip_the_output_copy_only_when_told(monkeypatch):
+    """NOTE [output copies] in aitune/torch/config.py: a served call of an Inductor CUDA-graph variant copies its
+    outputs unless ``config.copy_cuda_graph_outputs`` is False; other runs copy either way. (CUDA graphs need a
+    GPU: here a default-mode build is switched onto the copying path a CUDA-graph build takes, and a spy on the
+    copy counts its calls; tests/gpu/test_llm_generation_gpu.py runs the real thing.) Values equal eager's both
+    ways; a non-bool setting is refused."""
+    import aitune.torch as ait
+    import aitune.torch.backend.inductor_jit as inductor_jit
+    from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
+    from aitune.torch.config import config
+
+    copies = []
+    real_copy = inductor_jit.clone_output
+    monkeypatch.setattr(inductor_jit, "clone_output", lambda output: copies.append(1) or real_copy(output))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    blueprint = TorchInductorJitBackend(TorchInductorJitBackendConfig())
+    tuned = ait.Module(model, "copies", guard=ait.GuardConfig(enabled=False),
+                       strategy=ait.OneBackendStrategy(blueprint).enable_performance_validation(False))
+    x = torch.randn(2, 8)
+    ait.tune(tuned, [x], ignore_failing_modules=False, ready_batches=True)
+    backend = tuned.backends["graph0"]
+    backend._clone_outputs = True  # what a reduce-overhead build sets
+    with torch.no_grad():
+        expected = model(x)
+        copies.clear()
+        torch.testing.assert_close(tuned(x), expected)
+        assert len(copies) == 1
+        try:
+            config.copy_cuda_graph_outputs = False
+            copies.clear()
+            torch.testing.assert_close(tuned(x), expected)
+            assert copies == [] and tuned.backend_calls >= 2
+            torch.testing.assert_close(backend.run((x,), {}), expected)  # not a served call: copied
+            assert len(copies) == 1
+        finally:
+            config.copy_cuda_graph_outputs = True
+    with pytest.raises(ConfigError, match="copy_cuda_graph_outputs must be a bool"):
+        config.copy_cuda_graph_outputs = "no"

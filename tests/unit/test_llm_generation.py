@@ -512,6 +512,24 @@ def test_cache_position_decides_the_phase_as_in_the_reference():
     assert llm_phase((), {"cache_position": torch.tensor([0.0])}) is None
 
 
+def test_the_dispatch_takes_a_one_position_device_cache_position_for_decode_without_reading_it():
+    """NOTE [decode without a device read]: off the CPU, one position means decode for the dispatch, unread (a
+    'meta' tensor has no values: reading one raises); recording reads it; on the CPU it is read; several
+    positions are read."""
+    from aitune.torch.record.llm import llm_phase, phase_call
+
+    unreadable = torch.zeros(1, dtype=torch.long, device="meta")
+    call = phase_call((), {"input_ids": torch.zeros(1, 1, dtype=torch.long), "cache_position": unreadable},
+                      read_device=False)
+    assert call.phase == "decode" and call.assumed and call.cached is None
+    with pytest.raises(Exception):
+        llm_phase((), {"cache_position": unreadable})  # the recorder's rule reads the value
+    assert phase_call((), {"cache_position": torch.tensor([0])}, read_device=False).phase == "prefill"
+    assert not phase_call((), {"cache_position": torch.tensor([4])}, read_device=False).assumed
+    with pytest.raises(Exception):
+        phase_call((), {"cache_position": torch.zeros(3, dtype=torch.long, device="meta")}, read_device=False)
+
+
 def test_the_cache_facts_memo_follows_the_cache_object_and_its_layers():
     """The layer facts kept for the last cache (NOTE [cache facts memo]) apply only to that same object (a new
     cache at a dead one's ids is described anew) holding the same layers (a layer swapped in counts)."""

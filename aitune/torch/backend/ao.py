@@ -22,6 +22,7 @@ from aitune.torch.backend.base import (
     _to_jsonable,
 )
 from aitune.torch.common.requirements import validate_flags
+from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.inductor_jit import (
     COMPILE_MODES,
     allow_many_variants,
@@ -420,12 +421,15 @@ class TorchAOBackend(Backend):
         finally:
             _inductor_restore(saved_inductor)
 
-    def _infer(self, args, kwargs):
+    def _infer(self, args, kwargs, copy: bool = True):
         if self._clone_outputs:  # CUDA-graph outputs are overwritten by the next replay (pytorch/pytorch#144386)
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad(), self._freezing:
             output = self._callable(*args, **kwargs)
-        return clone_output(output) if self._clone_outputs else output
+        return clone_output(output) if self._clone_outputs and copy else output
+
+    def _infer_accepted(self, args, kwargs):
+        return self._infer(args, kwargs, aitune_config._copy_cuda_graph_outputs)  # served (NOTE [output copies])
 
     # ---- checkpoints (JIT-style)
     def _save(self, directory: Path) -> dict:

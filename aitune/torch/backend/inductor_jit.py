@@ -14,6 +14,7 @@ import torch
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
 from aitune.torch.common.requirements import validate_flags
+from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.common.environment import native_bf16
@@ -421,7 +422,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         self.build_info["graph_breaks"] = graph_break_count() - breaks_before
         logger.debug("inductor_jit: %d graph breaks during warm-up", self.build_info["graph_breaks"])
 
-    def _run(self, args, kwargs):
+    def _run(self, args, kwargs, copy: bool = True):
         if self._clone_outputs:
             torch.compiler.cudagraph_mark_step_begin()
         # (a caller already under no_grad, as ait.Module's calls mostly are, does not pay for entering it again)
@@ -429,12 +430,15 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             output = self._compiled(*args, **kwargs)
         if self._channels_last:
             output = to_contiguous(output)
-        if self._clone_outputs:
+        if self._clone_outputs and copy:
             output = clone_output(output)
         return self._restore_output_dtypes(output)
 
     def _infer(self, args, kwargs):
         return self._run(args, kwargs)
+
+    def _infer_accepted(self, args, kwargs):
+        return self._run(args, kwargs, aitune_config._copy_cuda_graph_outputs)  # served (NOTE [output copies])
 
     def _load(self, directory, metadata, module, graph, device) -> None:
         if module is None:

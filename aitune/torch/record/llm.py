@@ -110,11 +110,15 @@ def llm_phase(args: tuple, kwargs: dict) -> str | None:
     return found[0] if found is not None else None
 
 
-def _phase_and_fill(kwargs: dict, cache: Any) -> tuple[str, int | None] | None:
+def _phase_and_fill(kwargs: dict, cache: Any, read_device: bool = True) -> tuple[str, int | None] | None:
     """``(phase, tokens the cache holds before the call)`` by the rules of this module's docstring; the token count
-    is None when ``cache_position`` decides. None when neither applies (or the cache cannot say)."""
+    is None when ``cache_position`` decides. None when neither applies (or the cache cannot say).
+    ``read_device=False``: a one-position ``cache_position`` off the CPU is taken for decode without reading it
+    (NOTE [decode without a device read])."""
     position = kwargs.get("cache_position")
     if isinstance(position, torch.Tensor) and position.numel() and not position.is_floating_point():
+        if not read_device and not position.is_cpu and position.numel() == 1:
+            return DECODE, None
         first = position[0] if position.dim() == 1 else position.reshape(-1)[0]  # one view op fewer, per call
         return (PREFILL if int(first) == 0 else DECODE), None
     if cache is None:
@@ -183,6 +187,7 @@ class PhaseCall(NamedTuple):
         cached: tokens the cache held before the call (None when the call passes ``cache_position`` instead).
         capacity: positions the cache holds (``max_cache_len``), None when unknown.
         query: positions the call adds (the sequence length of ``input_ids``/``inputs_embeds``), None when unknown.
+        assumed: the phase was taken from the shape, not read (NOTE [decode without a device read]).
     """
 
     route: Hashable
@@ -190,6 +195,7 @@ class PhaseCall(NamedTuple):
     cached: int | None
     capacity: int | None
     query: int | None
+    assumed: bool = False
 
     @property
     def overflows(self) -> bool:
@@ -197,9 +203,19 @@ class PhaseCall(NamedTuple):
         return None not in (self.cached, self.capacity, self.query) and self.cached + self.query > self.capacity
 
 
-def phase_call(args: tuple, kwargs: dict) -> PhaseCall | None:
+def phase_call(args: tuple, kwargs: dict, read_device: bool = True) -> PhaseCall | None:
     """The facts of a canonical call with a transformers cache or a ``cache_position`` (NOTE [caches as inputs]),
-    read without flattening the cache; None for any other call (or one nested in ways this does not key)."""
+    read without flattening the cache; None for any other call (or one nested in ways this does not key).
+
+    NOTE [decode without a device read]: with ``read_device=False`` (the dispatch of a tuned module), a call whose
+    ``cache_position`` is off the CPU and holds one position is taken for a decode call without reading the
+    position: the read waits for the device (a copy back to the host), ~60 µs per generated token on the GPU
+    machine (``benchmarks/llm_decode_host.py --stages``), more than the rest of the dispatch. Only a prompt of
+    one token into an empty cache is such a call and not a decode call; the decode graph computes the same
+    forward for it (the graph takes the positions as values, not as constants), and a lazily initialised cache
+    (transformers' first call) has another structure, which no decode graph takes: that call's phase is read
+    (:attr:`PhaseCall.assumed`). Recording always reads the position (the graph's identity, as in the
+    reference)."""
     if args:
         return None
     parts = []
@@ -219,11 +235,12 @@ def phase_call(args: tuple, kwargs: dict) -> PhaseCall | None:
             parts.append((name, type(value), layers_key))
         else:
             return None
-    found = _phase_and_fill(kwargs, cache)
+    found = _phase_and_fill(kwargs, cache, read_device)
     if found is None:
         return None
     phase, cached = found
-    return PhaseCall((tuple(parts), phase), phase, cached, capacity, _query(kwargs))
+    assumed = not read_device and phase == DECODE and cached is None and not kwargs["cache_position"].is_cpu
+    return PhaseCall((tuple(parts), phase), phase, cached, capacity, _query(kwargs), assumed)
 
 
 # NOTE [cache facts memo]: a decode step's call brings the same cache object every step, and a model has one layer
