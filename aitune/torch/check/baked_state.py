@@ -29,8 +29,9 @@ What is watched, per backend (NOTE [what a backend follows]):
     ``operator.itemgetter`` per submodule reads its ``__dict__``; the comparison short-cuts on identity. Per call:
     every such attribute of the user's own classes and ``training`` of every submodule; the hyper-parameters of
     ``torch.nn``'s built-in layers (a ``Conv2d``'s ``stride``, a ``BatchNorm``'s ``eps``, a ``LeakyReLU``'s
-    ``negative_slope``), set at construction and almost never changed after, only every ``VALUES_CHECK_EVERY``
-    calls with the sampled values — once one is found changed, every call runs eagerly until it is put back.
+    ``negative_slope``), set at construction and almost never changed after, and attributes added to or deleted
+    from such a layer, only every ``VALUES_CHECK_EVERY`` calls with the sampled values — once one is found
+    changed, every call runs eagerly until it is put back.
 ``stale`` (backends that bake the module in)
     Values of parameters, buffers and tensor attributes edited through ``.data`` (which bumps no version
     counter and keeps the data pointer): a few elements of each CPU tensor, evenly spaced, are compared bit for
@@ -177,10 +178,15 @@ class BakedState:
         self.fast_getters = [operator.itemgetter(*keys) for _, keys in fast]
         # attributes added later matter where forward reads a name by string that the module lacks now
         # ... and where forward reads a plain class attribute that an instance attribute may later shadow
-        self.sized = [attributes for module, attributes in zip(self.modules, self.dicts)
-                      if not _optional_names(type(module)) <= attributes.keys()
-                      or _class_defaults(type(module), reads[type(module)]) - attributes.keys()]
+        # (torch.nn's built-in layers among them, a third of a ResNet-50's modules, only every VALUES_CHECK_EVERY
+        # calls, like their hyper-parameters: counting their attributes on every call was ~11 µs of its ~30)
+        sized = [(module, attributes) for module, attributes in zip(self.modules, self.dicts)
+                 if not _optional_names(type(module)) <= attributes.keys()
+                 or _class_defaults(type(module), reads[type(module)]) - attributes.keys()]
+        self.sized = [attributes for module, attributes in sized if not _built_in(module)]
         self.sizes = list(map(len, self.sized))
+        self.sized_built_in = [attributes for module, attributes in sized if _built_in(module)]
+        self.sizes_built_in = list(map(len, self.sized_built_in))
         self.attributes = self._attributes()
         self.fast_attributes = self._fast_attributes()
         tensors = [(f"{name}.{key}".lstrip("."), attributes[key])
@@ -258,7 +264,8 @@ class BakedState:
         every = self.calls % VALUES_CHECK_EVERY == 0
         if (list(map(len, self.sized)) != self.sizes or not _same(self._fast_attributes(), self.fast_attributes)
                 or sum(map(VERSION, self.tensor_values)) != self.tensor_versions
-                or (every and not _same(self._attributes(), self.attributes))):
+                or (every and (not _same(self._attributes(), self.attributes)
+                               or list(map(len, self.sized_built_in)) != self.sizes_built_in))):
             self.calls -= 1  # checked in full again on the next call
             return "module", (f"{self._what_attribute_changed()}; {backend.name} baked the module in as it was at "
                               "tuning, so calls run eager while it differs")
@@ -295,7 +302,8 @@ class BakedState:
 
     def _what_attribute_changed(self) -> str:
         for name, attributes in zip(self.names, self.dicts):
-            if any(attributes is sized and len(attributes) != size for sized, size in zip(self.sized, self.sizes)):
+            if any(attributes is sized and len(attributes) != size for sized, size in
+                   zip(self.sized + self.sized_built_in, self.sizes + self.sizes_built_in)):
                 return f"attributes of {name or 'the module'} were added or deleted since tuning"
         for index, before in zip(self.watched_index, self.attributes):
             keys, attributes = self.watched[index], self.dicts[index]
@@ -333,8 +341,11 @@ _CALL = getattr(operator, "call", None) or (lambda function, argument: function(
 def _class_defaults(klass: type, names: frozenset[str]) -> set[str]:
     """The names among ``names`` that ``klass`` holds as plain class-level values (``scale = 1.0`` in the class
     body), which ``self.scale = ...`` later shadows."""
-    return {name for name in names if isinstance(getattr(klass, name, None), _PLAIN)
+    return {name for name in names if isinstance(getattr(klass, name, _NOT_IN_CLASS), _PLAIN)
             and not name.startswith("__") and name != "training"}
+
+
+_NOT_IN_CLASS = object()  # (getattr's default: a name the class lacks is no class-level None)
 
 
 def _built_in(module: torch.nn.Module) -> bool:
