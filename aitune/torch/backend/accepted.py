@@ -244,6 +244,8 @@ class ValueGate:
             if leaf is not None and not leaf.is_cpu:  # only the indices read below, not every leaf of a cache
                 leaves = {index: leaf if isinstance(leaf := leaves[index], torch.Tensor) and leaf.is_cpu else None
                           for index in self.leaf_indices}
+                if all(leaf is None for leaf in leaves.values()):  # a call on the device: nothing here is read
+                    return None
                 break
         for index, path, recorded in self.positions:
             if leaves[index] is None or not leaves[index].numel():
