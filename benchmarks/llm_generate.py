@@ -27,7 +27,9 @@ inputs: it rewrites the same cache position) call by call, N calls per path per 
 decoder as ``generate`` calls it, the decode graph's backend ``run`` on the normalised call, its compiled
 callable alone (CUDA-graph step marker included, no output copy) and, on CUDA, the hand-picked decoder. Per
 path: host µs until the call returns (device idle before it) and µs until the device is done. The tuned
-decoder minus the compiled callable is what aitune's dispatch costs per generated token.
+decoder minus the compiled callable is what aitune's dispatch costs per generated token. On CUDA the three are
+timed again with ``config.copy_cuda_graph_outputs = False`` (NOTE [output copies] in aitune/torch/config.py).
+``--skip`` leaves variants out (``eager-dynamic``, ``hf-compile``, ``hand-decoder``) where device time is short.
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ def main(argv=None) -> int:
     parser.add_argument("--once", nargs="*", default=[], help="variants timed by their warm-up run only (slow ones)")
     parser.add_argument("--decode-calls", type=int, default=0, help="also time one decode call, N calls per path "
                                                                     "per round (0: not timed)")
+    parser.add_argument("--skip", nargs="*", default=[], help="variants not run (eager-dynamic, hf-compile, "
+                                                                   "hand-decoder)")
     parser.add_argument("--no-output-copies", action="store_true",
                         help="config.copy_cuda_graph_outputs = False (NOTE [output copies] in aitune/torch/config.py)")
     parser.add_argument("--json", help="write the figures here too")
@@ -140,6 +144,7 @@ def main(argv=None) -> int:
 
     names = ["eager-dynamic", "eager-static", "tuned"] + (["hf-compile", "hand-decoder"]
                                                           if device.startswith("cuda") else [])
+    names = [name for name in names if name not in args.skip or name in ("eager-static", "tuned")]
     hand_decoder = torch.compile(eager_decoder, mode="reduce-overhead", fullgraph=True)
     outputs, times, first_token = {}, {n: [] for n in names}, {n: [] for n in names}
     for name in names:  # warm-up (HF's auto-compile compiles here)
@@ -168,8 +173,13 @@ def main(argv=None) -> int:
                 sync(device)
                 first_token[name].append(time.perf_counter() - start)
     model.model = wrapped
-    decode_cost = decode_call_cost(model, wrapped, hand_decoder if device.startswith("cuda") else None, measured,
+    decode_cost = decode_call_cost(model, wrapped, hand_decoder if "hand-decoder" in names else None, measured,
                                    args.decode_calls, args.rounds) if args.decode_calls else None
+    decode_cost_uncopied = None
+    if args.decode_calls and not args.no_output_copies and device.startswith("cuda"):  # the same without copies
+        ait.config.copy_cuda_graph_outputs = False
+        decode_cost_uncopied = decode_call_cost(model, wrapped, None, measured, args.decode_calls, args.rounds)
+        ait.config.copy_cuda_graph_outputs = True
     tokens = args.batch * args.new_tokens
     result = {"model": args.model, "device": device, "dtype": args.dtype, "batch": args.batch, "prompt": args.prompt,
               "new_tokens": args.new_tokens, "tune_s": round(tune_s, 1), "variants": {}}
@@ -201,6 +211,11 @@ def main(argv=None) -> int:
         result["decode_call_us"] = decode_cost
         print("one decode call, µs (p50 over all rounds): host until it returns / until the device is done")
         for name, entry in decode_cost.items():
+            print(f"  {name:14s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
+    if decode_cost_uncopied is not None:
+        result["decode_call_us_without_output_copies"] = decode_cost_uncopied
+        print("the same with config.copy_cuda_graph_outputs = False")
+        for name, entry in decode_cost_uncopied.items():
             print(f"  {name:14s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
     if args.json:
         with open(args.json, "w") as handle:
