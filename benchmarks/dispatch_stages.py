@@ -47,19 +47,19 @@ def _patched(totals: dict, module, backend):
 
     import aitune.torch.backend.inductor_jit as inductor_jit
 
-    patch(dispatch_module.Dispatch, "call", "Dispatch.call (total)")
-    patch(dispatch_module, "phase_call", "phase_call (phase, cache fill)")
-    patch(dispatch_module.Dispatch, "_phase_route", "_phase_route")
-    patch(BakedState, "differs", "BakedState.differs")
-    patch(StateWatch, "changed", "StateWatch.changed")
-    patch(ValueGate, "rejects", "ValueGate.rejects")
-    patch(RuntimeGuard, "due", "RuntimeGuard.due")
-    patch(backend, "run", "backend.run")
-    if getattr(backend, "_compiled", None) is not None:
-        patch(backend, "_compiled", "compiled callable")
-    patch(inductor_jit, "clone_output", "clone_output")
-    patch(torch.compiler, "cudagraph_mark_step_begin", "cudagraph_mark_step_begin")
     try:
+        patch(dispatch_module.Dispatch, "call", "Dispatch.call (total)")
+        patch(dispatch_module, "phase_call", "phase_call (phase, cache fill)")
+        patch(dispatch_module.Dispatch, "_phase_route", "_phase_route")  # (a re-routing call counts twice)
+        patch(BakedState, "differs", "BakedState.differs")
+        patch(StateWatch, "changed", "StateWatch.changed")
+        patch(ValueGate, "rejects", "ValueGate.rejects")
+        patch(RuntimeGuard, "due", "RuntimeGuard.due")
+        patch(backend, "run", "backend.run")
+        if getattr(backend, "_compiled", None) is not None:
+            patch(backend, "_compiled", "compiled callable")
+        patch(inductor_jit, "clone_output", "clone_output")  # (Inductor JIT's copies; TorchAO's are not timed)
+        patch(torch.compiler, "cudagraph_mark_step_begin", "cudagraph_mark_step_begin")
         yield
     finally:
         for owner, name, original in reversed(saved):

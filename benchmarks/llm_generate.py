@@ -271,7 +271,7 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
         return hand_decoder(*args, **kwargs)
 
     paths = {"tuned": lambda: wrapped(*args, **kwargs),
-             "backend_run": lambda: backend.run(normal_args, normal_kwargs)}
+             "backend_run": lambda: backend.run(normal_args, normal_kwargs, accepted=True)}  # (as served)
     if compiled is not None:
         paths["compiled"] = compiled_call
     if hand_decoder is not None:

@@ -39,11 +39,12 @@ NOTE [output copies]: a CUDA-graph replay writes its outputs into the graph's ow
 Inductor or TorchAO ``reduce-overhead`` variant returns a copy (one device-to-device copy per output tensor, ~50 µs
 of host time per call for a decoder's output on the GPU machine: ``benchmarks/llm_decode_host.py --stages``).
 ``copy_cuda_graph_outputs = False`` returns the graph's own outputs instead, as a hand-picked ``torch.compile(...,
-mode="reduce-overhead")`` does: reading an output after the next call of the same graph then raises PyTorch's
-"accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run" (use the output, or copy
-it, before the next call; ``generate`` does). Tuning's own runs always copy. Backends whose replays would
-overwrite outputs silently (eager and TensorRT with ``use_cuda_graphs``, ONNX Runtime with ``cuda_graph``)
-copy whatever this says.
+mode="reduce-overhead")`` does: valid until the next call of any CUDA-graph variant on that device. PyTorch raises
+"accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run" on some later reads, not
+on all (another graph's replay shares the memory pool): use each output, or copy it, before the next call
+(``generate`` does, unless it returns hidden states or attentions). Tuning's own runs always copy. The other
+CUDA-graph backends (eager and TensorRT with ``use_cuda_graphs``, ONNX Runtime with ``cuda_graph``) copy
+whatever this says.
 
 NOTE [integrations]: the reference patches ``transformers``/``diffusers`` when these flags are on (cache
 classes for graph identity, a ``RMSNorm`` export workaround). aitune needs neither: transformers' caches are

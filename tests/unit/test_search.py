@@ -389,6 +389,16 @@ def test_a_freezing_variant_sets_the_global_flag_only_for_compiles_during_its_ca
     # torch._dynamo.reset() drops the compiled code and the callbacks: the next call compiles again, frozen
     torch._dynamo.reset()
     built = tuned.backends["graph0"]
+    with parameter_freezing(True):  # registers aitune's callbacks again, ahead of this test's
+        pass
+    handler.register_start_callback(_see_freezing)
+    _FREEZING_SEEN.clear()
+    try:
+        with torch.no_grad():
+            built.run((x,), {})
+    finally:
+        handler.remove_start_callback(_see_freezing)
+    assert _FREEZING_SEEN and all(_FREEZING_SEEN), _FREEZING_SEEN
     with torch.no_grad():
         before = built.run((x,), {})
         torch.testing.assert_close(before, model(x), atol=1e-2, rtol=0.05)  # (int8 weights for TorchAO)
@@ -400,6 +410,53 @@ def test_a_freezing_variant_sets_the_global_flag_only_for_compiles_during_its_ca
     torch.testing.assert_close(after, before)
     assert not torch.allclose(after, edited, atol=1e-3)
     assert torch._inductor.config.freezing is False
+
+
+def test_the_freezing_flag_never_outlives_a_frozen_call_when_another_thread_ends_the_compiles():
+    """NOTE [freezing per compile]: Dynamo runs the start and end callbacks when its count of compiles in progress
+    (CUDA-graph recordings included) leaves and returns to zero, which can happen in two threads: a frozen call
+    recording a CUDA graph in thread A while thread B compiles. The flag A's call may hold is given back when the
+    call ends, and a recording alone never sets it; a later compile in A is not frozen."""
+    import threading
+
+    from torch._dynamo.callback import CallbackTrigger
+
+    frozen = parameter_freezing(True)
+    handler = torch._dynamo.callback_handler
+    recording, compiling, finished = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def slow_backend(gm, _inputs):
+        compiling.set()
+        finished.wait(10)
+        return gm.forward
+
+    def thread_a():
+        with frozen:
+            with handler.install_callbacks(CallbackTrigger.CUDAGRAPH_RECORDING, "recording"):
+                recording.set()
+                compiling.wait(10)
+                seen["during the recording"] = torch._inductor.config.freezing
+        finished.set()
+        seen["after the call"] = torch._inductor.config.freezing
+        flags = []
+        later = torch.compile(lambda value: value - 1, backend=lambda gm, _: flags.append(
+            torch._inductor.config.freezing) or gm.forward)
+        with torch.no_grad():
+            later(torch.randn(3))
+        seen["a later compile"] = flags
+
+    def thread_b():
+        recording.wait(10)
+        with torch.no_grad():
+            torch.compile(lambda value: value * 2 + 1, backend=slow_backend)(torch.randn(3))
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert seen == {"during the recording": False, "after the call": False, "a later compile": [False]}
 
 
 def test_a_frozen_variant_retuned_after_new_weights_uses_them(fast_profiling):

@@ -170,13 +170,16 @@ class _FreezingWhileTracing:
     """Inductor ``freezing`` on for every compile that starts inside a call of a frozen callable (re-entrant).
 
     NOTE [freezing per compile]: the flag is read only while Dynamo traces and Inductor compiles. A call marks
-    its thread (a thread-local depth, ~0.1 µs), and Dynamo's compile-start callback, which runs in the compiling
-    thread before tracing (``torch._dynamo.callback_handler``; compiles are serialised by Dynamo's compile lock),
-    sets the global ``torch._inductor.config.freezing`` for that compile only; the end callback restores it. The
-    callbacks are registered again by the first call after ``torch._dynamo.reset()``, which clears them. Setting
-    and restoring the flag around every call instead cost ~9 µs of host time per call (the config module's
-    attribute lookups; this project's CPU), and a ``torch.compile`` traced by another thread during the call saw
-    it. Where the callbacks are missing (another torch), the flag is set and restored around the call."""
+    its thread (a thread-local depth, ~0.1 µs), and Dynamo's compile-start callback (``torch._dynamo.callback_handler``,
+    run in the compiling thread before it traces) sets ``torch._inductor.config.freezing`` for a Dynamo compile
+    that starts in a thread inside such a call; the end callback restores it, and so does the call's exit if the
+    end callback ran in another thread (Dynamo runs the callbacks when a process-wide count of compiles in
+    progress, CUDA-graph recordings included, leaves and returns to zero). Setting and restoring the flag around
+    every call instead cost ~9 µs of host time per call (the config module's attribute lookups; this project's
+    CPU). A frozen callable's recompile that starts while another thread records a CUDA graph gets no start
+    callback and compiles without freezing: slower, not wrong. The callbacks are registered again by the first
+    call after ``torch._dynamo.reset()``, which clears them. Where they are missing (another torch), the flag is
+    set and restored around the call."""
 
     def __init__(self) -> None:
         self._local = _Depth()
@@ -201,28 +204,36 @@ class _FreezingWhileTracing:
         local.depth -= 1
         if not self._per_compile:
             torch._inductor.config.freezing = local.saved.pop()
+        elif local.set and not local.depth:  # the compile's end callback ran elsewhere (or never)
+            self._restore(local)
 
-    def _compile_started(self, *_args) -> None:
+    def _compile_started(self, args=None) -> None:
         local = self._local
-        if local.depth:
+        trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
+        if local.depth and not local.set and trigger == "DYNAMO":  # not a CUDA-graph recording
             config = torch._inductor.config
-            local.saved.append(config.freezing)
+            local.previous = config.freezing
             config.freezing = True
-        else:
-            local.saved.append(None)
+            local.set = True
 
-    def _compile_ended(self, *_args) -> None:
-        saved = self._local.saved
-        if saved:
-            previous = saved.pop()
-            if previous is not None:
-                torch._inductor.config.freezing = previous
+    def _compile_ended(self, args=None) -> None:
+        local = self._local
+        if local.set:  # only the thread that set it
+            self._restore(local)
+
+    @staticmethod
+    def _restore(local) -> None:
+        torch._inductor.config.freezing = local.previous
+        local.set = False
 
 
 class _Depth(threading.local):
-    """Per thread: how many frozen calls are running, and the flag values to restore."""
+    """Per thread: how many frozen calls are running; whether a compile-start callback set the flag, and what
+    it was before; the values to restore where the flag is set around each call."""
 
     depth = 0
+    set = False
+    previous = False
 
     def __init__(self) -> None:
         self.saved: list = []

@@ -239,7 +239,9 @@ def phase_call(args: tuple, kwargs: dict, read_device: bool = True) -> PhaseCall
     if found is None:
         return None
     phase, cached = found
-    assumed = not read_device and phase == DECODE and cached is None and not kwargs["cache_position"].is_cpu
+    position = kwargs.get("cache_position")
+    assumed = (not read_device and phase == DECODE and cached is None and not position.is_cpu
+               and position.numel() == 1)
     return PhaseCall((tuple(parts), phase), phase, cached, capacity, _query(kwargs), assumed)
 
 
