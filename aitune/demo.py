@@ -17,6 +17,7 @@ import torch
 from aitune.utils.logging import libraries_logging
 import aitune.torch as ait
 from aitune.torch.backend import get_backend_class
+from aitune.torch.common.environment import native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,8 @@ def run(backends: list[str] | None = None, cache_dir: str | None = None, save_pa
           f"parameters) on {torch.get_num_threads()} CPU thread(s) with {len(dataset)} real batches "
           f"(shapes {', '.join(str(tuple(b['input_ids'].shape)) for b in dataset)}). Quantizing and "
           "reduced-precision (bf16) candidates are allowed in this demo (the default strategy would only show "
-          "them).", flush=True)
+          "them)" + ("." if native_bf16(torch.device("cpu")) else "; no bf16 candidate here: this CPU has no native "
+                     "bf16 (AMX or AVX-512 BF16)."), flush=True)
     started = time.perf_counter()
     report = ait.tune(lambda batch: encoder(**batch), dataset, cache_dir_path=cache_dir, ready_batches=True)
     print(f"\nTuned in {time.perf_counter() - started:.0f} s (the report table is logged above).")

@@ -247,15 +247,16 @@ def parameter_freezing(enabled: bool):
 
     NOTE [freezing is decided while Dynamo traces]: ``torch.compile(options={"freezing": True})`` patches
     Inductor's config only while Inductor compiles, but whether parameters become graph constants (what
-    freezing folds) or stay graph inputs is decided earlier, while Dynamo traces, from the *global*
-    ``torch._inductor.config.freezing`` (``torch._dynamo.utils.is_parameter_freezing``). With the options
+    freezing folds) or stay graph inputs is decided earlier, while Dynamo traces, from the config's own
+    ``torch._inductor.config.freezing`` (process-wide, or per thread in newer torch;
+    ``torch._dynamo.utils.is_parameter_freezing``). With the options
     alone, a frozen reduce-overhead ResNet-50 on CUDA ran slower than with freezing on while tracing, even
     slower than without freezing (``benchmarks/gpu_freezing.py`` measures it), and on CPU the weights were
     not folded at all (``tests/unit/test_search.py``). Every call of a frozen compiled
     callable runs inside this context, not only the build's warm-up: a call that recompiles (a probe of
     another size during tuning, a new shape later) adds a cache entry that Dynamo tries first, so an
-    unfrozen recompile would shadow the frozen one. The process-wide flag is set and restored around the
-    call's compiles (NOTE [freezing per compile]).
+    unfrozen recompile would shadow the frozen one. The flag is set and restored around the call's compiles
+    (NOTE [freezing per compile]).
     """
     global _FREEZING_WHILE_TRACING
     if not enabled:
