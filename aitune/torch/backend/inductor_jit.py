@@ -170,8 +170,8 @@ class _FreezingWhileTracing:
     """Inductor ``freezing`` on for every compile that starts inside a call of a frozen callable (re-entrant).
 
     NOTE [freezing per compile]: the flag is read only while Dynamo traces and Inductor compiles. A call marks
-    its thread (a thread-local depth, ~0.1 µs), and Dynamo's compile-start callback (``torch._dynamo.callback_handler``,
-    run in the compiling thread before it traces) sets ``torch._inductor.config.freezing`` for a Dynamo compile
+    its thread (a thread-local depth, ~0.1 µs), and Dynamo's compile-start callback
+    (``torch._dynamo.callback_handler``, run in the compiling thread before it traces) sets ``torch._inductor.config.freezing`` for a Dynamo compile
     that starts in a thread inside such a call; the end callback restores it, and so does the call's exit if the
     end callback ran in another thread (Dynamo runs the callbacks when a process-wide count of compiles in
     progress, CUDA-graph recordings included, leaves and returns to zero). Setting and restoring the flag around
