@@ -37,9 +37,11 @@ accepted (scripts run) and logged once as ignored.
 
 NOTE [output copies]: a CUDA-graph replay writes its outputs into the graph's own buffers, so a served call of an
 Inductor or TorchAO ``reduce-overhead`` variant returns a copy (one device-to-device copy per output tensor, ~50 µs
-of host time per call for a decoder's output on the GPU machine: ``benchmarks/llm_decode_host.py --stages``).
+of host time per call for a decoder's output on the GPU machine: ``benchmarks/llm_decode_host.py --stages``;
+a key/value cache in the output is the caller's own and is never copied).
 ``copy_cuda_graph_outputs = False`` returns the graph's own outputs instead, as a hand-picked ``torch.compile(...,
-mode="reduce-overhead")`` does: valid until the next call of any CUDA-graph variant on that device. PyTorch raises
+mode="reduce-overhead")`` does: valid until the next CUDA-graph replay on that device (aitune's, or a
+``reduce-overhead`` compile of the user's own). PyTorch raises
 "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run" on some later reads, not
 on all (another graph's replay shares the memory pool): use each output, or copy it, before the next call
 (``generate`` does, unless it returns hidden states or attentions). Tuning's own runs always copy. The other

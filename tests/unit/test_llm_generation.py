@@ -574,3 +574,50 @@ def test_decode_calls_after_the_first_skip_binding_their_arguments(tuned, monkey
         output, expected = model.model(**mine), eager.model(**theirs)
     assert bound == [] and model.model.stats["backend_calls"] == served + 1
     torch.testing.assert_close(output.last_hidden_state, expected.last_hidden_state, rtol=1e-4, atol=1e-5)
+
+
+def test_an_assumed_decode_phase_is_read_where_no_graph_takes_it_and_served_where_one_does(tuned, monkeypatch):
+    """NOTE [decode without a device read], the dispatch's half, on the CPU (where every position can be read): a
+    stand-in for phase_call assumes decode for every one-token call, as the dispatch does for a one-position
+    ``cache_position`` on a GPU (phase decode, fill unknown, ``assumed``). A one-token prompt into a new, lazily
+    initialised cache finds no decode graph under that assumption and its phase is read again; into an
+    initialised cache (reset, as ``generate`` reuses one) the decode graph serves it. Tokens equal eager's both ways."""
+    import aitune.torch.dispatch as dispatch
+    from aitune.torch.record import llm
+
+    model, eager, _ = tuned
+    real = llm.phase_call
+    assumed = []
+
+    reads = []
+
+    def stand_in(args, kwargs, read_device=True):
+        call = real(args, kwargs, read_device)
+        if read_device:
+            reads.append(call.phase)  # the dispatch reading an assumed phase again
+        if call is not None and not read_device and call.query == 1:
+            assumed.append(call.phase)
+            return call._replace(route=(call.route[0], llm.DECODE), phase=llm.DECODE, cached=None, assumed=True)
+        return call
+
+    monkeypatch.setattr(dispatch, "phase_call", stand_in)
+    decode = model.model.backends["decode"]
+    served = []
+    real_run = decode.run
+    monkeypatch.setattr(decode, "run", lambda *args, **kwargs: served.append(1) or real_run(*args, **kwargs))
+    ids = prompt(1)
+    expected = generate(eager, ids, **STATIC)
+    assert torch.equal(generate(model, ids, **STATIC), expected)  # a new cache: the prefill's phase read again
+    assert assumed.count(llm.PREFILL) == 1 and reads == [llm.PREFILL]
+    assert len(served) == NEW_TOKENS - 1  # the prefill not by the decode graph (a one-token prompt was never
+    # recorded: eager serves it, as before this rule)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=48)
+    generate(model, prompt(3), 4, past_key_values=cache, disable_compile=True)  # initialises its layers
+    cache.reset()
+    served.clear()
+    fallbacks = dict(model.model.stats["eager_fallbacks"])
+    fresh = transformers.StaticCache(config=eager.config, max_cache_len=48)
+    expected = generate(eager, ids, past_key_values=fresh, disable_compile=True)
+    assert torch.equal(generate(model, ids, past_key_values=cache, disable_compile=True), expected)
+    assert len(served) == NEW_TOKENS  # the one-token prefill too, by the decode graph
+    assert model.model.stats["eager_fallbacks"] == fallbacks

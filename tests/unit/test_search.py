@@ -459,6 +459,47 @@ def test_the_freezing_flag_never_outlives_a_frozen_call_when_another_thread_ends
     assert seen == {"during the recording": False, "after the call": False, "a later compile": [False]}
 
 
+def test_a_flag_set_by_a_compile_whose_end_callback_runs_elsewhere_is_given_back_when_the_call_ends():
+    """NOTE [freezing per compile]: thread A's frozen call compiles (its start callback sets the flag); thread B
+    starts a CUDA-graph recording before that compile ends, so Dynamo's end callbacks run in B, later. The flag stays
+    on in A for the rest of A's call and A's call gives it back when it ends."""
+    import threading
+
+    from torch._dynamo.callback import CallbackTrigger
+
+    frozen = parameter_freezing(True)
+    handler = torch._dynamo.callback_handler
+    compiling, recording, call_ended = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def waiting_backend(gm, _inputs):
+        seen["in the compile"] = torch._inductor.config.freezing
+        compiling.set()
+        recording.wait(10)
+        return gm.forward
+
+    def thread_a():
+        with frozen:
+            with torch.no_grad():
+                torch.compile(lambda value: value * 3 - 1, backend=waiting_backend)(torch.randn(3))
+            seen["after the compile, in the call"] = torch._inductor.config.freezing
+        seen["after the call"] = torch._inductor.config.freezing
+        call_ended.set()
+
+    def thread_b():
+        compiling.wait(10)
+        with handler.install_callbacks(CallbackTrigger.CUDAGRAPH_RECORDING, "recording"):
+            recording.set()
+            call_ended.wait(10)
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert seen == {"in the compile": True, "after the compile, in the call": True, "after the call": False}
+
+
 def test_a_frozen_variant_retuned_after_new_weights_uses_them(fast_profiling):
     """NOTE [a frozen compile per build]: after load_state_dict (same parameter objects, new values) a re-tune
     must fold the new weights in, not reuse Dynamo's entry with the old ones."""

@@ -170,16 +170,19 @@ class _FreezingWhileTracing:
     """Inductor ``freezing`` on for every compile that starts inside a call of a frozen callable (re-entrant).
 
     NOTE [freezing per compile]: the flag is read only while Dynamo traces and Inductor compiles. A call marks
-    its thread (a thread-local depth, ~0.1 µs), and Dynamo's compile-start callback
-    (``torch._dynamo.callback_handler``, run in the compiling thread before it traces) sets ``torch._inductor.config.freezing`` for a Dynamo compile
-    that starts in a thread inside such a call; the end callback restores it, and so does the call's exit if the
-    end callback ran in another thread (Dynamo runs the callbacks when a process-wide count of compiles in
-    progress, CUDA-graph recordings included, leaves and returns to zero). Setting and restoring the flag around
-    every call instead cost ~9 µs of host time per call (the config module's attribute lookups; this project's
-    CPU). A frozen callable's recompile that starts while another thread records a CUDA graph gets no start
-    callback and compiles without freezing: slower, not wrong. The callbacks are registered again by the first
-    call after ``torch._dynamo.reset()``, which clears them. Where they are missing (another torch), the flag is
-    set and restored around the call."""
+    its thread (a thread-local depth: under 1 µs per call), and Dynamo's compile-start callback
+    (``torch._dynamo.callback_handler``, run in the compiling thread before it traces) sets
+    ``torch._inductor.config.freezing`` for a Dynamo compile that starts in a thread inside such a call; the end
+    callback restores it, and so does the call's exit if the end callback ran in another thread (Dynamo runs the
+    callbacks when a process-wide count of compiles in progress, CUDA-graph recordings and lazy backward compiles
+    included, leaves and returns to zero). Setting and restoring the flag around every call instead cost ~9 µs
+    of host time per call (the config module's attribute lookups; this project's CPU). A frozen callable's
+    recompile that starts while another thread compiles a backward or records a CUDA graph gets no start
+    callback and compiles without freezing: slower, not wrong. Where the config is shared by all threads (older
+    torch; torch 2.13 keeps it per thread), a compile by another thread between such a compile's end and the
+    call's end sees the flag. The callbacks are registered again by the first call after
+    ``torch._dynamo.reset()``, which clears them. Where they are missing (another torch), the flag is set and
+    restored around the call."""
 
     def __init__(self) -> None:
         self._local = _Depth()
