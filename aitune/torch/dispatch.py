@@ -323,10 +323,6 @@ class Dispatch:
         cache's own tensors are the artifact's business and its fill is checked from :class:`PhaseCall` (NOTE
         [caches as inputs])."""
         entry = self._phase_routes.get(phase.route)
-        if phase.assumed and entry is not None and entry[0] is None:
-            read = phase_call(args, kwargs)
-            if read is not None and read.phase != phase.phase:
-                return self._phase_route(read, args, kwargs)
         if entry is None:
             leaves, spec = tree_flatten((args, kwargs))
             tuned = self._by_key.get(make_graph_key(leaves, spec, phase.phase))
@@ -336,9 +332,11 @@ class Dispatch:
                     offsets[name] = offset
                 offset += child.num_leaves
             entry = self._phase_routes[phase.route] = (tuned, offsets, offset)
-            if tuned is None and phase.assumed:
-                return self._phase_route(phase, args, kwargs)  # (the entry is there now: read the phase)
         tuned, offsets, count = entry
+        if tuned is None and phase.assumed:  # no graph for the phase assumed: read it
+            read = phase_call(args, kwargs)
+            if read is not None and read.phase != phase.phase:
+                return self._phase_route(read, args, kwargs)
         leaves = [None] * count
         top = []
         for name, index in offsets.items():

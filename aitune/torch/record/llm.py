@@ -110,24 +110,24 @@ def llm_phase(args: tuple, kwargs: dict) -> str | None:
     return found[0] if found is not None else None
 
 
-def _phase_and_fill(kwargs: dict, cache: Any, read_device: bool = True) -> tuple[str, int | None] | None:
-    """``(phase, tokens the cache holds before the call)`` by the rules of this module's docstring; the token count
-    is None when ``cache_position`` decides. None when neither applies (or the cache cannot say).
-    ``read_device=False``: a one-position ``cache_position`` off the CPU is taken for decode without reading it
-    (NOTE [decode without a device read])."""
+def _phase_and_fill(kwargs: dict, cache: Any, read_device: bool = True) -> tuple[str, int | None, bool] | None:
+    """``(phase, tokens the cache holds before the call, assumed)`` by the rules of this module's docstring; the
+    token count is None when ``cache_position`` decides. None when neither applies (or the cache cannot say).
+    ``read_device=False``: a one-position ``cache_position`` off the CPU is taken for decode without reading it,
+    and ``assumed`` says so (NOTE [decode without a device read])."""
     position = kwargs.get("cache_position")
     if isinstance(position, torch.Tensor) and position.numel() and not position.is_floating_point():
         if not read_device and not position.is_cpu and position.numel() == 1:
-            return DECODE, None
+            return DECODE, None, True
         first = position[0] if position.dim() == 1 else position.reshape(-1)[0]  # one view op fewer, per call
-        return (PREFILL if int(first) == 0 else DECODE), None
+        return (PREFILL if int(first) == 0 else DECODE), None, False
     if cache is None:
         return None
     try:
         cached = int(cache.get_seq_length())
     except Exception:  # noqa: BLE001 - a cache that cannot say: not a phase call
         return None
-    return (PREFILL if cached == 0 else DECODE), cached
+    return (PREFILL if cached == 0 else DECODE), cached, False
 
 
 def dynamic_cache_reason(args: tuple, kwargs: dict) -> str | None:
@@ -238,10 +238,7 @@ def phase_call(args: tuple, kwargs: dict, read_device: bool = True) -> PhaseCall
     found = _phase_and_fill(kwargs, cache, read_device)
     if found is None:
         return None
-    phase, cached = found
-    position = kwargs.get("cache_position")
-    assumed = (not read_device and phase == DECODE and cached is None and not position.is_cpu
-               and position.numel() == 1)
+    phase, cached, assumed = found
     return PhaseCall((tuple(parts), phase), phase, cached, capacity, _query(kwargs), assumed)
 
 
