@@ -107,6 +107,10 @@ def main(argv=None) -> int:
                                                                    "hand-decoder)")
     parser.add_argument("--no-output-copies", action="store_true",
                         help="config.copy_cuda_graph_outputs = False (NOTE [output copies] in aitune/torch/config.py)")
+    parser.add_argument("--compile-times", action="store_true",
+                        help="after the tune, print Dynamo/Inductor's compile-time table (torch._dynamo.utils)")
+    parser.add_argument("--tune-only", action="store_true", help="tune, print the report and stop (e.g. to time a "
+                                                                 "re-tune with the compile caches warm)")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     ait.config.copy_cuda_graph_outputs = not args.no_output_copies
@@ -125,6 +129,14 @@ def main(argv=None) -> int:
     report = ait.tune(lambda ids: generate(model, ids, args.new_tokens, static=True), prompts, ready_batches=True)
     tune_s = time.perf_counter() - started
     print(report.describe())
+    if args.compile_times:
+        from torch._dynamo.utils import compile_times, counters
+
+        print(compile_times(repr="str", aggregate=True))
+        print("dynamo counters:", {key: dict(value) for key, value in counters.items() if key in ("stats", "frames")})
+    if args.tune_only:
+        print(f"tune: {tune_s:.1f} s")
+        return 0
 
     def variant(name):
         if name == "eager-dynamic":

@@ -146,7 +146,8 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
             set_recording_batch_size(None)
             for snapshot in snapshots.values():
                 snapshot.restore()
-        logger.info("aitune: recorded %d call(s)", count)
+        recording_s = time.perf_counter() - started
+        logger.info("aitune: recorded %d call(s) in %.1f s", count, recording_s)
 
         if modules is None:
             targets = [m for m in registered_modules() if sum(g.num_calls for g in m.graphs) > counts_before.get(
@@ -169,7 +170,7 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
         report = tune_modules(targets, device=device, cache_dir_path=root, report_path=report_path,
                               ignore_failing_modules=ignore_failing_modules, use_cache=use_cache,
                               snapshots=snapshots, started=started, progress=progress,
-                              time_budget_s=time_budget_s, peak_memory=peak_memory)
+                              time_budget_s=time_budget_s, peak_memory=peak_memory, recording_s=recording_s)
         _offload_after_tuning(targets)
         telemetry.end_run(report)
         return report
@@ -187,13 +188,15 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
                  cache_dir_path: str | Path | None = None, report_path: str | Path | None = None,
                  ignore_failing_modules: bool = True, use_cache: bool = True, snapshots: dict | None = None,
                  started: float | None = None, progress: bool | None = None,
-                 time_budget_s: float | None = None, peak_memory: PeakMemory | None = None) -> TuneReport:
+                 time_budget_s: float | None = None, peak_memory: PeakMemory | None = None,
+                 recording_s: float | None = None) -> TuneReport:
     """Tune wrappers that have already recorded calls (their graphs hold samples), graph by graph.
 
     This is what :func:`tune` does after its recording pass; just-in-time tuning calls it for modules
     recorded during the user's own run. Arguments as for :func:`tune`; ``snapshots`` (``id(wrapper)`` ->
-    state snapshot taken before recording), ``started`` (``perf_counter()`` at the start) and ``peak_memory``
-    (measuring since the recording pass) are passed by :func:`tune` itself.
+    state snapshot taken before recording), ``started`` (``perf_counter()`` at the start), ``peak_memory``
+    (measuring since the recording pass) and ``recording_s`` (the recording pass's seconds, for the report) are
+    passed by :func:`tune` itself.
 
     Returns:
         The :class:`~aitune.torch.report.rows.TuneReport` (also written as JSON and logged as a table).
@@ -216,7 +219,7 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
     deadline = None if time_budget_s is None else started + float(time_budget_s)
     snapshots = snapshots or {}
     root = Path(cache_dir_path).expanduser() if cache_dir_path else cache_dir()
-    report = TuneReport(environment=environment())
+    report = TuneReport(environment=environment(), recording_s=recording_s)
     telemetry.begin_run(report)
     cache = crashes = rankings = None
     if use_cache:
@@ -278,6 +281,7 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
             # The max-batch-size search grows batches until memory runs out: not part of the peak reported.
             with peak_memory.paused() if peak_memory is not None else contextlib.nullcontext():
                 search = search_for_graph(strategy, module.__wrapped__, graph, target_device, snapshot.restore)
+            graph_started = time.perf_counter()
             context = GraphContext.from_eager(module.__wrapped__, module.name, graph, target_device,
                                               root / _safe(module.name) / graph.name, cache=cache,
                                               restore_state=snapshot.restore if graph.stateful else None)
@@ -294,6 +298,7 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
                 checked = context.checked_signatures()
             finally:
                 context.release()  # eager's references and their spilled files
+                entry.duration_s = round(time.perf_counter() - graph_started, 2)
             bar.graph_done(backend.describe())
             entry.candidates.extend(rows)
             entry.selected, entry.selection_reason = backend.describe(), why

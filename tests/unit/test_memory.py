@@ -91,6 +91,31 @@ def test_the_report_carries_the_tuning_peak_memory(fast_profiling, tmp_path):
     assert again.peak_memory == peak
 
 
+class SlowBuildBackend(TorchEagerBackend):
+    """Eager whose build takes 0.3 s more: a build time the report must show."""
+
+    name = "test_slow_build"
+    passthrough = False
+
+    def _build(self, module, graph, device, workdir):
+        import time
+
+        time.sleep(0.3)
+        return super()._build(module, graph, device, workdir)
+
+
+def test_the_report_says_where_the_tune_time_went(fast_profiling):
+    report = tune(fast_profiling, [SlowBuildBackend(), TorchEagerBackend()])
+    (graph,) = report.graphs
+    builds = sum(row.build_s or 0.0 for row in graph.candidates)
+    assert builds >= 0.3 and graph.duration_s >= builds  # the graph's time holds its builds
+    assert 0 < report.recording_s and report.recording_s + graph.duration_s <= report.duration_s
+    assert (f"tune {report.duration_s:.1f} s: recording {report.recording_s:.1f} s; net/graph0 "
+            f"{graph.duration_s:.1f} s (builds {builds:.1f} s)") in report.describe()
+    again = TuneReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert (again.recording_s, again.graphs[0].duration_s) == (report.recording_s, graph.duration_s)
+
+
 @pytest.mark.parametrize("spill_bytes", ["0", None], ids=["spilled", "in-memory"])
 def test_spilled_references_judge_candidates_like_in_memory_ones(spill_bytes, fast_profiling, monkeypatch, tmp_path):
     from aitune.torch.check.references import ReferenceStore

@@ -83,7 +83,9 @@ class GraphReport:
     """Per graph: the spec, the rows, the selected backend and why.
 
     ``max_batch_size``: the report of the max-batch-size search (:mod:`aitune.torch.search.max_batch_size`) when the
-    strategy enabled it, else None.
+    strategy enabled it, else None. ``duration_s``: wall seconds the graph's search took (builds, checks and
+    measurements of every candidate, eager's reference run included; the max-batch-size search excluded); None
+    for reports that did not time it.
     """
 
     module: str
@@ -94,6 +96,7 @@ class GraphReport:
     selection_reason: str = ""
     candidates: list[CandidateResult] = dataclasses.field(default_factory=list)
     max_batch_size: dict | None = None
+    duration_s: float | None = None
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -114,7 +117,9 @@ class TuneReport:
     Attributes:
         graphs: per graph, its candidate rows. module_errors: module name -> why its tuning failed.
         environment: versions and device (:func:`aitune.torch.common.environment.environment`).
-        started_at: ISO time (for a report read from a checkpoint: when it was saved). duration_s: s.
+        started_at: ISO time (for a report read from a checkpoint: when it was saved). duration_s: s, the whole call.
+        recording_s: s of ``ait.tune``'s recording pass (the user's function over the dataset, eager); None when
+            the run recorded nothing itself (just-in-time tuning, :func:`~aitune.torch.tuning.tune_modules`).
         path: the file it was written to or read from. checkpoint_rows_only: read from a ``.ait`` manifest, which
             keeps only the chosen backend's row per graph (:meth:`from_manifest`).
         peak_memory: the tuning's peak memory, ``{"host_bytes", "device_bytes", "host_method"}`` (bytes; the
@@ -132,6 +137,7 @@ class TuneReport:
     dry_run: bool = False
     checkpoint_rows_only: bool = False
     peak_memory: dict | None = None
+    recording_s: float | None = None
 
     @property
     def rows(self) -> list[CandidateResult]:
@@ -145,7 +151,8 @@ class TuneReport:
 
     def to_dict(self) -> dict:
         return {"schema_version": 1, "aitune_version": __version__, "started_at": self.started_at,
-                "duration_s": self.duration_s, "dry_run": self.dry_run, "environment": self.environment,
+                "duration_s": self.duration_s, "recording_s": self.recording_s, "dry_run": self.dry_run,
+                "environment": self.environment,
                 "module_errors": self.module_errors, "peak_memory": self.peak_memory,
                 "graphs": [graph.to_dict() for graph in self.graphs]}
 
@@ -169,7 +176,7 @@ class TuneReport:
         return cls(graphs=[GraphReport.from_dict(graph) for graph in data["graphs"]],
                    module_errors=dict(data.get("module_errors") or {}), environment=dict(data.get("environment") or {}),
                    started_at=str(data.get("started_at", "")), duration_s=float(data.get("duration_s") or 0.0),
-                   path=path, peak_memory=data.get("peak_memory"))
+                   path=path, peak_memory=data.get("peak_memory"), recording_s=data.get("recording_s"))
 
     @classmethod
     def from_json(cls, path: Path | str) -> "TuneReport":
@@ -258,11 +265,29 @@ class TuneReport:
                 lines.append(f"  max batch size: {found}")
         for module, error in self.module_errors.items():
             lines.append(f"{module}: tuning failed, runs eager — {error}")
+        timing = self.timing_text()
+        if timing:
+            lines.append(timing)
         if self.peak_memory:
             lines.append(f"peak memory while tuning: {peak_memory_text(self.peak_memory)}")
         if self.path:
             lines.append(f"report: {self.path}")
         return "\n".join(lines)
+
+
+    def timing_text(self) -> str:
+        """Where the tune's wall time went: ``"tune 185.1 s: recording 13.2 s; decoder/prefill 110.3 s (builds
+        88.1 s); ..."``; a build's seconds are its rows' ``build s`` summed (a build taken from the cache counts
+        its load). Empty for reports without timings (dry runs, checkpoint rows)."""
+        if self.dry_run or self.checkpoint_rows_only or not self.duration_s:
+            return ""
+        parts = [] if self.recording_s is None else [f"recording {self.recording_s:.1f} s"]
+        for graph in self.graphs:
+            if graph.duration_s is None:
+                continue
+            builds = sum(row.build_s or 0.0 for row in graph.candidates)
+            parts.append(f"{graph.module}/{graph.graph} {graph.duration_s:.1f} s (builds {builds:.1f} s)")
+        return f"tune {self.duration_s:.1f} s: " + "; ".join(parts) if parts else ""
 
 
 REASON_WIDTH = 60  # longer reasons go below the table, whole (never cut)
