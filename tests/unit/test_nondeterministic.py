@@ -1,7 +1,10 @@
 """A ``forward`` that draws random numbers (NOTE [nondeterministic forward] in aitune/torch/check/context.py):
 two eager runs on one input differ, so candidates are checked under one seed, without the fp32-parity rule
 (eager's own distance from an fp32 run is then the spread of its draws), and eager is kept where no seed makes
-eager repeat itself. A deterministic module is judged as before."""
+eager repeat itself. A deterministic module is judged as before, and so is one whose two eager runs differ by
+rounding only (NOTE [eager that repeats itself up to rounding])."""
+
+import itertools
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ import torch
 import aitune.torch as ait
 from aitune.torch.backend import (ONNXRuntimeBackend, TorchAOBackend, TorchEagerBackend, TorchEagerBackendConfig,
                                   TorchInductorAotBackend, TorchInductorJitBackend)
-from aitune.torch.check.context import GraphContext
+from aitune.torch.check.context import ROUNDING_SPREAD_MIN_SQNR_DB, GraphContext, rounding_spread
 from aitune.torch.check.correctness import Tolerance
 from aitune.torch.check.guard import GuardConfig, guard_for
 
@@ -154,3 +157,64 @@ def test_a_deterministic_module_is_judged_as_before(fast_profiling, tmp_path):
     context = GraphContext.from_eager(model, "m", graph, torch.device("cpu"), tmp_path)
     assert not context.seeded and torch.equal(torch.get_rng_state(), state)
     assert guard_for(GuardConfig(), graph, TorchEagerBackend(BF16_AUTOCAST), Tolerance(), None, set()) is not None
+
+
+_CALLS = itertools.count()
+
+
+class ReorderedSums(torch.nn.Module):
+    """A bf16 linear layer whose sum over the input features runs in another order at every other call (as a
+    split-K matmul or an atomic reduction may): two calls on one input differ by rounding only, up to ~0.09 here,
+    more than the default tolerance. The order is chosen by a module-level counter, not by the module's state."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(256, 64)
+
+    def forward(self, x):
+        if next(_CALLS) % 2:
+            return self.fc(x)
+        weight = self.fc.weight
+        return sum(x[:, i:i + 8] @ weight[:, i:i + 8].T for i in range(0, 256, 8)) + self.fc.bias
+
+
+class SameModule(TorchEagerBackend):
+    """The module itself, as a non-eager candidate: it computes what eager computes, in either order."""
+
+    name = "test_same_module"
+    passthrough = False
+
+
+def test_eager_that_differs_by_rounding_only_is_judged_as_deterministic(fast_profiling, tmp_path):
+    torch.manual_seed(0)
+    model = ReorderedSums().eval().to(torch.bfloat16)
+    strategy = ait.FirstWinsStrategy([SameModule()], profiling_config=fast_profiling,
+                                     probe_config=ait.ProbeConfig(max_probes=2)).enable_performance_validation(False)
+    tuned = ait.Module(model, "m", strategy=strategy)
+    report = ait.tune(tuned, [4 * torch.randn(b, 256, dtype=torch.bfloat16) for b in (4, 8)], ready_batches=True,
+                      cache_dir_path=tmp_path / "cache")
+    graph = tuned.graphs[0]
+    assert graph.nondeterministic is None  # not "eager is kept": the candidate was compared with eager
+    assert graph.rounding_spread.startswith("max abs ") and "SQNR >= " in graph.rounding_spread
+    sqnr = float(graph.rounding_spread.split("SQNR >= ")[1].split(" dB")[0])
+    assert ROUNDING_SPREAD_MIN_SQNR_DB <= sqnr < 60
+    assert report.graphs[0].selected == "SameModule()"
+    assert "two eager runs differ by rounding only (max abs" in report.describe()
+    assert guard_for(GuardConfig(), graph, SameModule(), Tolerance(), None, set()) is not None  # guard armed
+
+
+def test_rounding_spread_tells_rounding_from_random_draws():
+    torch.manual_seed(0)
+    model = ReorderedSums().eval().to(torch.bfloat16)
+    x = 4 * torch.randn(8, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        first, second = model(x), model(x)
+    assert not torch.equal(first, second)
+    assert rounding_spread({"y": first, "n": 3}, {"y": second, "n": 3}).startswith("SQNR >= ")
+    assert rounding_spread({"y": first, "n": 3}, {"y": second, "n": 4}) is None  # another constant
+    dropped = torch.nn.functional.dropout(first.float(), 0.1).to(torch.bfloat16)
+    assert rounding_spread(first, dropped) is None  # a draw of the output's own scale
+    assert rounding_spread(first, first.clone()) == "runs identical"
+    inf = first.clone()
+    inf[0, 0] = float("inf")
+    assert rounding_spread(first, inf) is None  # non-finite where the other is finite

@@ -21,6 +21,7 @@ import torch
 
 from aitune.errors import CorrectnessError, ToleranceExceededError
 from aitune.torch.check.correctness import OutputComparator, Tolerance, exact_fp32
+from aitune.torch.check.error_metrics import sqnr_db
 from aitune.torch.check.guard import signature
 from aitune.torch.check.probes import ProbeConfig, ProbeSet, make_probes
 from aitune.torch.check.references import ReferenceStore, leaf_magnitudes, spill_bytes_from_env
@@ -118,6 +119,7 @@ class GraphContext:
                                spill_bytes=spill_bytes_from_env() if spill_bytes is None else spill_bytes)
         context = cls(module=module, module_name=module_name, graph=graph, device=device, workdir=workdir,
                       reference_outputs=[], cache=cache, restore_state=restore_state, references=store)
+        graph.rounding_spread = None
         graph.nondeterministic = context._repeat_difference(seed=False) if graph.samples else None
         context.seeded = graph.nondeterministic is not None
         outputs, inputs_after = [], [] if graph.mutated_inputs else None
@@ -174,6 +176,12 @@ class GraphContext:
         try:
             OutputComparator(Tolerance()).compare(runs[0], runs[1])
         except ToleranceExceededError as exc:
+            spread = None if seed else rounding_spread(runs[0], runs[1])
+            if spread is not None:
+                self.graph.rounding_spread = f"max abs {exc.max_abs_error:.3g}, {spread}"
+                logger.info("aitune: %s/%s: two eager runs differ by rounding only (%s): judged as deterministic",
+                            self.module_name, self.graph.name, self.graph.rounding_spread)
+                return None
             if math.isfinite(exc.max_abs_error):
                 return f"two eager runs on one input differ (output {exc.leaf}: max abs error {exc.max_abs_error:.3g})"
             return f"two eager runs on one input differ ({str(exc)[:120]})"
@@ -299,6 +307,53 @@ class GraphContext:
 # seed does not make eager repeat itself, every candidate is rejected and eager kept. The run-time guard does
 # not re-check such a graph (two runs of it cannot be compared). Documented in docs/design.md (correctness).
 CHECK_SEED = 20240917  # the seed of a nondeterministic graph's checked calls (any fixed number)
+
+# NOTE [eager that repeats itself up to rounding]: some kernels sum in an order that varies from run to run
+# (split-K matmuls, atomics; on the H200 a Qwen2-0.5B-sized decoder's bf16 decode step at batch 8 differed by
+# up to 0.07 between two eager runs, where batch 1 repeated itself), so two eager runs of a reduced-precision
+# graph can differ by more than the default tolerance without drawing a random number. Calling such a graph
+# nondeterministic kept eager for it and rejected every candidate. So two runs that differ are first measured
+# against each other: where every float leaf keeps a signal-to-noise ratio of at least
+# ROUNDING_SPREAD_MIN_SQNR_DB (and every other leaf is equal), the difference is rounding, the graph is judged
+# as deterministic (rule 5's fp32 parity on, the guard armed) and the report says how far the runs were apart
+# (``graph.rounding_spread``). The floor: bf16 keeps 8 significant bits, one rounding ~48 dB, and two orders of
+# summation differ by a few roundings (35-50 dB); random draws of the output's own scale (dropout, noise) sit
+# far below it (dropout at p=0.1 ~10 dB). A draw of a much smaller scale than the output (dropout at p <= 1e-3)
+# can pass the floor and be judged as deterministic: its candidates are still held to the usual tolerances.
+ROUNDING_SPREAD_MIN_SQNR_DB = 30.0
+
+
+def rounding_spread(first: Any, second: Any) -> str | None:
+    """``"SQNR >= N dB"`` when two outputs of one structure differ by rounding only — every float tensor leaf at
+    least :data:`ROUNDING_SPREAD_MIN_SQNR_DB` from the other, finite where the other is, every other leaf equal —
+    else None (NOTE [eager that repeats itself up to rounding])."""
+    leaves, other = tree_flatten(first)[0], tree_flatten(second)[0]
+    if len(leaves) != len(other):
+        return None
+    worst = math.inf
+    for a, b in zip(leaves, other):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            if a is not b and a != b:
+                return None
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+            return None
+        if not a.is_floating_point():
+            if not torch.equal(a, b):
+                return None
+            continue
+        finite = torch.isfinite(a)
+        if not torch.equal(finite, torch.isfinite(b)):
+            return None
+        if not bool(finite.all()):  # the same non-finite values at the same places; the rest judged
+            if not torch.equal(a[~finite], b[~finite]):
+                return None
+            a, b = a[finite], b[finite]
+        sqnr = sqnr_db(a, b)
+        if not sqnr >= ROUNDING_SPREAD_MIN_SQNR_DB:
+            return None
+        worst = min(worst, sqnr)
+    return "runs identical" if worst == math.inf else f"SQNR >= {worst:.1f} dB"
 
 
 def _cuda_indices(device: torch.device) -> list[int]:

@@ -144,6 +144,10 @@ class GraphSpec:
         nondeterministic: why two eager runs of ``forward`` on one input differ (random numbers drawn in
             ``forward``), and how candidates are judged then; None when they agree or before tuning looked
             (set by :meth:`aitune.torch.check.context.GraphContext.from_eager`).
+        rounding_spread: how far two eager runs on one input differ when they differ by rounding only (kernels
+            whose order of summation varies between runs, e.g. cuBLAS at some reduced-precision shapes), e.g.
+            ``"max abs 0.0703, SQNR >= 45.1 dB"``; the graph is then judged as deterministic (NOTE [eager that
+            repeats itself up to rounding] in :mod:`aitune.torch.check.context`); None otherwise.
         phase: ``"prefill"``/``"decode"`` for a decoder called with a key/value cache (the graph's name too),
             else None (:mod:`aitune.torch.record.llm`).
         untunable: why no compiled backend may serve this graph (a dynamic key/value cache), or None; its
@@ -182,6 +186,7 @@ class GraphSpec:
         self.stateful = False
         self.stateful_reason: str | None = None
         self.nondeterministic: str | None = None
+        self.rounding_spread: str | None = None
         self.training: bool | None = None
         self.phase: str | None = None
         self.untunable: str | None = None
@@ -330,7 +335,7 @@ class GraphSpec:
         """What the recorded calls showed of ``forward`` (shared by :meth:`describe` and :meth:`to_json`)."""
         return {"num_calls": self.num_calls, "mutated_inputs": list(self.mutated_inputs), "stateful": self.stateful,
                 "stateful_reason": self.stateful_reason, "nondeterministic": self.nondeterministic,
-                "training": self.training, "phase": self.phase, "untunable": self.untunable,
+                "rounding_spread": self.rounding_spread, "training": self.training, "phase": self.phase, "untunable": self.untunable,
                 "cache_input": self.cache_input}
 
     # ---- JSON (checkpoint manifests)
@@ -344,7 +349,7 @@ class GraphSpec:
             ``{"index", "input_structure", "input_paths", "input_names", "tensor_specs" (each with the
             ``"device"`` type its tensor was recorded on), "constants" ([{"leaf_index", "path", "value"}]),
             "max_samples", "num_calls", "mutated_inputs", "stateful", "stateful_reason", "nondeterministic",
-            "training", "phase", "untunable", "cache_input"}``.
+            "rounding_spread", "training", "phase", "untunable", "cache_input"}``.
 
         Raises:
             CheckpointError: an input constant or structure type that has no JSON form.
@@ -404,6 +409,7 @@ class GraphSpec:
         graph.stateful = bool(data.get("stateful", False))
         graph.stateful_reason = data.get("stateful_reason")
         graph.nondeterministic = data.get("nondeterministic")
+        graph.rounding_spread = data.get("rounding_spread")
         graph.training = data.get("training")
         graph.phase = data.get("phase")
         graph.untunable = data.get("untunable")

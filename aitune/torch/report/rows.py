@@ -258,6 +258,9 @@ class TuneReport:
             lines.append(f"{graph.module}/{graph.graph}: {chosen} — {graph.selection_reason}")
             if (graph.spec or {}).get("nondeterministic"):
                 lines.append(f"  forward is nondeterministic: {graph.spec['nondeterministic']}")
+            if (graph.spec or {}).get("rounding_spread"):
+                lines.append(f"  two eager runs differ by rounding only ({graph.spec['rounding_spread']}): judged "
+                             "as deterministic")
             search = graph.max_batch_size
             if search:
                 found = f"{search['max_batch_size']} ({search.get('stopped_by', '')})" if search.get(
