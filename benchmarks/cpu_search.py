@@ -40,7 +40,7 @@ import time
 import torch
 
 import aitune.torch as ait
-from aitune.torch.backend.inductor_jit import parameter_freezing
+from aitune.torch.backend.compile_settings import parameter_freezing
 from aitune.torch.measure.profiling import ProfilingConfig, interleaved_round_ms, settle_host_allocator
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from aitune.torch.backend.inductor_jit import parameter_freezing
+from aitune.torch.backend.compile_settings import parameter_freezing
 from benchmarks.gpu_search import max_error, paired_p50_ms, resnet50
 
 VARIANTS = {

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 import aitune.torch as ait
-from aitune.torch.backend.inductor_jit import parameter_freezing
+from aitune.torch.backend.compile_settings import parameter_freezing
 from aitune.torch.measure.profiling import ProfilingConfig, Timer, interleaved_round_ms
 
 

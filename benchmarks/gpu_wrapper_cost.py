@@ -27,7 +27,7 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
-from aitune.torch.backend.inductor_jit import parameter_freezing
+from aitune.torch.backend.compile_settings import parameter_freezing
 from aitune.torch.check.guard import GuardConfig, StateWatch
 from benchmarks.gpu_search import p50_ms, paired_p50_ms, resnet50
 

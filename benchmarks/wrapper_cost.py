@@ -44,7 +44,8 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
-from aitune.torch.backend.inductor_jit import clone_output, parameter_freezing, uses_cuda_graphs
+from aitune.torch.backend.compile_settings import parameter_freezing
+from aitune.torch.backend.inductor_jit import clone_output, uses_cuda_graphs
 from benchmarks.dispatch_stages import print_stages, stages
 
 

@@ -2,6 +2,7 @@
 crashes remembered per environment. Backends here are real code (test subclasses of the eager backend, and
 a child build step that really segfaults), not mocks."""
 
+import contextlib
 import ctypes
 
 import pytest
@@ -10,7 +11,7 @@ from fake_clock import pause
 
 import aitune.torch as ait
 from aitune.torch.backend import TorchEagerBackend, TorchInductorJitBackend, TorchInductorJitBackendConfig
-from aitune.torch.backend.inductor_jit import parameter_freezing
+from aitune.torch.backend.compile_settings import parameter_freezing
 from aitune.torch.backend.isolation import run_isolated
 
 
@@ -699,3 +700,42 @@ def test_aitune_env_lists_and_clears_rankings(fast_profiling, fake_clock, tmp_pa
     assert main(["env", "--clear-rankings"]) == 0
     assert "forgot 1 ranking(s)" in capsys.readouterr().out
     assert _ranked_tune(net, batches, fast_profiling, "relisted")[2] == [0.0, 0.002, 0.004]  # a full search again
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.eps = 1e-6  # a float attribute, as an RMSNorm's variance_epsilon
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def _float_inputs(settings) -> list:
+    """The float64 scalar inputs of the graph Dynamo traces from ``_Scaled`` (dynamic shapes) inside ``settings``."""
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.extend(value for value in example_inputs
+                    if isinstance(value, torch.Tensor) and value.dtype == torch.float64 and value.dim() == 0)
+        return gm.forward
+
+    compiled = torch.compile(_Scaled(), backend=capture, dynamic=True)
+    with settings, torch.no_grad():
+        compiled(torch.randn(3, 8))
+    return seen
+
+
+def test_compiles_inside_an_aitune_compiled_call_take_float_attributes_as_constants():
+    """NOTE [floats specialised while tracing]: a float attribute is a graph input under torch's default (the
+    restart of a whole trace when Inductor cannot tensorify it); inside compile_settings it is a constant, and the
+    flag is given back after the call."""
+    from aitune.torch.backend.compile_settings import compile_settings
+
+    torch._dynamo.reset()
+    assert torch._dynamo.config.specialize_float is False
+    assert len(_float_inputs(contextlib.nullcontext())) == 1  # torch's default: eps is a graph input
+    for frozen in (False, True):
+        torch._dynamo.reset()
+        assert _float_inputs(compile_settings(frozen)) == []
+        assert torch._dynamo.config.specialize_float is False and torch._inductor.config.freezing is False

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch
 
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
+from aitune.torch.backend.compile_settings import compile_settings
 from aitune.torch.common.requirements import validate_flags
 from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.eager import AutocastMixin
@@ -166,112 +166,6 @@ def compile_arguments(mode: str | None, options: dict | None, freezing: bool) ->
     return None, {**list_mode_options(mode or "default"), **(options or {}), "freezing": True}
 
 
-class _FreezingWhileTracing:
-    """Inductor ``freezing`` on for every compile that starts inside a call of a frozen callable (re-entrant).
-
-    NOTE [freezing per compile]: the flag is read only while Dynamo traces and Inductor compiles. A call marks
-    its thread (a thread-local depth: under 1 µs per call), and Dynamo's compile-start callback
-    (``torch._dynamo.callback_handler``, run in the compiling thread before it traces) sets
-    ``torch._inductor.config.freezing`` for a Dynamo compile that starts in a thread inside such a call; the end
-    callback restores it, and so does the call's exit if the end callback ran in another thread (Dynamo runs the
-    callbacks when a process-wide count of compiles in progress, CUDA-graph recordings and lazy backward compiles
-    included, leaves and returns to zero). Setting and restoring the flag around every call instead cost ~9 µs
-    of host time per call (the config module's attribute lookups; this project's CPU). A frozen callable's
-    recompile that starts while another thread compiles a backward or records a CUDA graph gets no start
-    callback and compiles without freezing: slower, not wrong. Where the config is shared by all threads (older
-    torch; torch 2.13 keeps it per thread), a compile by another thread between such a compile's end and the
-    call's end sees the flag. The callbacks are registered again by the first call after
-    ``torch._dynamo.reset()``, which clears them. Where they are missing (another torch), the flag is set and
-    restored around the call."""
-
-    def __init__(self) -> None:
-        self._local = _Depth()
-        self._handler = getattr(torch._dynamo, "callback_handler", None)
-        self._per_compile = isinstance(getattr(self._handler, "start_callbacks", None), list)
-        self._started, self._ended = self._compile_started, self._compile_ended  # (bound once: found by identity)
-
-    def __enter__(self) -> None:
-        local = self._local
-        local.depth += 1
-        if self._per_compile:
-            if self._started not in self._handler.start_callbacks:  # first call, or torch._dynamo.reset() cleared it
-                self._handler.register_start_callback(self._started)
-                self._handler.register_end_callback(self._ended)
-        else:
-            config = torch._inductor.config
-            local.saved.append(config.freezing)
-            config.freezing = True
-
-    def __exit__(self, *exc_info) -> None:
-        local = self._local
-        local.depth -= 1
-        if not self._per_compile:
-            torch._inductor.config.freezing = local.saved.pop()
-        elif local.set and not local.depth:  # the compile's end callback ran elsewhere (or never)
-            self._restore(local)
-
-    def _compile_started(self, args=None) -> None:
-        local = self._local
-        trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
-        if local.depth and not local.set and trigger == "DYNAMO":  # not a CUDA-graph recording
-            config = torch._inductor.config
-            local.previous = config.freezing
-            config.freezing = True
-            local.set = True
-
-    def _compile_ended(self, args=None) -> None:
-        local = self._local
-        if local.set:  # only the thread that set it
-            self._restore(local)
-
-    @staticmethod
-    def _restore(local) -> None:
-        torch._inductor.config.freezing = local.previous
-        local.set = False
-
-
-class _Depth(threading.local):
-    """Per thread: how many frozen calls are running; whether a compile-start callback set the flag, and what
-    it was before; the values to restore where the flag is set around each call."""
-
-    depth = 0
-    set = False
-    previous = False
-
-    def __init__(self) -> None:
-        self.saved: list = []
-
-
-_FREEZING_WHILE_TRACING: _FreezingWhileTracing | None = None
-
-
-def parameter_freezing(enabled: bool):
-    """A context in which Dynamo traces with Inductor ``freezing`` on (a no-op context when not ``enabled``).
-
-    NOTE [freezing is decided while Dynamo traces]: ``torch.compile(options={"freezing": True})`` patches
-    Inductor's config only while Inductor compiles, but whether parameters become graph constants (what
-    freezing folds) or stay graph inputs is decided earlier, while Dynamo traces, from the config's own
-    ``torch._inductor.config.freezing`` (process-wide, or per thread in newer torch;
-    ``torch._dynamo.utils.is_parameter_freezing``). With the options
-    alone, a frozen reduce-overhead ResNet-50 on CUDA ran slower than with freezing on while tracing, even
-    slower than without freezing (``benchmarks/gpu_freezing.py`` measures it), and on CPU the weights were
-    not folded at all (``tests/unit/test_search.py``). Every call of a frozen compiled
-    callable runs inside this context, not only the build's warm-up: a call that recompiles (a probe of
-    another size during tuning, a new shape later) adds a cache entry that Dynamo tries first, so an
-    unfrozen recompile would shadow the frozen one. The flag is set and restored around the call's compiles
-    (NOTE [freezing per compile]).
-    """
-    global _FREEZING_WHILE_TRACING
-    if not enabled:
-        return contextlib.nullcontext()
-    if _FREEZING_WHILE_TRACING is None:
-        import torch._dynamo  # noqa: F401 - makes torch._dynamo.callback_handler an attribute
-        import torch._inductor.config  # noqa: F401 - makes torch._inductor.config an attribute
-
-        _FREEZING_WHILE_TRACING = _FreezingWhileTracing()
-    return _FREEZING_WHILE_TRACING
-
-
 def fresh_state_copy(module: torch.nn.Module) -> torch.nn.Module:
     """The module's structure with new parameter and buffer objects that share the original storage (no data
     copied; the user's module is not changed).
@@ -306,7 +200,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     """
 
     _channels_last = False
-    _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
+    _settings = contextlib.nullcontext()  # compile_settings(...) once built
 
     name = "inductor_jit"
     config_class = TorchInductorJitBackendConfig
@@ -426,7 +320,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             except Exception as exc:  # noqa: BLE001 - a module deepcopy refuses: compile it as it is
                 # (a later re-tune's build may then reuse folded old weights; the check against eager rejects it)
                 self.build_info["frozen_copy_failed"] = f"{type(exc).__name__}: {exc}"
-        self._freezing = parameter_freezing(frozen)
+        self._settings = compile_settings(frozen)
         allow_many_variants()
         self._compiled = torch.compile(module, backend="inductor", mode=mode, options=options,
                                        fullgraph=self.config.fullgraph, dynamic=dynamic)
@@ -441,7 +335,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         if self._clone_outputs:
             torch.compiler.cudagraph_mark_step_begin()
         # (a caller already under no_grad, as ait.Module's calls mostly are, does not pay for entering it again)
-        with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT, self._autocast(), self._freezing:
+        with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT, self._autocast(), self._settings:
             output = self._compiled(*args, **kwargs)
         if self._channels_last:
             output = to_contiguous(output)
