@@ -127,6 +127,7 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
         counts_before = {key: sum(g.num_calls for g in m.graphs) for key, m in before.items()}
 
         # 1. Recording pass.
+        recording_started = time.perf_counter()
         count = 0
         try:
             with torch.no_grad():
@@ -146,7 +147,7 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
             set_recording_batch_size(None)
             for snapshot in snapshots.values():
                 snapshot.restore()
-        recording_s = time.perf_counter() - started
+        recording_s = round(time.perf_counter() - recording_started, 2)
         logger.info("aitune: recorded %d call(s) in %.1f s", count, recording_s)
 
         if modules is None:

@@ -2,7 +2,6 @@
 crashes remembered per environment. Backends here are real code (test subclasses of the eager backend, and
 a child build step that really segfaults), not mocks."""
 
-import contextlib
 import ctypes
 
 import pytest
@@ -711,31 +710,32 @@ class _Scaled(torch.nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
-def _float_inputs(settings) -> list:
-    """The float64 scalar inputs of the graph Dynamo traces from ``_Scaled`` (dynamic shapes) inside ``settings``."""
-    seen = []
+def test_a_build_takes_float_attributes_as_constants_and_a_changing_one_costs_one_recompile(fast_profiling):
+    """NOTE [floats specialised while building]: the build's compiles take ``eps`` as a constant (a guarded
+    value: a new value recompiles); that recompile traces with torch's default, where ``eps`` is a graph input,
+    so further values compile nothing more. Every value gives eager's result."""
+    from torch._dynamo.utils import counters
 
-    def capture(gm, example_inputs):
-        seen.extend(value for value in example_inputs
-                    if isinstance(value, torch.Tensor) and value.dtype == torch.float64 and value.dim() == 0)
-        return gm.forward
+    model = _Scaled().eval()
+    tuned = ait.Module(model, "scaled", strategy=ait.OneBackendStrategy(
+        TorchInductorJitBackend(), profiling_config=fast_profiling).enable_performance_validation(False),
+        guard=ait.GuardConfig(enabled=False))
+    ait.tune(tuned, [torch.randn(2, 8), torch.randn(3, 8)], ignore_failing_modules=False, ready_batches=True)
+    built = tuned.backends["graph0"]
+    assert built.build_info["dynamic"] is True  # two batch sizes: one dynamic-shape graph
+    assert torch._dynamo.config.specialize_float is False  # given back after the build
+    x = torch.randn(5, 8)
 
-    compiled = torch.compile(_Scaled(), backend=capture, dynamic=True)
-    with settings, torch.no_grad():
-        compiled(torch.randn(3, 8))
-    return seen
+    def compiles_for(eps: float) -> int:
+        model.eps = eps
+        before = counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            torch.testing.assert_close(built.run((x,), {}), model(x))
+        return counters["stats"]["unique_graphs"] - before
 
-
-def test_compiles_inside_an_aitune_compiled_call_take_float_attributes_as_constants():
-    """NOTE [floats specialised while tracing]: a float attribute is a graph input under torch's default (the
-    restart of a whole trace when Inductor cannot tensorify it); inside compile_settings it is a constant, and the
-    flag is given back after the call."""
-    from aitune.torch.backend.compile_settings import compile_settings
-
-    torch._dynamo.reset()
-    assert torch._dynamo.config.specialize_float is False
-    assert len(_float_inputs(contextlib.nullcontext())) == 1  # torch's default: eps is a graph input
-    for frozen in (False, True):
-        torch._dynamo.reset()
-        assert _float_inputs(compile_settings(frozen)) == []
-        assert torch._dynamo.config.specialize_float is False and torch._inductor.config.freezing is False
+    try:
+        assert compiles_for(1e-6) == 0  # the value built with
+        assert compiles_for(1e-3) == 1  # a constant: the new value recompiles once ...
+        assert [compiles_for(eps) for eps in (1e-2, 0.5, 2.0)] == [0, 0, 0]  # ... as a graph input from then on
+    finally:
+        model.eps = 1e-6

@@ -23,12 +23,12 @@ from aitune.torch.backend.base import (
 )
 from aitune.torch.common.requirements import validate_flags
 from aitune.torch.config import config as aitune_config
+from aitune.torch.backend.compile_settings import floats_specialised, parameter_freezing
 from aitune.torch.backend.inductor_jit import (
     COMPILE_MODES,
     allow_many_variants,
     clone_output,
     compile_arguments,
-    compile_settings,
     graph_break_count,
     uses_cuda_graphs,
 )
@@ -290,7 +290,7 @@ class TorchAOBackend(Backend):
     rank = 40
     default_search_position = 50  # in the default search (Backend.default_search_position)
     requirements = (Requirement("torchao", ("torchao",), "torchao", "0.12"),)
-    _settings = contextlib.nullcontext()  # compile_settings(...) once built
+    _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
 
     def search_space(self, module, graph, device) -> list["Backend"]:
         """At the default configuration, the device's preset compiled with ``freezing`` (on CUDA
@@ -400,7 +400,7 @@ class TorchAOBackend(Backend):
                                preset or type(torchao_config).__name__, type(module).__name__)
             logger.debug("torchao: quantized %d modules with %s", len(changed), preset or torchao_config)
             self._clone_outputs = bool(changed) and self.config.compile and uses_cuda_graphs(self.config.mode, None)
-            self._settings = compile_settings(self.config.compile and self.config.freezing)
+            self._freezing = parameter_freezing(self.config.compile and self.config.freezing)
             if self.config.compile and changed:  # nothing quantized: a no-op row (evaluation), not worth a compile
                 dynamic = self._resolved_dynamic(graph)
                 self.build_info["dynamic"] = dynamic
@@ -414,9 +414,10 @@ class TorchAOBackend(Backend):
             if not changed:
                 return
             breaks_before = graph_break_count()
-            for sample in graph.samples:  # warm-up: quantize/compile every recorded shape now
-                sample = sample.clone()
-                self._infer(sample.args, sample.kwargs)
+            with floats_specialised():  # NOTE [floats specialised while building]
+                for sample in graph.samples:  # warm-up: quantize/compile every recorded shape now
+                    sample = sample.clone()
+                    self._infer(sample.args, sample.kwargs)
             self.build_info["graph_breaks"] = graph_break_count() - breaks_before
         finally:
             _inductor_restore(saved_inductor)
@@ -424,7 +425,7 @@ class TorchAOBackend(Backend):
     def _infer(self, args, kwargs, copy: bool = True):
         if self._clone_outputs:  # CUDA-graph outputs are overwritten by the next replay (pytorch/pytorch#144386)
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad(), self._settings:
+        with torch.no_grad(), self._freezing:
             output = self._callable(*args, **kwargs)
         return clone_output(output) if self._clone_outputs and copy else output
 

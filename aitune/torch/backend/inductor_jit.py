@@ -12,7 +12,7 @@ import torch
 
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
-from aitune.torch.backend.compile_settings import compile_settings
+from aitune.torch.backend.compile_settings import floats_specialised, parameter_freezing
 from aitune.torch.common.requirements import validate_flags
 from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.eager import AutocastMixin
@@ -157,7 +157,8 @@ def compile_arguments(mode: str | None, options: dict | None, freezing: bool) ->
     """``torch.compile`` takes a mode or options, not both: with ``freezing`` the mode becomes its options
     (``torch._inductor.list_mode_options``) plus ``freezing=True``.
 
-    The options alone apply freezing only half-way: trace the first calls inside :func:`parameter_freezing`
+    The options alone apply freezing only half-way: trace the first calls inside
+    :func:`~aitune.torch.backend.compile_settings.parameter_freezing`
     (NOTE [freezing is decided while Dynamo traces])."""
     if not freezing:
         return mode, options
@@ -200,7 +201,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     """
 
     _channels_last = False
-    _settings = contextlib.nullcontext()  # compile_settings(...) once built
+    _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
 
     name = "inductor_jit"
     config_class = TorchInductorJitBackendConfig
@@ -320,14 +321,15 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             except Exception as exc:  # noqa: BLE001 - a module deepcopy refuses: compile it as it is
                 # (a later re-tune's build may then reuse folded old weights; the check against eager rejects it)
                 self.build_info["frozen_copy_failed"] = f"{type(exc).__name__}: {exc}"
-        self._settings = compile_settings(frozen)
+        self._freezing = parameter_freezing(frozen)
         allow_many_variants()
         self._compiled = torch.compile(module, backend="inductor", mode=mode, options=options,
                                        fullgraph=self.config.fullgraph, dynamic=dynamic)
         breaks_before = graph_break_count()
-        for sample in graph.samples:  # warm-up: compile every recorded shape now, not at first use
-            sample = sample.clone()
-            self._run(sample.args, sample.kwargs)
+        with floats_specialised():  # NOTE [floats specialised while building]
+            for sample in graph.samples:  # warm-up: compile every recorded shape now, not at first use
+                sample = sample.clone()
+                self._run(sample.args, sample.kwargs)
         self.build_info["graph_breaks"] = graph_break_count() - breaks_before
         logger.debug("inductor_jit: %d graph breaks during warm-up", self.build_info["graph_breaks"])
 
@@ -335,7 +337,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         if self._clone_outputs:
             torch.compiler.cudagraph_mark_step_begin()
         # (a caller already under no_grad, as ait.Module's calls mostly are, does not pay for entering it again)
-        with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT, self._autocast(), self._settings:
+        with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT, self._autocast(), self._freezing:
             output = self._compiled(*args, **kwargs)
         if self._channels_last:
             output = to_contiguous(output)

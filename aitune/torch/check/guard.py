@@ -247,8 +247,9 @@ def guard_for(config: GuardConfig, graph, backend, tolerance, row: dict | None, 
               fallbacks: list | None = None) -> RuntimeGuard | None:
     """The run-time guard of one tuned graph, or None where re-running eager is not possible or pointless:
     guard off, eager itself chosen, a stateful graph (a second run would advance the module's state), a
-    graph whose ``forward`` changes its inputs in place, or a nondeterministic graph (``graph.nondeterministic``:
-    two runs of it differ, and seeding the caller's own call would change what it returns).
+    graph whose ``forward`` changes its inputs in place, a nondeterministic graph (``graph.nondeterministic``:
+    two runs of it differ, and seeding the caller's own call would change what it returns), or one whose eager
+    runs differ by rounding (``graph.rounding_spread``: a per-call comparison could fail on eager's own spread).
 
     Args:
         config: the module's :class:`GuardConfig`. graph: the tuned graph. backend: the chosen backend.
@@ -261,7 +262,7 @@ def guard_for(config: GuardConfig, graph, backend, tolerance, row: dict | None, 
     the module; the guard then allows twice the largest error measured at tuning.
     """
     if not config.enabled or getattr(backend, "passthrough", False) or graph.stateful or graph.mutated_inputs \
-            or getattr(graph, "nondeterministic", None) is not None:
+            or getattr(graph, "nondeterministic", None) is not None or getattr(graph, "rounding_spread", None):
         return None
     row = row or {}
     comparison = row.get("comparison") or {}

@@ -145,9 +145,10 @@ class GraphSpec:
             ``forward``), and how candidates are judged then; None when they agree or before tuning looked
             (set by :meth:`aitune.torch.check.context.GraphContext.from_eager`).
         rounding_spread: how far two eager runs on one input differ when they differ by rounding only (kernels
-            whose order of summation varies between runs, e.g. cuBLAS at some reduced-precision shapes), e.g.
-            ``"max abs 0.0703, SQNR >= 45.1 dB"``; the graph is then judged as deterministic (NOTE [eager that
-            repeats itself up to rounding] in :mod:`aitune.torch.check.context`); None otherwise.
+            whose order of summation varies between runs), e.g.
+            ``"max abs 0.0703, SQNR >= 45.1 dB"``; the graph is then judged as deterministic, without the run-time
+            guard (NOTE [eager that repeats itself up to rounding] in :mod:`aitune.torch.check.context`); None
+            otherwise.
         phase: ``"prefill"``/``"decode"`` for a decoder called with a key/value cache (the graph's name too),
             else None (:mod:`aitune.torch.record.llm`).
         untunable: why no compiled backend may serve this graph (a dynamic key/value cache), or None; its
@@ -335,8 +336,8 @@ class GraphSpec:
         """What the recorded calls showed of ``forward`` (shared by :meth:`describe` and :meth:`to_json`)."""
         return {"num_calls": self.num_calls, "mutated_inputs": list(self.mutated_inputs), "stateful": self.stateful,
                 "stateful_reason": self.stateful_reason, "nondeterministic": self.nondeterministic,
-                "rounding_spread": self.rounding_spread, "training": self.training, "phase": self.phase, "untunable": self.untunable,
-                "cache_input": self.cache_input}
+                "rounding_spread": self.rounding_spread, "training": self.training, "phase": self.phase,
+                "untunable": self.untunable, "cache_input": self.cache_input}
 
     # ---- JSON (checkpoint manifests)
     def to_json(self, module_name: str | None = None) -> dict:

@@ -260,7 +260,7 @@ class TuneReport:
                 lines.append(f"  forward is nondeterministic: {graph.spec['nondeterministic']}")
             if (graph.spec or {}).get("rounding_spread"):
                 lines.append(f"  two eager runs differ by rounding only ({graph.spec['rounding_spread']}): judged "
-                             "as deterministic")
+                             "as deterministic, without the run-time guard")
             search = graph.max_batch_size
             if search:
                 found = f"{search['max_batch_size']} ({search.get('stopped_by', '')})" if search.get(
@@ -276,7 +276,6 @@ class TuneReport:
         if self.path:
             lines.append(f"report: {self.path}")
         return "\n".join(lines)
-
 
     def timing_text(self) -> str:
         """Where the tune's wall time went: ``"tune 185.1 s: recording 13.2 s; decoder/prefill 110.3 s (builds
