@@ -213,8 +213,9 @@ def main(argv=None) -> int:
     print(f"tune: {tune_s:.1f} s; tuned decoder calls: {stats['backend_calls']} by a backend, eager fallbacks "
           f"{stats['eager_fallbacks']}")
     for name, entry in result["variants"].items():
+        first = f"{entry['first_token_ms']} ms" if "first_token_ms" in entry else "not timed"
         print(f"{name:14s} {entry['tokens_per_s']:9.1f} tokens/s  {entry['vs_eager_static']:6.3f}x eager-static  "
-              f"first token {entry.get('first_token_ms', '-')} ms  tokens vs eager: "
+              f"first token {first}  tokens vs eager: "
               f"{'identical' if entry['first_difference_vs_eager'] is None else entry['first_difference_vs_eager']}")
     for key in ("tuned_vs_hf_compile", "tuned_vs_hand_decoder"):
         if key in result:
