@@ -114,6 +114,9 @@ def test_the_report_says_where_the_tune_time_went(fast_profiling):
             f"{graph.duration_s:.1f} s (builds {builds:.1f} s)") in report.describe()
     again = TuneReport.from_dict(json.loads(json.dumps(report.to_dict())))
     assert (again.recording_s, again.graphs[0].duration_s) == (report.recording_s, graph.duration_s)
+    page = report.to_html()
+    assert f"recording {report.recording_s:.1f} s" in page
+    assert f"took {graph.duration_s:.1f} s (builds, checks and measurements; candidates' builds {builds:.1f} s" in page
 
 
 @pytest.mark.parametrize("spill_bytes", ["0", None], ids=["spilled", "in-memory"])

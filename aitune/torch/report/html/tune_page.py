@@ -64,6 +64,8 @@ def _report_meta(data: dict, source: str | None, checkpoint: bool, num_graphs: i
     parts = [f"{when} {_e(data.get('started_at', '?'))}"]
     if not checkpoint and data.get("duration_s") is not None:
         parts.append(f"took {_num(data.get('duration_s'), '.1f')} s")
+        if data.get("recording_s") is not None:
+            parts.append(f"recording {_num(data.get('recording_s'), '.1f')} s")
     parts.append(f"{num_graphs} graph(s), {len(rows)} candidate row(s)")
     status_text = ", ".join(f"{count} {_e(status)}" for status, count in
                             sorted(counts.items(), key=lambda item: _style(item[0])[1]))
@@ -98,6 +100,10 @@ def _graph_section(index: int, graph: dict, figures: "_FigureMaker", checkpoint:
              f'{_e(graph.get("selection_reason", ""))}</p>']
     if graph.get("strategy"):
         parts.append(f'<p class="muted">strategy: <code>{_e(graph["strategy"])}</code></p>')
+    if not checkpoint and graph.get("duration_s") is not None:  # (TuneReport.timing_text, per graph)
+        builds = sum(row.get("build_s") or 0.0 for row in graph.get("candidates") or [])
+        parts.append(f'<p class="muted">took {_num(graph["duration_s"], ".1f")} s (builds, checks and measurements; '
+                     f'candidates\' builds {_num(builds, ".1f")} s summed)</p>')
     inputs = _inputs_text(graph.get("spec") or {})
     if inputs:
         parts.append(f'<p class="muted">inputs (min..max shape, b = batch axis): <code>{_e(inputs)}</code></p>')
