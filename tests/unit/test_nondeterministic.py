@@ -165,18 +165,19 @@ _CALLS = itertools.count()
 class ReorderedSums(torch.nn.Module):
     """A bf16 linear layer whose sum over the input features runs in one of two orders (as a split-K matmul or an
     atomic reduction may): two calls on one input in different orders differ by rounding only, up to ~0.09 here,
-    more than the default tolerance. No random number is drawn: a module-level counter picks the order. After
-    ``ait.tune``'s recording (calls 0, 1: one per dataset item), tuning's unseeded pair (calls 2, 3) differs, its
-    references (calls 4, 5) sum in chunks, its seeded repeat (call 6) does not, and every later call (the
-    candidate's) takes the plain order, as accurate as eager's best run."""
+    more than the default tolerance. No random number is drawn: a module-level counter picks the order, chunked at
+    the calls in ``chunked``. After ``ait.tune``'s recording (calls 0, 1: one per dataset item), tuning's unseeded
+    pair is calls 2, 3, its references calls 4, 5 and its seeded repeat call 6; every later call (the candidate's)
+    takes the plain order, as accurate as eager's best run. The default: the unseeded pair differs, the
+    references sum in chunks, and so does the seeded repeat when 6 is in ``chunked`` (the pair agrees), else not."""
 
-    def __init__(self):
+    def __init__(self, chunked=(2, 4, 5)):
         super().__init__()
         self.fc = torch.nn.Linear(256, 64)
+        self.chunked = tuple(chunked)
 
     def forward(self, x):
-        count = next(_CALLS)
-        return self.compute(x, count in (2, 4, 5))
+        return self.compute(x, next(_CALLS) in self.chunked)
 
     def compute(self, x, chunked: bool):
         if not chunked:
@@ -213,11 +214,16 @@ def _tune_one(model, fast_profiling, tmp_path):
     return tuned, report
 
 
-def test_eager_that_differs_by_rounding_only_is_judged_as_deterministic(fast_profiling, tmp_path):
+@pytest.mark.parametrize("chunked, spill", [((2, 4, 5), None), ((2, 4, 5, 6), None), ((2, 4, 5), "0")],
+                         ids=["seeded-pair-differs", "seeded-pair-agrees", "spilled-references"])
+def test_eager_that_differs_by_rounding_only_is_judged_as_deterministic(chunked, spill, fast_profiling, tmp_path,
+                                                                        monkeypatch):
     global _CALLS
     _CALLS = itertools.count()  # the order of calls the class docstring describes
+    if spill is not None:  # references kept in files: rounding_spread reads them a chunk at a time
+        monkeypatch.setenv("AITUNE_REFERENCE_SPILL_BYTES", spill)
     torch.manual_seed(0)
-    model = ReorderedSums().eval().to(torch.bfloat16)
+    model = ReorderedSums(chunked).eval().to(torch.bfloat16)
     tuned, report = _tune_one(model, fast_profiling, tmp_path)
     graph = tuned.graphs[0]
     assert graph.nondeterministic is None  # not "eager is kept": the candidate was compared with eager
@@ -231,8 +237,8 @@ def test_eager_that_differs_by_rounding_only_is_judged_as_deterministic(fast_pro
 
 
 def test_a_small_random_draw_is_not_taken_for_rounding(fast_profiling, tmp_path):
-    """Noise from torch's generator, small enough to pass the rounding floors between two unseeded runs, agrees
-    with itself under one seed: the graph takes the seeded path (rule 5 off), not the rounding one."""
+    """Noise from torch's generator, small enough to pass the rounding floors between two unseeded runs, moves the
+    generator's state: the graph takes the seeded path (rule 5 off), not the rounding one."""
     torch.manual_seed(0)
     model = SmallNoise().eval().to(torch.bfloat16)
     x = 4 * torch.randn(8, 256, dtype=torch.bfloat16)

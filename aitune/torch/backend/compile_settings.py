@@ -25,9 +25,11 @@ def floats_specialised():
     build of a 24-layer decoder traced twice (benchmarks/RESULTS.md, ``benchmarks/llm_generate.py
     --compile-times``). Specialised, a float attribute is a constant guarded by its value. Only the build's
     compiles are specialised: a later recompile (a float attribute that changed, a new shape) traces with torch's
-    default, so an attribute that changes from call to call costs one more compile, after which it is a graph
-    input, never one compile per value. Float *arguments* are constants of aitune's graphs anyway (a call with
-    another value is another graph: :func:`aitune.torch.record.pytree.hashable_constant`)."""
+    default, so in a dynamic-shape graph an attribute that changes from call to call costs one more compile, after
+    which it is a graph input (with static shapes, ``dynamic=False``, torch recompiles per value with or without
+    this; a later recompile of a dynamic graph may restart its trace as before). Float *arguments* are constants
+    of aitune's graphs anyway (a call with another value is another graph:
+    :func:`aitune.torch.record.pytree.hashable_constant`)."""
     import torch._dynamo.config
 
     return torch._dynamo.config.patch(specialize_float=True)

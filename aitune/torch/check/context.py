@@ -21,11 +21,11 @@ import torch
 
 from aitune.errors import CorrectnessError, ToleranceExceededError
 from aitune.torch.check.correctness import OutputComparator, Tolerance, exact_fp32
-from aitune.torch.check.error_metrics import sqnr_db
+from aitune.torch.check.error_metrics import Norms, chunk_pieces
 from aitune.torch.check.guard import signature
 from aitune.torch.check.probes import ProbeConfig, ProbeSet, make_probes
-from aitune.torch.check.references import (ReferenceStore, StoredTensor, flatten_outputs, leaf_magnitudes,
-                                           spill_bytes_from_env)
+from aitune.torch.check.references import (CHUNK_ELEMENTS, ReferenceStore, StoredTensor, flatten_outputs,
+                                           leaf_magnitudes, spill_bytes_from_env)
 from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.measure.profiling import Measurement, ProfilingConfig
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
@@ -137,7 +137,7 @@ class GraphContext:
         context.reference_outputs, context.reference_inputs_after = outputs, inputs_after
         if context.seeded:
             still, seeded_spread = context._repeat_difference(seed=True, first=outputs[0])
-            if still is not None and spread is not None and seeded_spread is not None:
+            if spread is not None and (still is None or seeded_spread is not None):
                 # rounding, not random draws (NOTE [eager that repeats itself up to rounding])
                 graph.nondeterministic, context.seeded = None, False
                 graph.rounding_spread = spread
@@ -169,25 +169,35 @@ class GraphContext:
     def _repeat_difference(self, *, seed: bool, first: Any = None) -> tuple[str | None, str | None]:
         """Run the first sample through eager (twice, or once more against ``first``), the caller's random
         generators left as they were. Returns ``(what differs, rounding spread)``: ``(None, None)`` when the
-        outputs agree; else the difference, and :func:`rounding_spread`'s account of it when it is rounding only."""
+        outputs agree; else the difference, and :func:`rounding_spread`'s account of it when it is rounding only
+        and no run drew from torch's generators (their states moved)."""
         sample = self.graph.samples[0]
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=_cuda_indices(self.device)))
             runs = [first] if first is not None else []
+            drew = False
             while len(runs) < 2:
                 if self.restore_state is not None:
                     self.restore_state()
                 with seeded_rng(self.device) if seed else contextlib.nullcontext(), torch.no_grad():
                     inputs = sample.clone()
+                    before = _generator_states(self.device)
                     runs.append(self.module(*inputs.args, **inputs.kwargs))
+                    drew = drew or not all(map(torch.equal, before, _generator_states(self.device)))
         if self.restore_state is not None:
             self.restore_state()
         try:
             OutputComparator(Tolerance()).compare(runs[0], runs[1])
         except ToleranceExceededError as exc:
             if math.isfinite(exc.max_abs_error):
+                spread = None
+                if not drew:  # random draws are never rounding (NOTE [eager that repeats itself up to rounding])
+                    try:
+                        spread = rounding_spread(runs[0], runs[1])
+                    except Exception:  # noqa: BLE001 - a leaf it cannot read (memory, dtype): not judged rounding
+                        logger.debug("rounding_spread failed", exc_info=True)
                 return (f"two eager runs on one input differ (output {exc.leaf}: max abs error "
-                        f"{exc.max_abs_error:.3g})", rounding_spread(runs[0], runs[1]))
+                        f"{exc.max_abs_error:.3g})", spread)
             return f"two eager runs on one input differ ({str(exc)[:120]})", None
         except CorrectnessError as exc:
             return f"two eager runs on one input differ ({str(exc)[:120]})", None
@@ -316,17 +326,18 @@ CHECK_SEED = 20240917  # the seed of a nondeterministic graph's checked calls (a
 # (split-K matmuls, atomics), so two eager runs of a reduced-precision graph can differ by more than the default
 # tolerance without drawing a random number; calling such a graph nondeterministic kept eager for it and rejected
 # every candidate (benchmarks/RESULTS.md: a bf16 decoder's decode step at batch 8). A graph is judged as
-# deterministic, with ``graph.rounding_spread`` saying how far apart its runs were, only when (1) two unseeded runs
-# differ by rounding only (rounding_spread) and (2) two runs under one seed still differ, by rounding only: random
-# numbers drawn from torch's generators (dropout, noise) agree under one seed, so such a forward takes the seeded
-# path of NOTE [nondeterministic forward] however small its draws. Rounding only: every float leaf at least
-# ROUNDING_SPREAD_MIN_SQNR_DB from the other and no element further apart than ROUNDING_SPREAD_MAX_EPS times its
-# dtype's machine epsilon times the leaf's largest |x| (one redrawn row fails this even where the SQNR passes),
-# non-finite values at the same places, every other leaf equal. The floors: bf16 keeps 8 significant bits, one
-# rounding ~48 dB, and two orders of summation differ by a few roundings (35-50 dB, a few epsilons at the
-# largest values); a draw of the output's own scale sits far below (dropout at p=0.1 ~10 dB). What still passes:
-# draws from a generator no seed controls (a module's own ``torch.Generator``) that are also that small. Such a
-# graph gets no run-time guard: eager's own runs disagree, so a per-call comparison could retire a correct backend.
+# deterministic, with ``graph.rounding_spread`` saying how far apart its runs were, when (1) its eager runs drew
+# nothing from torch's generators (the CPU's and the device's states did not move: dropout and noise move them)
+# and two of them differ by rounding only (rounding_spread), and (2) under one seed the runs agree, or differ by
+# rounding only too (the kernels' order varies from run to run, so a seeded pair may agree by chance). Rounding
+# only: every float leaf at least ROUNDING_SPREAD_MIN_SQNR_DB from the other and no element further apart than
+# ROUNDING_SPREAD_MAX_EPS times its dtype's machine epsilon times the leaf's largest |x| (one redrawn row fails
+# this even where the SQNR passes), non-finite values at the same places, every other leaf equal. The floors: bf16
+# keeps 8 significant bits, one rounding ~48 dB, and two orders of summation differ by a few roundings (35-50 dB,
+# a few epsilons at the largest values); a draw of the output's own scale sits far below (dropout at p=0.1 ~10
+# dB). What still passes: draws from a generator of the module's own (``torch.Generator``), which moves neither
+# state, that are also that small. Such a graph gets no run-time guard: eager's own runs disagree, so a per-call
+# comparison could retire a correct backend.
 ROUNDING_SPREAD_MIN_SQNR_DB = 30.0
 ROUNDING_SPREAD_MAX_EPS = 8.0
 
@@ -334,44 +345,54 @@ ROUNDING_SPREAD_MAX_EPS = 8.0
 def rounding_spread(first: Any, second: Any) -> str | None:
     """``"max abs X, SQNR >= N dB"`` when two outputs of one structure (raw or as kept by a
     :class:`~aitune.torch.check.references.ReferenceStore`) differ by rounding only, by the rules of NOTE [eager
-    that repeats itself up to rounding]; else None."""
+    that repeats itself up to rounding]; else None. Read a chunk at a time, on the raw output's device."""
     leaves, other = flatten_outputs(first)[0], flatten_outputs(second)[0]
     if len(leaves) != len(other):
         return None
     worst_sqnr, worst_abs = math.inf, 0.0
     for a, b in zip(leaves, other):
-        a, b = (leaf.tensor() if isinstance(leaf, StoredTensor) else leaf for leaf in (a, b))
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        tensors = [isinstance(leaf, (torch.Tensor, StoredTensor)) for leaf in (a, b)]
+        if not all(tensors):
+            if any(tensors):
+                return None
             try:
                 if a is not b and bool(a != b):
                     return None
             except Exception:  # noqa: BLE001 - a leaf whose comparison is not a bool (an array): not judged equal
                 return None
             continue
-        if a.shape != b.shape or a.dtype != b.dtype:
+        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
             return None
-        a, b = a.detach(), b.detach().to(a.device)
-        if not a.is_floating_point():
-            if not torch.equal(a, b):
+        device = next((leaf.device for leaf in (b, a) if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+        norms, largest, apart = Norms(device), 0.0, 0.0
+        for x, y in chunk_pieces([a, b], device, CHUNK_ELEMENTS):
+            if not a.dtype.is_floating_point:
+                if not torch.equal(x, y):
+                    return None
+                continue
+            finite = torch.isfinite(x)
+            if not torch.equal(finite, torch.isfinite(y)):
                 return None
+            if not bool(finite.all()):  # the same non-finite values at the same places; the rest judged
+                if not torch.equal(x[~finite], y[~finite]):
+                    return None
+                x, y = x[finite], y[finite]
+            if x.numel():
+                norms.add(x, y)
+                largest, apart = max(largest, float(x.abs().max())), max(apart, float((x - y).abs().max()))
+        sqnr = norms.sqnr_db()
+        if not a.dtype.is_floating_point or sqnr == math.inf:
             continue
-        finite = torch.isfinite(a)
-        if not torch.equal(finite, torch.isfinite(b)):
-            return None
-        if not bool(finite.all()):  # the same non-finite values at the same places; the rest judged
-            if not torch.equal(a[~finite], b[~finite]):
-                return None
-            a, b = a[finite], b[finite]
-        if not a.numel():
-            continue
-        largest = float(a.abs().max())
-        apart = float((a.float() - b.float()).abs().max())
-        sqnr = sqnr_db(a, b)
         if not (sqnr >= ROUNDING_SPREAD_MIN_SQNR_DB
                 and apart <= ROUNDING_SPREAD_MAX_EPS * torch.finfo(a.dtype).eps * largest):
             return None
         worst_sqnr, worst_abs = min(worst_sqnr, sqnr), max(worst_abs, apart)
     return "runs identical" if worst_sqnr == math.inf else f"max abs {worst_abs:.3g}, SQNR >= {worst_sqnr:.1f} dB"
+
+
+def _generator_states(device: torch.device) -> list[torch.Tensor]:
+    """The CPU generator's state and ``device``'s CUDA generator's: a forward that draws from them moves them."""
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(index) for index in _cuda_indices(device))]
 
 
 def _cuda_indices(device: torch.device) -> list[int]:
