@@ -54,12 +54,14 @@ class Plain(torch.nn.Module):
         return torch.nn.functional.gelu(self.fc(x))
 
 
-def _tune(model, backends, dtype, fast_profiling, tmp_path):
-    strategy = ait.FirstWinsStrategy(backends, profiling_config=fast_profiling, allow_quantization=True,
-                                     allow_reduced_precision=True,
+def _tune(model, backends, dtype, fast_profiling, tmp_path, features=32, scale=1.0, extras=True):
+    """Tune ``model`` on two batches (4 and 8 rows of ``features`` standard normals times ``scale``); ``extras``:
+    quantized and reduced-precision variants allowed."""
+    strategy = ait.FirstWinsStrategy(backends, profiling_config=fast_profiling, allow_quantization=extras,
+                                     allow_reduced_precision=extras,
                                      probe_config=ait.ProbeConfig(max_probes=2)).enable_performance_validation(False)
     tuned = ait.Module(model, "m", strategy=strategy)
-    report = ait.tune(tuned, [torch.randn(b, 32, dtype=dtype) for b in (4, 8)], ready_batches=True,
+    report = ait.tune(tuned, [scale * torch.randn(b, features, dtype=dtype) for b in (4, 8)], ready_batches=True,
                       cache_dir_path=tmp_path / "cache")
     return tuned, report
 
@@ -206,12 +208,8 @@ class SmallNoise(torch.nn.Module):
 
 
 def _tune_one(model, fast_profiling, tmp_path):
-    strategy = ait.FirstWinsStrategy([SameModule()], profiling_config=fast_profiling,
-                                     probe_config=ait.ProbeConfig(max_probes=2)).enable_performance_validation(False)
-    tuned = ait.Module(model, "m", strategy=strategy)
-    report = ait.tune(tuned, [4 * torch.randn(b, 256, dtype=torch.bfloat16) for b in (4, 8)], ready_batches=True,
-                      cache_dir_path=tmp_path / "cache")
-    return tuned, report
+    return _tune(model, [SameModule()], torch.bfloat16, fast_profiling, tmp_path, features=256, scale=4.0,
+                 extras=False)
 
 
 @pytest.mark.parametrize("chunked, spill", [((2, 4, 5), None), ((2, 4, 5, 6), None), ((2, 4, 5), "0")],

@@ -21,7 +21,7 @@ import torch
 
 from aitune.errors import CorrectnessError, ToleranceExceededError
 from aitune.torch.check.correctness import OutputComparator, Tolerance, exact_fp32
-from aitune.torch.check.error_metrics import Norms, chunk_pieces
+from aitune.torch.check.error_metrics import LeafErrors, chunk_pieces, compute_dtype
 from aitune.torch.check.guard import signature
 from aitune.torch.check.probes import ProbeConfig, ProbeSet, make_probes
 from aitune.torch.check.references import (CHUNK_ELEMENTS, ReferenceStore, StoredTensor, flatten_outputs,
@@ -364,27 +364,21 @@ def rounding_spread(first: Any, second: Any) -> str | None:
         if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
             return None
         device = next((leaf.device for leaf in (b, a) if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
-        norms, largest, apart = Norms(device), 0.0, 0.0
-        for x, y in chunk_pieces([a, b], device, CHUNK_ELEMENTS):
-            if not a.dtype.is_floating_point:
-                if not torch.equal(x, y):
-                    return None
-                continue
-            finite = torch.isfinite(x)
-            if not torch.equal(finite, torch.isfinite(y)):
+        pieces = chunk_pieces([a, b], device, CHUNK_ELEMENTS)
+        if not a.dtype.is_floating_point:
+            if not all(torch.equal(x, y) for x, y in pieces):
                 return None
-            if not bool(finite.all()):  # the same non-finite values at the same places; the rest judged
-                if not torch.equal(x[~finite], y[~finite]):
-                    return None
-                x, y = x[finite], y[finite]
-            if x.numel():
-                norms.add(x, y)
-                largest, apart = max(largest, float(x.abs().max())), max(apart, float((x - y).abs().max()))
-        sqnr = norms.sqnr_db()
-        if not a.dtype.is_floating_point or sqnr == math.inf:
+            continue
+        errors = LeafErrors(device, compute_dtype(a.dtype), record_norms=True, count_excess=False)
+        for x, y in pieces:
+            errors.add(x, y, 0.0, 0.0)
+        if int(errors.non_finite) or int(errors.extra_finite) or int(errors.sign):  # non-finite at other places
+            return None
+        sqnr, apart = errors.norms.sqnr_db(), float(errors.max_abs)
+        if sqnr == math.inf:
             continue
         if not (sqnr >= ROUNDING_SPREAD_MIN_SQNR_DB
-                and apart <= ROUNDING_SPREAD_MAX_EPS * torch.finfo(a.dtype).eps * largest):
+                and apart <= ROUNDING_SPREAD_MAX_EPS * torch.finfo(a.dtype).eps * float(errors.max_expected)):
             return None
         worst_sqnr, worst_abs = min(worst_sqnr, sqnr), max(worst_abs, apart)
     return "runs identical" if worst_sqnr == math.inf else f"max abs {worst_abs:.3g}, SQNR >= {worst_sqnr:.1f} dB"

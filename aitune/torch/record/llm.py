@@ -211,10 +211,10 @@ def phase_call(args: tuple, kwargs: dict, read_device: bool = True) -> PhaseCall
     ``cache_position`` is off the CPU and holds one position is taken for a decode call without reading the
     position: the read waits for the device (a copy back to the host); with it the phase check took 73.5 µs of a
     decode call on the GPU machine (``benchmarks/llm_decode_host.py --stages``), more than the rest of the
-    dispatch. Only a prompt of one token into an empty cache is such a call and not a decode call; the decode graph computes the same
-    forward for it (the graph takes the positions as values, not as constants), and a lazily initialised cache
-    (transformers' first call) has another structure, which no decode graph takes: that call's phase is read
-    (:attr:`PhaseCall.assumed`). Recording always reads the position (the graph's identity, as in the
+    dispatch. Only a prompt of one token into an empty cache is such a call and not a decode call; the decode graph
+    computes the same forward for it (the graph takes the positions as values, not as constants), and a lazily
+    initialised cache (transformers' first call) has another structure, which no decode graph takes: that call's
+    phase is read (:attr:`PhaseCall.assumed`). Recording always reads the position (the graph's identity, as in the
     reference)."""
     if args:
         return None
