@@ -8,6 +8,14 @@ device value back to the host (``item``, ``__bool__``, ``tolist``, ``synchronize
     python -m benchmarks.llm_decode_host --device cuda
     python -m benchmarks.llm_decode_host --device cuda --dtype bfloat16 --model qwen2-0.5b   # 24 layers
     python -m benchmarks.llm_decode_host --stages 500    # + one decode call's host time, stage by stage
+    python -m benchmarks.llm_decode_host --compiled 300  # + where the compiled callable's own host time goes
+
+``--compiled N`` times the decode graph's compiled callable alone (what ``torch.compile`` gives: Dynamo's guard
+check, cudagraph trees' input checks and copies, the replay), N calls per path, the paths alternating call by
+call: as built; under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (Dynamo runs only the guards that
+tell its compiled entries apart); then a cProfile and a torch.profiler table (CPU side) of N calls as built.
+``--hf N`` (CUDA): the same table for transformers' own compiled decode step (its auto-compile of the whole
+model under a static cache), over one ``generate`` of N new tokens, for comparison.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import sys
+import time
 
 import torch
 
@@ -34,7 +44,13 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="tiny", help="a model of benchmarks/llm_generate.py's MODELS")
     parser.add_argument("--stages", type=int, default=0, metavar="CALLS",
                         help="also time one decode call's stages over CALLS calls (benchmarks/dispatch_stages.py)")
+    parser.add_argument("--compiled", type=int, default=0, metavar="CALLS",
+                        help="also profile the decode graph's compiled callable alone over CALLS calls (docstring)")
+    parser.add_argument("--hf", type=int, default=0, metavar="TOKENS",
+                        help="also profile transformers' own compiled decode step over TOKENS new tokens (docstring)")
     args = parser.parse_args(argv)
+    if args.hf:
+        profile_hf(args, args.hf)
     model = build(args.model, args.device, getattr(torch, args.dtype))
     mode = "reduce-overhead" if args.device.startswith("cuda") else "default"
     backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode=mode))
@@ -59,6 +75,8 @@ def main(argv=None) -> int:
                          stages(wrapped, wrapped.backends[graph.name], lambda: wrapped(*call_args, **call_kwargs),
                                 args.stages, args.device.startswith("cuda"), lambda: rewind_cache(cache, cached)))
         ait.config.copy_cuda_graph_outputs = True
+    if args.compiled:
+        profile_compiled(model, args.compiled, measured)
     for _ in range(2):
         generate(model, measured, 64, static=True)
     profile = cProfile.Profile()
@@ -72,6 +90,73 @@ def main(argv=None) -> int:
     stats.print_callers("item|__bool__|_local_scalar")
     print("decoder stats:", model.model.stats)
     return 0
+
+
+def profile_compiled(model, calls: int, prompt) -> None:
+    """Where the decode graph's compiled callable spends its host time (``--compiled``; module docstring)."""
+    wrapped = model.model
+    call_args, call_kwargs, cache, cached = last_decode_call(model, wrapped, prompt)
+    graph = next(graph for graph in wrapped.graphs if getattr(graph, "phase", None) == "decode")
+    dispatch = wrapped._self_dispatch
+    args, kwargs = dispatch.signature.normalize(call_args, call_kwargs)
+    compiled = wrapped.backends[graph.name]._compiled
+    cuda = prompt.is_cuda
+
+    def call():
+        if cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs)
+
+    def skipping_guards():
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            return call()
+
+    paths = {"compiled": call, "compiled, differentiating guards only": skipping_guards}
+    host = {name: [] for name in paths}
+    with torch.no_grad():
+        for function in paths.values():
+            for _ in range(10):
+                rewind_cache(cache, cached)
+                function()
+        for _ in range(calls):
+            for name, function in paths.items():
+                rewind_cache(cache, cached)
+                if cuda:
+                    torch.cuda.synchronize()
+                started = time.perf_counter_ns()
+                function()
+                host[name].append((time.perf_counter_ns() - started) / 1e3)
+        if cuda:
+            torch.cuda.synchronize()
+        print(f"## the decode graph's compiled callable alone, host µs per call (p50 of {calls}, alternating)")
+        for name, values in host.items():
+            print(f"  {name:44s} {statistics.median(values):9.1f}")
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(calls):
+            rewind_cache(cache, cached)
+            call()
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                rewind_cache(cache, cached)
+                call()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+
+
+def profile_hf(args, tokens: int) -> None:
+    """transformers' auto-compiled decode step, CPU-side profile of one generate (``--hf``)."""
+    model = build(args.model, args.device, getattr(torch, args.dtype))
+    prompt = torch.randint(1, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    prompt = prompt.to(args.device)
+    for _ in range(3):
+        generate(model, prompt, tokens, static=True, compile_=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        generate(model, prompt, tokens, static=True, compile_=True)
+    print(f"## transformers' auto-compiled decode steps, one generate of {tokens} new tokens (CPU side)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    del model
 
 
 if __name__ == "__main__":
