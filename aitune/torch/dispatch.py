@@ -24,6 +24,7 @@ from aitune.torch.check.baked_state import BakedState
 from aitune.torch.check.guard import StateWatch
 from aitune.torch.record.llm import (
     PhaseCall,
+    counter_snapshot,
     llm_phase,
     phase_call,
     rewind_cache,
@@ -273,7 +274,9 @@ class Dispatch:
             args, kwargs = _contiguous((args, kwargs))
         guard = tuned.guard
         # a cache advances its counters in place: an eager rerun after the backend must start where it started
-        rewind = phase is not None and phase.cached is not None and graph.cache_input in kwargs
+        rewind = None
+        if phase is not None and graph.cache_input in kwargs:
+            rewind = phase.cached if phase.cached is not None else counter_snapshot(kwargs[graph.cache_input])
         try:
             if guard is not None and guard.due(leaves):
                 if watch is not None and watch.changed() is not None:
@@ -281,8 +284,8 @@ class Dispatch:
                 return self._guarded_call(tuned, guard, args, kwargs, leaves)
             output = backend.run(args, kwargs, accepted=True)
         except Exception as exc:  # noqa: BLE001 - a crashing backend never takes the caller down
-            if rewind:
-                rewind_cache(kwargs[graph.cache_input], phase.cached)
+            if rewind is not None:
+                rewind_cache(kwargs[graph.cache_input], rewind)
             if watch is not None and watch.changed() is not None:
                 return self._stale(args, kwargs, backend)
             return self.eager(args, kwargs, ("error", graph.name),
@@ -293,8 +296,8 @@ class Dispatch:
         # kernels just launched instead of delaying them (benchmarks/gpu_wrapper_cost.py). A stale call's output is
         # discarded and eager's returned: the same result as checking first, at the cost of one wasted call.
         if watch is not None and watch.changed() is not None:
-            if rewind:
-                rewind_cache(kwargs[graph.cache_input], phase.cached)
+            if rewind is not None:
+                rewind_cache(kwargs[graph.cache_input], rewind)
             return self._stale(args, kwargs, backend)
         self.backend_calls += 1
         return output

@@ -530,6 +530,60 @@ def test_the_dispatch_takes_a_one_position_device_cache_position_for_decode_with
         phase_call((), {"cache_position": torch.zeros(3, dtype=torch.long, device="meta")}, read_device=False)
 
 
+def test_the_dispatch_takes_a_one_token_call_on_a_device_cache_counter_for_decode_without_reading_it():
+    """NOTE [decode without a device read], transformers 5.x's form (no ``cache_position``; the cache's static
+    layers count their tokens in a 0-dim tensor): a one-token call whose counter is off the CPU is decode for the
+    dispatch, unread (a 'meta' counter has no value: reading it fails, and the call is then no phase call);
+    recording reads it; a call of several tokens is read."""
+    from aitune.torch.record.llm import phase_call
+
+    model = tiny_llama()
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model.model(input_ids=prompt(4), past_key_values=cache, use_cache=True)
+    read = phase_call((), {"input_ids": prompt(1), "past_key_values": cache}, read_device=False)
+    assert read.phase == "decode" and read.cached == 4 and not read.assumed  # a CPU counter is read
+    for layer in cache.layers:
+        layer.cumulative_length = torch.zeros((), dtype=torch.long, device="meta")
+    call = phase_call((), {"input_ids": prompt(1), "past_key_values": cache}, read_device=False)
+    assert call.phase == "decode" and call.assumed and call.cached is None
+    assert phase_call((), {"input_ids": prompt(1), "past_key_values": cache}) is None  # recording reads
+    assert phase_call((), {"input_ids": prompt(2), "past_key_values": cache}, read_device=False) is None
+
+
+def test_a_backend_that_raises_after_writing_an_unread_cache_rewinds_it_to_a_device_copy(tuned, monkeypatch):
+    """NOTE [decode without a device read]: where the dispatch did not read the cache's fill, a backend that
+    advanced the cache and then raised is undone from a copy of the counter taken before the call
+    (``counter_snapshot``), so eager's rerun writes where the call started and the tokens stay eager's."""
+    import aitune.torch.dispatch as dispatch
+    from aitune.torch.record import llm
+
+    model, eager, _ = tuned
+    real = llm.phase_call
+
+    def unread(args, kwargs, read_device=True):  # as on a GPU: decode assumed, fill unknown
+        call = real(args, kwargs, read_device)
+        if call is not None and not read_device and call.phase == llm.DECODE:
+            return call._replace(cached=None, assumed=True)
+        return call
+
+    monkeypatch.setattr(dispatch, "phase_call", unread)
+    backend = model.model.backends["decode"]
+    failures, real_run = [], backend.run
+
+    def run_then_raise(args, kwargs, **options):
+        output = real_run(args, kwargs, **options)
+        if len(failures) < 3:
+            failures.append(1)
+            raise RuntimeError("simulated failure after the cache was written")
+        return output
+
+    monkeypatch.setattr(backend, "run", run_then_raise)
+    ids = prompt(9)
+    assert torch.equal(generate(model, ids, **STATIC), generate(eager, ids, **STATIC))
+    assert failures == [1, 1, 1]
+
+
 def test_the_cache_facts_memo_follows_the_cache_object_and_its_layers():
     """The layer facts kept for the last cache (NOTE [cache facts memo]) apply only to that same object (a new
     cache at a dead one's ids is described anew) holding the same layers (a layer swapped in counts)."""

@@ -124,7 +124,10 @@ def _phase_and_fill(kwargs: dict, cache: Any, read_device: bool = True) -> tuple
     if cache is None:
         return None
     try:
-        cached = int(cache.get_seq_length())
+        counter = cache.get_seq_length()  # transformers 5.x's static layers: their token counter, a 0-dim tensor
+        if not read_device and isinstance(counter, torch.Tensor) and not counter.is_cpu and _query(kwargs) == 1:
+            return DECODE, None, True  # NOTE [decode without a device read]
+        cached = int(counter)
     except Exception:  # noqa: BLE001 - a cache that cannot say: not a phase call
         return None
     return (PREFILL if cached == 0 else DECODE), cached, False
@@ -207,15 +210,20 @@ def phase_call(args: tuple, kwargs: dict, read_device: bool = True) -> PhaseCall
     """The facts of a canonical call with a transformers cache or a ``cache_position`` (NOTE [caches as inputs]),
     read without flattening the cache; None for any other call (or one nested in ways this does not key).
 
-    NOTE [decode without a device read]: with ``read_device=False`` (the dispatch of a tuned module), a call whose
-    ``cache_position`` is off the CPU and holds one position is taken for a decode call without reading the
-    position: the read waits for the device (a copy back to the host); with it the phase check took 73.5 µs of a
-    decode call on the GPU machine (``benchmarks/llm_decode_host.py --stages``), more than the rest of the
-    dispatch. Only a prompt of one token into an empty cache is such a call and not a decode call; the decode graph
-    computes the same forward for it (the graph takes the positions as values, not as constants), and a lazily
-    initialised cache (transformers' first call) has another structure, which no decode graph takes: that call's
-    phase is read (:attr:`PhaseCall.assumed`). Recording always reads the position (the graph's identity, as in the
-    reference)."""
+    NOTE [decode without a device read]: with ``read_device=False`` (the dispatch of a tuned module), a call that
+    adds one position and whose ``cache_position`` — or, without one, its cache's token counter (transformers 5.x
+    passes no ``cache_position``; a static layer counts its tokens in a 0-dim tensor on the cache's device) — is off
+    the CPU is taken for a decode call without reading the position: the read waits for the device (a copy back to
+    the host); with it the phase check took 73.5-91.6 µs of a decode call on the GPU machine
+    (``benchmarks/llm_decode_host.py --stages``), more than the rest of the dispatch. Only a prompt of one token
+    into an empty cache is such a call and not a decode call; the decode graph computes the same forward for it (the
+    graph takes the positions and the counter as values, not as constants), and a lazily initialised cache
+    (transformers' first call) has another structure, which no decode graph takes: that call's phase is read
+    (:attr:`PhaseCall.assumed`). The fill is then unknown on the host (``cached`` None), so a call past the cache's
+    end is not turned away before it runs: it meets the same index check as in eager (a device-side assert on
+    CUDA; Inductor keeps its indirect-indexing asserts), and a backend's output discarded after the call rewinds the
+    counters to a device-side copy taken before it (:func:`counter_snapshot`). Recording always reads the position
+    (the graph's identity, as in the reference)."""
     if args:
         return None
     parts = []
@@ -290,15 +298,28 @@ def slow_route_facts(args: tuple, kwargs: dict, phase: str) -> PhaseCall:
     return PhaseCall(None, phase, found[1] if found is not None else None, _capacity_of(cache), _query(kwargs))
 
 
-def rewind_cache(cache: Any, cached: int) -> None:
+def counter_snapshot(cache: Any) -> torch.Tensor | None:
+    """A copy of ``cache``'s token counter as it is now when the counter is a tensor (transformers' static layers),
+    taken on its device without reading it back (an asynchronous copy); None otherwise. What
+    :func:`rewind_cache` rewinds to where the fill was not read (NOTE [decode without a device read])."""
+    try:
+        counter = cache.get_seq_length()
+    except Exception:  # noqa: BLE001 - a cache that cannot say
+        return None
+    return counter.clone() if isinstance(counter, torch.Tensor) else None
+
+
+def rewind_cache(cache: Any, cached: int | torch.Tensor) -> None:
     """Set the counters of ``cache`` and its layers back to ``cached`` tokens (what :func:`phase_call` read before
-    the call), so an eager rerun of a call a backend already ran writes where that call started. The counters are
-    transformers' ``cumulative_length`` (a tensor) and ``cumulative_length_int`` (sliding-window layers)."""
+    the call, or a :func:`counter_snapshot` taken then), so an eager rerun of a call a backend already ran writes
+    where that call started. The counters are transformers' ``cumulative_length`` (a tensor, or an int) and
+    ``cumulative_length_int`` (sliding-window layers). A snapshot is copied on the device; it is read back only for
+    an int counter."""
     for layer in getattr(cache, "layers", ()):
         counter = getattr(layer, "cumulative_length", None)
         if isinstance(counter, torch.Tensor):
-            counter.fill_(cached)
+            counter.copy_(cached) if isinstance(cached, torch.Tensor) else counter.fill_(cached)
         elif isinstance(counter, int):
-            layer.cumulative_length = cached
+            layer.cumulative_length = int(cached)
         if isinstance(getattr(layer, "cumulative_length_int", None), int):
-            layer.cumulative_length_int = cached
+            layer.cumulative_length_int = int(cached)
