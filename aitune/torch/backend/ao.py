@@ -23,7 +23,7 @@ from aitune.torch.backend.base import (
 )
 from aitune.torch.common.requirements import validate_flags
 from aitune.torch.config import config as aitune_config
-from aitune.torch.backend.compile_settings import floats_specialised, parameter_freezing
+from aitune.torch.backend.compile_settings import parameter_freezing
 from aitune.torch.backend.inductor_jit import (
     COMPILE_MODES,
     allow_many_variants,
@@ -414,10 +414,9 @@ class TorchAOBackend(Backend):
             if not changed:
                 return
             breaks_before = graph_break_count()
-            with floats_specialised():  # NOTE [floats specialised while building]
-                for sample in graph.samples:  # warm-up: quantize/compile every recorded shape now
-                    sample = sample.clone()
-                    self._infer(sample.args, sample.kwargs)
+            for sample in graph.samples:  # warm-up: quantize/compile every recorded shape now
+                sample = sample.clone()
+                self._infer(sample.args, sample.kwargs)
             self.build_info["graph_breaks"] = graph_break_count() - breaks_before
         finally:
             _inductor_restore(saved_inductor)

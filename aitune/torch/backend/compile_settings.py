@@ -1,6 +1,6 @@
 """The settings Dynamo and Inductor compile an aitune-compiled callable with: Inductor ``freezing`` for every
-compile that starts inside a call of a frozen callable (NOTE [freezing per compile]), and floats specialised
-while a build compiles (NOTE [floats specialised while building]).
+compile that starts inside a call of a frozen callable (NOTE [freezing per compile]); every other setting is
+torch's (NOTE [floats as torch traces them]).
 
 Used by the Inductor JIT and TorchAO backends (:mod:`aitune.torch.backend.inductor_jit`,
 :mod:`aitune.torch.backend.ao`).
@@ -14,25 +14,14 @@ import threading
 import torch
 
 
-def floats_specialised():
-    """The context a build's warm-up calls run in: the compiles they start take the module's float attributes as
-    constants.
-
-    NOTE [floats specialised while building]: with ``specialize_float`` off (torch's default) Dynamo makes a
-    module's float attributes (an RMSNorm's ``variance_epsilon``, attention's ``scaling``) graph inputs; under
-    ``dynamic=True`` Inductor can fail to turn some of them into tensors, and Dynamo then restarts the whole
-    trace ("Restarting analysis due to ... _tensorify_python_scalars" with ``TORCH_LOGS=dynamo``): the prefill
-    build of a 24-layer decoder traced twice (benchmarks/RESULTS.md, ``benchmarks/llm_generate.py
-    --compile-times``). Specialised, a float attribute is a constant guarded by its value. Only the build's
-    compiles are specialised: a later recompile (a float attribute that changed, a new shape) traces with torch's
-    default, so in a dynamic-shape graph an attribute that changes from call to call costs one more compile, after
-    which it is a graph input (with static shapes, ``dynamic=False``, torch recompiles per value with or without
-    this; a later recompile of a dynamic graph may restart its trace as before). Float *arguments* are constants
-    of aitune's graphs anyway (a call with another value is another graph:
-    :func:`aitune.torch.record.pytree.hashable_constant`)."""
-    import torch._dynamo.config
-
-    return torch._dynamo.config.patch(specialize_float=True)
+# NOTE [floats as torch traces them]: with ``specialize_float`` off (torch's default) Dynamo makes a module's float
+# attributes (an RMSNorm's ``variance_epsilon``, attention's ``scaling``) graph inputs, and under ``dynamic=True`` a
+# decoder's prefill trace can restart once ("Restarting analysis due to ... _tensorify_python_scalars" with
+# ``TORCH_LOGS=dynamo``), which costs tune time. Specialising floats for the build's compiles only (and leaving a
+# later recompile to torch's default) removed that restart, but on CUDA (torch 2.11) the decode graph's first
+# recompile at serve time (a cache of another length) then crashed the process inside Triton's launcher (a
+# segmentation fault; with the static launcher off: "Pointer argument must be either uint64 or have data_ptr
+# method"): tests/gpu/test_llm_generation_gpu.py. aitune's compiles use torch's setting, the same in every compile.
 
 
 class _FreezingWhileTracing:

@@ -12,7 +12,7 @@ import torch
 
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
-from aitune.torch.backend.compile_settings import floats_specialised, parameter_freezing
+from aitune.torch.backend.compile_settings import parameter_freezing
 from aitune.torch.common.requirements import validate_flags
 from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.eager import AutocastMixin
@@ -326,10 +326,9 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         self._compiled = torch.compile(module, backend="inductor", mode=mode, options=options,
                                        fullgraph=self.config.fullgraph, dynamic=dynamic)
         breaks_before = graph_break_count()
-        with floats_specialised():  # NOTE [floats specialised while building]
-            for sample in graph.samples:  # warm-up: compile every recorded shape now, not at first use
-                sample = sample.clone()
-                self._run(sample.args, sample.kwargs)
+        for sample in graph.samples:  # warm-up: compile every recorded shape now, not at first use
+            sample = sample.clone()
+            self._run(sample.args, sample.kwargs)
         self.build_info["graph_breaks"] = graph_break_count() - breaks_before
         logger.debug("inductor_jit: %d graph breaks during warm-up", self.build_info["graph_breaks"])
 
