@@ -9,6 +9,7 @@ device value back to the host (``item``, ``__bool__``, ``tolist``, ``synchronize
     python -m benchmarks.llm_decode_host --device cuda --dtype bfloat16 --model qwen2-0.5b   # 24 layers
     python -m benchmarks.llm_decode_host --stages 500    # + one decode call's host time, stage by stage
     python -m benchmarks.llm_decode_host --compiled 300  # + where the compiled callable's own host time goes
+    python -m benchmarks.llm_decode_host --device cuda --dtype bfloat16 --model qwen2-0.5b --batch 8 --device-profile 64
 
 ``--compiled N`` times the decode graph's compiled callable alone (what ``torch.compile`` gives: Dynamo's guard
 check, cudagraph trees' input checks and copies, the replay), N calls per path, the paths alternating call by
@@ -16,6 +17,10 @@ call: as built; under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``
 tell its compiled entries apart); then a cProfile and a torch.profiler table (CPU side) of N calls as built.
 ``--hf N`` (CUDA): the same table for transformers' own compiled decode step (its auto-compile of the whole
 model under a static cache), over one ``generate`` of N new tokens, for comparison.
+``--device-profile N`` (CUDA): one ``generate`` of N new tokens with the tuned decoder and one with transformers'
+auto-compile (a second copy of the model), each after three warm-up runs: wall ms per generated step, device busy
+µs per step (the kernels' summed time, torch.profiler with CUDA activity) and the kernels by device time.
+``--batch B`` sets the batch of every prompt (tuning and measured).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBacken
 from aitune.torch.backend.eager import TorchEagerBackend
 from aitune.torch.record.llm import rewind_cache
 from benchmarks.dispatch_stages import print_stages, stages
-from benchmarks.llm_generate import build, generate, last_decode_call
+from benchmarks.llm_generate import build, generate, last_decode_call, sync
 
 
 def main(argv=None) -> int:
@@ -48,6 +53,9 @@ def main(argv=None) -> int:
                         help="also profile the decode graph's compiled callable alone over CALLS calls (docstring)")
     parser.add_argument("--hf", type=int, default=0, metavar="TOKENS",
                         help="also profile transformers' own compiled decode step over TOKENS new tokens (docstring)")
+    parser.add_argument("--batch", type=int, default=1, help="prompts of this many sequences")
+    parser.add_argument("--device-profile", type=int, default=0, metavar="TOKENS",
+                        help="CUDA: device time per step, tuned vs transformers' auto-compile (docstring)")
     args = parser.parse_args(argv)
     if args.hf:
         profile_hf(args, args.hf)
@@ -61,9 +69,12 @@ def main(argv=None) -> int:
                                                                  "decode": ait.OneBackendStrategy(backend)})
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
-    prompts = [torch.randint(1, vocab, (1, n), generator=generator).to(args.device) for n in (5, 7)]
+    prompts = [torch.randint(1, vocab, (args.batch, n), generator=generator).to(args.device) for n in (5, 7)]
     ait.tune(lambda ids: generate(model, ids, 8, static=True), prompts, ready_batches=True)
-    measured = torch.randint(1, vocab, (1, 9), generator=generator).to(args.device)
+    measured = torch.randint(1, vocab, (args.batch, 9), generator=generator).to(args.device)
+    if args.device_profile:
+        profile_device(model, args, measured, args.device_profile)
+        return 0
     if args.stages:
         wrapped = model.model
         call_args, call_kwargs, cache, cached = last_decode_call(model, wrapped, measured)
@@ -143,6 +154,31 @@ def profile_compiled(model, calls: int, prompt) -> None:
                 rewind_cache(cache, cached)
                 call()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+
+
+def profile_device(model, args, prompt, tokens: int) -> None:
+    """Wall and device time per generated step, tuned decoder vs transformers' auto-compile (``--device-profile``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reference = build(args.model, args.device, getattr(torch, args.dtype))
+    runs = {"tuned": lambda: generate(model, prompt, tokens, static=True),
+            "hf-compile": lambda: generate(reference, prompt, tokens, static=True, compile_=True)}
+    for name, run in runs.items():
+        for _ in range(3):
+            run()
+        sync(args.device)
+        started = time.perf_counter()
+        run()
+        sync(args.device)
+        wall_ms = (time.perf_counter() - started) * 1e3 / tokens
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            sync(args.device)
+        events = prof.key_averages()
+        busy = sum(event.self_device_time_total for event in events) / tokens
+        print(f"## {name}: batch {args.batch}, {tokens} new tokens: wall {wall_ms:.3f} ms per step, device busy "
+              f"{busy:.1f} µs per step")
+        print(events.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=70))
 
 
 def profile_hf(args, tokens: int) -> None:
