@@ -316,3 +316,27 @@ def test_rule_6_allows_4x_eagers_rounding_but_not_one_element_beyond_4x_eagers_w
     faulty[7] += 20 * sigma
     with pytest.raises(ToleranceExceededError, match="worst element"):
         OutputComparator().for_scaled_probe().compare(eager, faulty, reference_fp32=exact)
+
+
+def test_rule_6_judges_an_fp32_leaf_that_tf32_never_reached_as_an_exact_eagers():
+    """NOTE [an eager that TF32 never reached]: eager's fp32 leaf counts as a TF32 result (as on CUDA with cuDNN's
+    TF32 allowed) but equals the exact fp32 run (no convolution reached it): a bf16-autocast candidate on a x10
+    probe is judged by rule 3 with the grown ``atol`` (rule 5 would ask for twice eager's error of zero), and a
+    fault beyond that ``atol`` still fails; where eager really differs from the exact run, rule 5 decides as
+    before."""
+    generator = torch.Generator().manual_seed(0)
+    exact = torch.randn(4096, generator=generator) * 10  # outputs of a x10 probe
+    candidate = exact + 0.03 * torch.randn(4096, generator=generator).clamp(-3, 3)  # bf16-sized rounding
+    scaled = OutputComparator(low_precision=True, tf32_eager=True).for_scaled_probe([10.0])
+    with pytest.raises(ToleranceExceededError):
+        OutputComparator(low_precision=True, tf32_eager=True).compare(exact, candidate, reference_fp32=exact)
+    scaled.compare(exact, candidate, reference_fp32=exact)  # eager == the exact run: the grown atol applies
+    faulty = candidate.clone()
+    faulty[11] += 1.0  # beyond atol 0.1 + rtol 0.01 * |eager| wherever |eager| < 90
+    with pytest.raises(ToleranceExceededError):
+        OutputComparator(low_precision=True, tf32_eager=True).for_scaled_probe([10.0]).compare(
+            exact, faulty, reference_fp32=exact)
+    tf32_eager = exact + 1e-4 * torch.randn(4096, generator=generator)  # eager really off the exact run
+    with pytest.raises(ToleranceExceededError, match="exceeds"):
+        OutputComparator(low_precision=True, tf32_eager=True).for_scaled_probe([10.0]).compare(
+            tf32_eager, candidate, reference_fp32=exact)
