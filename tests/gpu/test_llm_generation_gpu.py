@@ -9,6 +9,7 @@ import torch
 import aitune.torch as ait
 from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
 from aitune.torch.measure.profiling import ProfilingConfig
+from llm_calls import first_decode_call, raising_after_the_run
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -96,29 +97,13 @@ def test_without_output_copies_generate_gives_eagers_tokens(tuned):
         config.copy_cuda_graph_outputs = True
 
 
-def first_decode_call(model, ids):
-    """The keyword arguments of the first decode call of an eager static-cache ``generate``, the cache copied as it
-    was before that call."""
-    found = {}
-
-    def spy(module, args, kwargs):
-        if "call" not in found and kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] == 1:
-            found["call"] = {name: copy.deepcopy(value) for name, value in kwargs.items()}
-
-    handle = model.model.register_forward_pre_hook(spy, with_kwargs=True)
-    try:
-        generate(model, ids, 3, **STATIC)
-    finally:
-        handle.remove()
-    return found["call"]
-
-
 def test_a_served_decode_call_never_waits_for_the_device(tuned):
     """NOTE [decode without a device read]: the dispatch takes a decode call's phase and the cache's fill without
     copying anything back to the host (CUDA's sync debug mode raises on any such wait), and the call writes the
     cache as eager does."""
     model, eager = tuned
-    call = first_decode_call(eager, prompt(9))
+    ids = prompt(9)
+    call = first_decode_call(eager, lambda: generate(eager, ids, 3, **STATIC))
     with torch.no_grad():
         for _ in range(3):  # warm: CUDA-graph trees record on their first calls
             model.model(**copy.deepcopy(call))
@@ -144,20 +129,7 @@ def test_a_decode_backend_that_raises_after_writing_the_cache_is_rewound_on_the_
     """The fill was not read (previous test): a backend that advanced the cache and then raised is undone from a
     device copy of the counter taken before the call; eager's rerun then gives eager's tokens."""
     model, eager = tuned
-    backend = model.model.backends["decode"]
-    failures, real_run = [], backend.run
-
-    def run_then_raise(args, kwargs, **options):
-        output = real_run(args, kwargs, **options)
-        if len(failures) < 3:
-            failures.append(1)
-            raise RuntimeError("simulated failure after the cache was written")
-        return output
-
-    backend.run = run_then_raise
-    try:
+    with raising_after_the_run(model.model.backends["decode"], times=3) as failures:
         ids = prompt(9)
         assert torch.equal(generate(model, ids, **STATIC), generate(eager, ids, **STATIC))
-    finally:
-        del backend.run
     assert failures == [1, 1, 1]

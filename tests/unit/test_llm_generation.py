@@ -16,6 +16,8 @@ import torch
 import aitune.torch as ait
 from aitune.torch.backend import TorchInductorJitBackend
 
+from llm_calls import first_decode_call, raising_after_the_run
+
 transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS = 32
@@ -61,18 +63,7 @@ def tuned():
 def decode_call(model, ids):
     """The keyword arguments of the first decode call of an eager static-cache ``generate``, with a copy of the
     cache as it was before that call."""
-    found = {}
-
-    def spy(module, args, kwargs):
-        if "call" not in found and kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] == 1:
-            found["call"] = {name: copy.deepcopy(value) for name, value in kwargs.items()}
-
-    handle = model.model.register_forward_pre_hook(spy, with_kwargs=True)
-    try:
-        generate(model, ids, 3, **STATIC)
-    finally:
-        handle.remove()
-    return found["call"]
+    return first_decode_call(model, lambda: generate(model, ids, 3, **STATIC))
 
 
 def cache_tensors(call) -> list[torch.Tensor]:
@@ -227,23 +218,10 @@ def test_a_decode_backend_that_raises_after_writing_the_cache_leaves_generation_
     were before it, so the tokens stay eager's."""
     model, eager, _ = tuned
     decode = next(entry for entry in model.model._self_dispatch.graphs if entry.graph.phase == "decode")
-    backend, calls = decode.backend, []
-    real_run = backend.run
-
-    def run_then_raise(args, kwargs, **options):
-        output = real_run(args, kwargs, **options)
-        if not calls:
-            calls.append(1)
-            raise RuntimeError("simulated failure after the cache was written")
-        return output
-
-    backend.run = run_then_raise
-    try:
+    with raising_after_the_run(decode.backend, times=1) as failures:
         ids = prompt(9)
         assert torch.equal(generate(model, ids, **STATIC), generate(eager, ids, **STATIC))
-    finally:
-        del backend.run
-    assert calls == [1]
+    assert failures == [1]
 
 
 def test_a_checkpoint_context_naming_a_class_outside_transformers_caches_is_refused():
@@ -568,19 +546,9 @@ def test_a_backend_that_raises_after_writing_an_unread_cache_rewinds_it_to_a_dev
         return call
 
     monkeypatch.setattr(dispatch, "phase_call", unread)
-    backend = model.model.backends["decode"]
-    failures, real_run = [], backend.run
-
-    def run_then_raise(args, kwargs, **options):
-        output = real_run(args, kwargs, **options)
-        if len(failures) < 3:
-            failures.append(1)
-            raise RuntimeError("simulated failure after the cache was written")
-        return output
-
-    monkeypatch.setattr(backend, "run", run_then_raise)
-    ids = prompt(9)
-    assert torch.equal(generate(model, ids, **STATIC), generate(eager, ids, **STATIC))
+    with raising_after_the_run(model.model.backends["decode"], times=3) as failures:
+        ids = prompt(9)
+        assert torch.equal(generate(model, ids, **STATIC), generate(eager, ids, **STATIC))
     assert failures == [1, 1, 1]
 
 
