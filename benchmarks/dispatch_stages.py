@@ -1,7 +1,7 @@
 """Where a tuned module's host time per call goes, stage by stage (no profiler's distortion).
 
 :func:`stages` wraps the functions a tuned call goes through (``Dispatch.call`` and the stages it calls: the
-LLM phase read, the baked-state check, the weight watch, the value gate, the guard's counter, the backend's
+LLM phase read, the cache counter's copy for a rewind, the baked-state check, the weight watch, the value gate, the guard's counter, the backend's
 ``run``, the compiled callable, the CUDA-graph output copy) in timers, times ``calls`` calls of ``call`` and
 returns the mean host µs per call of each. A stage nested in another counts in both (``run`` includes the
 compiled callable and the copy); ``call - stages`` is what the dispatch does between them. Each timer adds
@@ -51,6 +51,7 @@ def _patched(totals: dict, module, backend):
         patch(dispatch_module.Dispatch, "call", "Dispatch.call (total)")
         patch(dispatch_module, "phase_call", "phase_call (phase, cache fill)")
         patch(dispatch_module.Dispatch, "_phase_route", "_phase_route")  # (a re-routing call counts twice)
+        patch(dispatch_module, "counter_snapshot", "counter_snapshot (rewind copy)")
         patch(BakedState, "differs", "BakedState.differs")
         patch(StateWatch, "changed", "StateWatch.changed")
         patch(ValueGate, "rejects", "ValueGate.rejects")
@@ -114,6 +115,7 @@ def print_stages(title: str, result: dict[str, float]) -> None:
     total = result.get("Dispatch.call (total)")
     if total is not None:
         inner = sum(result.get(label, 0.0) for label in ("phase_call (phase, cache fill)", "_phase_route",
+                                                          "counter_snapshot (rewind copy)",
                                                           "BakedState.differs", "StateWatch.changed",
                                                           "ValueGate.rejects", "RuntimeGuard.due", "backend.run"))
         print(f"  {'Dispatch.call outside the stages above':44s} {total - inner:9.2f}")

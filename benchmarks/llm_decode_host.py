@@ -19,7 +19,7 @@ tell its compiled entries apart); then a cProfile and a torch.profiler table (CP
 model under a static cache), over one ``generate`` of N new tokens, for comparison.
 ``--device-profile N`` (CUDA): one ``generate`` of N new tokens with the tuned decoder and one with transformers'
 auto-compile (a second copy of the model), each after three warm-up runs: wall ms per generated step, device busy
-µs per step (the kernels' summed time, torch.profiler with CUDA activity) and the kernels by device time.
+µs per step (the kernel events' summed time, torch.profiler with CUDA activity) and the kernels by device time.
 ``--batch B`` sets the batch of every prompt (tuning and measured).
 """
 
@@ -175,7 +175,10 @@ def profile_device(model, args, prompt, tokens: int) -> None:
             run()
             sync(args.device)
         events = prof.key_averages()
-        busy = sum(event.self_device_time_total for event in events) / tokens
+        # the kernels alone: CPU-side rows (an annotated compiled-graph call) also carry the device time of the
+        # kernels they launched, and summing them too counted those kernels twice
+        busy = sum(event.self_device_time_total for event in events
+                   if event.device_type == torch.autograd.DeviceType.CUDA) / tokens
         print(f"## {name}: batch {args.batch}, {tokens} new tokens: wall {wall_ms:.3f} ms per step, device busy "
               f"{busy:.1f} µs per step")
         print(events.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=70))

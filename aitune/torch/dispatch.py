@@ -23,11 +23,13 @@ from aitune.torch.backend.eager import TorchEagerBackend
 from aitune.torch.check.baked_state import BakedState
 from aitune.torch.check.guard import StateWatch
 from aitune.torch.record.llm import (
+    REWINDABLE_LAYERS,
     PhaseCall,
     counter_snapshot,
     llm_phase,
     phase_call,
     rewind_cache,
+    rewindable,
     slow_route_facts,
 )
 from aitune.torch.record.pytree import LEAF, tree_flatten, tree_unflatten
@@ -173,7 +175,8 @@ class Dispatch:
         """Serve ``tuned``'s graph with ``replacement`` (None: eager) from now on; the retired backend is released."""
         graph = tuned.graph
         if replacement is None:
-            replacement = TorchEagerBackend.from_checkpoint(Path(tempfile.gettempdir()), TorchEagerBackend.config_class(),
+            replacement = TorchEagerBackend.from_checkpoint(Path(tempfile.gettempdir()),
+                                                            TorchEagerBackend.config_class(),
                                                             {}, self.module, graph, graph_device(graph))
         tuned.backend.deactivate()
         tuned.set_backend(replacement)
@@ -274,9 +277,10 @@ class Dispatch:
             args, kwargs = _contiguous((args, kwargs))
         guard = tuned.guard
         # a cache advances its counters in place: an eager rerun after the backend must start where it started
+        cache = kwargs.get(graph.cache_input) if phase is not None and graph.cache_input is not None else None
         rewind = None
-        if phase is not None and graph.cache_input in kwargs:
-            rewind = phase.cached if phase.cached is not None else counter_snapshot(kwargs[graph.cache_input])
+        if cache is not None:
+            rewind = phase.cached if phase.cached is not None else counter_snapshot(cache)
         try:
             if guard is not None and guard.due(leaves):
                 if watch is not None and watch.changed() is not None:
@@ -284,8 +288,8 @@ class Dispatch:
                 return self._guarded_call(tuned, guard, args, kwargs, leaves)
             output = backend.run(args, kwargs, accepted=True)
         except Exception as exc:  # noqa: BLE001 - a crashing backend never takes the caller down
-            if rewind is not None:
-                rewind_cache(kwargs[graph.cache_input], rewind)
+            if cache is not None:
+                self._put_back(graph, backend, cache, rewind, f"raised {type(exc).__name__}: {exc}", exc)
             if watch is not None and watch.changed() is not None:
                 return self._stale(args, kwargs, backend)
             return self.eager(args, kwargs, ("error", graph.name),
@@ -296,11 +300,28 @@ class Dispatch:
         # kernels just launched instead of delaying them (benchmarks/gpu_wrapper_cost.py). A stale call's output is
         # discarded and eager's returned: the same result as checking first, at the cost of one wasted call.
         if watch is not None and watch.changed() is not None:
-            if rewind is not None:
-                rewind_cache(kwargs[graph.cache_input], rewind)
+            if cache is not None:
+                self._put_back(graph, backend, cache, rewind, "served weights that changed since tuning")
             return self._stale(args, kwargs, backend)
         self.backend_calls += 1
         return output
+
+    def _put_back(self, graph, backend, cache, rewind, what: str, cause: Exception | None = None) -> None:
+        """Set a key/value cache the backend may have advanced back where the call started (``rewind``: the fill
+        read before the call, or a :func:`counter_snapshot`), so eager can rerun the call.
+
+        Raises:
+            BackendRuntimeError: the cache holds state :func:`rewind_cache` cannot put back (layers other than
+                static full-attention and sliding-window ones): an eager rerun could apply the step twice."""
+        if rewind is not None and rewindable(cache):
+            rewind_cache(cache, rewind)
+            return
+        layers = sorted({type(layer).__name__ for layer in getattr(cache, "layers", ())}) or [type(cache).__name__]
+        raise BackendRuntimeError(
+            f"{self.name}/{graph.name}: backend {backend.name} {what}, after it may have advanced the key/value "
+            f"cache ({', '.join(layers)}), whose state aitune can put back only for {' and '.join(REWINDABLE_LAYERS)}"
+            f" layers: rerunning the call eagerly could apply this step twice. To serve such a cache, tune this phase "
+            f"with eager: strategies={{{graph.name!r}: ait.OneBackendStrategy(TorchEagerBackend())}}") from cause
 
     def _route(self, raw_key, args, kwargs, raw_args, raw_kwargs) -> tuple[TunedGraph | None, list]:
         """The graph of a normalised call (None: no tuned graph takes it) and the call's flattened leaves. A flat

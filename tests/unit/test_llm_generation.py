@@ -552,6 +552,49 @@ def test_a_backend_that_raises_after_writing_an_unread_cache_rewinds_it_to_a_dev
     assert failures == [1, 1, 1]
 
 
+def test_a_failed_backend_on_a_cache_whose_state_cannot_be_put_back_raises_instead_of_a_double_step(tuned,
+                                                                                                   monkeypatch):
+    """A backend that may have advanced a cache holding state ``rewind_cache`` cannot restore (here: every cache
+    taken for such, through ``rewindable``) is not rerun eagerly, which would apply the step twice: the call raises
+    a clear error naming the layers and the way out."""
+    import aitune.torch.dispatch as dispatch
+    from aitune.errors import BackendRuntimeError
+
+    model, _, _ = tuned
+    monkeypatch.setattr(dispatch, "rewindable", lambda cache: False)
+    with raising_after_the_run(model.model.backends["decode"], times=1) as failures:
+        with pytest.raises(BackendRuntimeError, match="StaticLayer.*apply this step twice.*OneBackendStrategy"):
+            generate(model, prompt(9), **STATIC)
+    assert failures == [1]
+
+
+def test_only_static_full_attention_and_sliding_window_caches_are_rewindable_and_their_counter_is_kept():
+    """``rewindable``: a StaticCache's layers (positions and counters only) can be put back; a layer with its own
+    indexer counter, or a cache without layers (an encoder-decoder pair), cannot. ``counter_snapshot`` copies a
+    tensor counter into one kept tensor (the same one call after call, following the counter's value) and returns
+    an int counter as it is."""
+    from transformers.cache_utils import EncoderDecoderCache, StaticIndexedLayer
+
+    from aitune.torch.record.llm import counter_snapshot, rewindable
+
+    model = tiny_llama()
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model.model(input_ids=prompt(4), past_key_values=cache, use_cache=True)
+    assert rewindable(cache)
+    first = counter_snapshot(cache)
+    assert int(first) == 4
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(6)
+    second = counter_snapshot(cache)
+    assert second is first and int(second) == 6
+    cache.layers[0].cumulative_length = 3
+    assert counter_snapshot(cache) == 3
+    cache.layers[1] = StaticIndexedLayer(max_cache_len=16)
+    assert not rewindable(cache)
+    assert not rewindable(EncoderDecoderCache(transformers.DynamicCache(), transformers.DynamicCache()))
+
+
 def test_the_cache_facts_memo_follows_the_cache_object_and_its_layers():
     """The layer facts kept for the last cache (NOTE [cache facts memo]) apply only to that same object (a new
     cache at a dead one's ids is described anew) holding the same layers (a layer swapped in counts)."""

@@ -14,10 +14,11 @@ NOTE [caches as inputs]: a static cache (``StaticCache``: preallocated key/value
 the call's positions) is an input like any other — opened into its tensors
 (:mod:`aitune.torch.record.object_state`), recorded as a clone of its state before the call, and compared after
 every candidate's run with eager's cache from the same state (checks of mutated inputs). Its size
-(``max_cache_len``, set by ``generate`` from the prompt and ``max_new_tokens``) is left out of the graph's identity: a longer generation is the same graph with a longer cache axis. A dynamic cache
-(``DynamicCache``: its tensors replaced by longer ones at every step, ``is_compileable`` False) cannot be
-served by a compiled artifact — its graph is marked :attr:`GraphSpec.untunable` and runs eager, with the hint
-to ask ``generate`` for a static cache.
+(``max_cache_len``, set by ``generate`` from the prompt and ``max_new_tokens``) is left out of the graph's
+identity: a longer generation is the same graph with a longer cache axis. A dynamic cache (``DynamicCache``:
+its tensors replaced by longer ones at every step, ``is_compileable`` False) cannot be served by a compiled
+artifact — its graph is marked :attr:`GraphSpec.untunable` and runs eager, with the hint to ask ``generate`` for a
+static cache.
 
 Inputs that index into the cache (``cache_position``, ``position_ids``) are accepted in ``[0, capacity)`` of
 the cache the call brings (the value gate, ``aitune/torch/backend/accepted.py``); no probe is derived for
@@ -298,15 +299,38 @@ def slow_route_facts(args: tuple, kwargs: dict, phase: str) -> PhaseCall:
     return PhaseCall(None, phase, found[1] if found is not None else None, _capacity_of(cache), _query(kwargs))
 
 
-def counter_snapshot(cache: Any) -> torch.Tensor | None:
-    """A copy of ``cache``'s token counter as it is now when the counter is a tensor (transformers' static layers),
-    taken on its device without reading it back (an asynchronous copy); None otherwise. What
-    :func:`rewind_cache` rewinds to where the fill was not read (NOTE [decode without a device read])."""
-    try:
-        counter = cache.get_seq_length()
-    except Exception:  # noqa: BLE001 - a cache that cannot say
-        return None
-    return counter.clone() if isinstance(counter, torch.Tensor) else None
+# the layer classes whose whole state is key/value tensors written at positions and position counters: the only
+# ones rewind_cache can put back where a call started (linear-attention states, an indexer's own counter or an
+# encoder-decoder pair's second cache are not)
+REWINDABLE_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")
+
+
+def rewindable(cache: Any) -> bool:
+    """Can :func:`rewind_cache` put ``cache`` back where a call started (every layer one of
+    :data:`REWINDABLE_LAYERS`, checked by class name)?"""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer).__name__ in REWINDABLE_LAYERS for layer in layers)
+
+
+_SNAPSHOT: list = [None]  # (weak reference to the last counter copied, the tensor it was copied into)
+
+
+def counter_snapshot(cache: Any) -> torch.Tensor | int | None:
+    """The token counter of ``cache``'s first layer as it is now, for :func:`rewind_cache` where the fill was not
+    read (NOTE [decode without a device read]): a tensor counter (transformers' static layers) is copied on its
+    device without reading it back (an asynchronous copy into a tensor kept for that counter, no allocation per
+    call); an int counter is returned as it is; None without one. The layers of a cache count alike (each
+    advances by the tokens of every call)."""
+    layers = getattr(cache, "layers", None)
+    counter = getattr(layers[0], "cumulative_length", None) if layers else None
+    if not isinstance(counter, torch.Tensor):
+        return counter if isinstance(counter, int) else None
+    kept = _SNAPSHOT[0]
+    if kept is None or kept[0]() is not counter or kept[1].device != counter.device or kept[1].dtype != counter.dtype:
+        copy = counter.clone()
+        _SNAPSHOT[0] = (weakref.ref(counter), copy)
+        return copy
+    return kept[1].copy_(counter)
 
 
 def rewind_cache(cache: Any, cached: int | torch.Tensor) -> None:
