@@ -311,17 +311,19 @@ class Dispatch:
         read before the call, or a :func:`counter_snapshot`), so eager can rerun the call.
 
         Raises:
-            BackendRuntimeError: the cache holds state :func:`rewind_cache` cannot put back (layers other than
-                static full-attention and sliding-window ones): an eager rerun could apply the step twice."""
-        if rewind is not None and rewindable(cache):
-            rewind_cache(cache, rewind)
+            BackendRuntimeError: the cache holds state :func:`rewind_cache` cannot put back (:func:`rewindable`):
+                an eager rerun could apply the step twice."""
+        if rewindable(cache):
+            if rewind is not None:  # (None: layers without counters, positions passed in: a rerun rewrites them)
+                rewind_cache(cache, rewind)
             return
         layers = sorted({type(layer).__name__ for layer in getattr(cache, "layers", ())}) or [type(cache).__name__]
         raise BackendRuntimeError(
             f"{self.name}/{graph.name}: backend {backend.name} {what}, after it may have advanced the key/value "
             f"cache ({', '.join(layers)}), whose state aitune can put back only for {' and '.join(REWINDABLE_LAYERS)}"
-            f" layers: rerunning the call eagerly could apply this step twice. To serve such a cache, tune this phase "
-            f"with eager: strategies={{{graph.name!r}: ait.OneBackendStrategy(TorchEagerBackend())}}") from cause
+            " layers (a sliding window not yet filled): rerunning the call eagerly could apply this step twice. To "
+            f"serve such a cache, tune this phase with eager: "
+            f"strategies={{{graph.name!r}: ait.OneBackendStrategy(TorchEagerBackend())}}") from cause
 
     def _route(self, raw_key, args, kwargs, raw_args, raw_kwargs) -> tuple[TunedGraph | None, list]:
         """The graph of a normalised call (None: no tuned graph takes it) and the call's flattened leaves. A flat

@@ -568,12 +568,13 @@ def test_a_failed_backend_on_a_cache_whose_state_cannot_be_put_back_raises_inste
     assert failures == [1]
 
 
-def test_only_static_full_attention_and_sliding_window_caches_are_rewindable_and_their_counter_is_kept():
-    """``rewindable``: a StaticCache's layers (positions and counters only) can be put back; a layer with its own
-    indexer counter, or a cache without layers (an encoder-decoder pair), cannot. ``counter_snapshot`` copies a
+def test_only_static_full_attention_and_unrolled_sliding_window_caches_are_rewindable_and_their_counter_is_kept():
+    """``rewindable``: a StaticCache's layers (positions and counters only) can be put back, and a sliding window
+    until it rolls; a layer with its own indexer counter, or a cache without layers (an encoder-decoder pair),
+    cannot. ``counter_snapshot`` copies a
     tensor counter into one kept tensor (the same one call after call, following the counter's value) and returns
     an int counter as it is."""
-    from transformers.cache_utils import EncoderDecoderCache, StaticIndexedLayer
+    from transformers.cache_utils import EncoderDecoderCache, StaticIndexedLayer, StaticSlidingWindowLayer
 
     from aitune.torch.record.llm import counter_snapshot, rewindable
 
@@ -590,6 +591,12 @@ def test_only_static_full_attention_and_sliding_window_caches_are_rewindable_and
     assert second is first and int(second) == 6
     cache.layers[0].cumulative_length = 3
     assert counter_snapshot(cache) == 3
+    window = StaticSlidingWindowLayer(max_cache_len=16, sliding_window=4)
+    cache.layers[1] = window
+    window.cumulative_length_int = 4  # the window just filled, nothing rolled yet
+    assert rewindable(cache)
+    window.cumulative_length_int = 5  # rolled: no counter undoes that
+    assert not rewindable(cache)
     cache.layers[1] = StaticIndexedLayer(max_cache_len=16)
     assert not rewindable(cache)
     assert not rewindable(EncoderDecoderCache(transformers.DynamicCache(), transformers.DynamicCache()))

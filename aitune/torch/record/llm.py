@@ -300,16 +300,29 @@ def slow_route_facts(args: tuple, kwargs: dict, phase: str) -> PhaseCall:
 
 
 # the layer classes whose whole state is key/value tensors written at positions and position counters: the only
-# ones rewind_cache can put back where a call started (linear-attention states, an indexer's own counter or an
-# encoder-decoder pair's second cache are not)
+# ones rewind_cache can put back where a call started (linear-attention states, an indexer's own counter, an
+# encoder-decoder pair's second cache, or a sliding window's rolled contents are not)
 REWINDABLE_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")
 
 
 def rewindable(cache: Any) -> bool:
-    """Can :func:`rewind_cache` put ``cache`` back where a call started (every layer one of
-    :data:`REWINDABLE_LAYERS`, checked by class name)?"""
+    """Can :func:`rewind_cache` put ``cache`` back where a call started, read after the call? Every layer must be
+    a ``StaticLayer`` (full attention: a rerun writes the same positions), or a ``StaticSlidingWindowLayer`` whose
+    window has not filled (``cumulative_length_int <= max_cache_len``: a full window rolls its contents, which no
+    counter undoes; a layer the call did not reach may have been full before it, and counts as full). Checked by
+    class name."""
     layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer).__name__ in REWINDABLE_LAYERS for layer in layers)
+    if not layers:
+        return False
+    for layer in layers:
+        name = type(layer).__name__
+        if name == "StaticSlidingWindowLayer":
+            filled, window = getattr(layer, "cumulative_length_int", None), getattr(layer, "max_cache_len", None)
+            if not (isinstance(filled, int) and isinstance(window, int) and filled <= window):
+                return False
+        elif name != "StaticLayer":
+            return False
+    return True
 
 
 _SNAPSHOT: list = [None]  # (weak reference to the last counter copied, the tensor it was copied into)
