@@ -25,6 +25,7 @@ from aitune.torch.check.guard import StateWatch
 from aitune.torch.record.llm import (
     REWINDABLE_LAYERS,
     PhaseCall,
+    cache_advanced,
     counter_snapshot,
     llm_phase,
     phase_call,
@@ -278,9 +279,13 @@ class Dispatch:
         guard = tuned.guard
         # a cache advances its counters in place: an eager rerun after the backend must start where it started
         cache = kwargs.get(graph.cache_input) if phase is not None and graph.cache_input is not None else None
-        rewind = None
+        rewind = before = None  # where to put the counters back; the first layer's count before the call
         if cache is not None:
-            rewind = phase.cached if phase.cached is not None else counter_snapshot(cache)
+            if phase.cached is not None:
+                rewind = before = phase.cached
+            else:
+                rewind = counter_snapshot(cache)
+                before = rewind if isinstance(rewind, torch.Tensor) else None
         try:
             if guard is not None and guard.due(leaves):
                 if watch is not None and watch.changed() is not None:
@@ -289,7 +294,7 @@ class Dispatch:
             output = backend.run(args, kwargs, accepted=True)
         except Exception as exc:  # noqa: BLE001 - a crashing backend never takes the caller down
             if cache is not None:
-                self._put_back(graph, backend, cache, rewind, f"raised {type(exc).__name__}: {exc}", exc)
+                self._put_back(graph, backend, cache, rewind, f"raised {type(exc).__name__}: {exc}", exc, before)
             if watch is not None and watch.changed() is not None:
                 return self._stale(args, kwargs, backend)
             return self.eager(args, kwargs, ("error", graph.name),
@@ -306,22 +311,29 @@ class Dispatch:
         self.backend_calls += 1
         return output
 
-    def _put_back(self, graph, backend, cache, rewind, what: str, cause: Exception | None = None) -> None:
+    def _put_back(self, graph, backend, cache, rewind, what: str, cause: Exception | None = None,
+                  before=None) -> None:
         """Set a key/value cache the backend may have advanced back where the call started (``rewind``: the fill
-        read before the call, or a :func:`counter_snapshot`), so eager can rerun the call.
+        read before the call, or a :func:`counter_snapshot`), so eager can rerun the call. A cache
+        :func:`rewind_cache` cannot put back is left as it is where the backend raised before its first layer
+        counted the step (:func:`cache_advanced` against ``before``), or where that cannot be told: eager then
+        reruns the call, as after any failed call.
 
         Raises:
-            BackendRuntimeError: the cache holds state :func:`rewind_cache` cannot put back (:func:`rewindable`):
-                an eager rerun could apply the step twice."""
+            BackendRuntimeError: the cache holds state :func:`rewind_cache` cannot put back (:func:`rewindable`)
+                and the step reached it (a stale output, or a failed call whose first layer counted it): an eager
+                rerun would apply the step twice."""
         if rewindable(cache):
             if rewind is not None:  # (None: layers without counters, positions passed in: a rerun rewrites them)
                 rewind_cache(cache, rewind)
+            return
+        if cause is not None and not cache_advanced(cache, before):
             return
         layers = sorted({type(layer).__name__ for layer in getattr(cache, "layers", ())}) or [type(cache).__name__]
         raise BackendRuntimeError(
             f"{self.name}/{graph.name}: backend {backend.name} {what}, after it may have advanced the key/value "
             f"cache ({', '.join(layers)}), whose state aitune can put back only for {' and '.join(REWINDABLE_LAYERS)}"
-            " layers (a sliding window not yet filled): rerunning the call eagerly could apply this step twice. To "
+            " layers (a sliding window not yet rolled): rerunning the call eagerly would apply this step twice. To "
             f"serve such a cache, tune this phase with eager: "
             f"strategies={{{graph.name!r}: ait.OneBackendStrategy(TorchEagerBackend())}}") from cause
 

@@ -554,29 +554,41 @@ def test_a_backend_that_raises_after_writing_an_unread_cache_rewinds_it_to_a_dev
 
 def test_a_failed_backend_on_a_cache_whose_state_cannot_be_put_back_raises_instead_of_a_double_step(tuned,
                                                                                                    monkeypatch):
-    """A backend that may have advanced a cache holding state ``rewind_cache`` cannot restore (here: every cache
-    taken for such, through ``rewindable``) is not rerun eagerly, which would apply the step twice: the call raises
-    a clear error naming the layers and the way out."""
+    """A backend that advanced a cache holding state ``rewind_cache`` cannot restore (here: every cache taken for
+    such, through ``rewindable``) is not rerun eagerly, which would apply the step twice: the call raises a clear
+    error naming the layers and the way out. One that failed before the step reached the cache is rerun eagerly,
+    as any failed call."""
     import aitune.torch.dispatch as dispatch
     from aitune.errors import BackendRuntimeError
 
-    model, _, _ = tuned
+    model, eager, _ = tuned
     monkeypatch.setattr(dispatch, "rewindable", lambda cache: False)
     with raising_after_the_run(model.model.backends["decode"], times=1) as failures:
         with pytest.raises(BackendRuntimeError, match="StaticLayer.*apply this step twice.*OneBackendStrategy"):
             generate(model, prompt(9), **STATIC)
     assert failures == [1]
+    # a backend that fails before the step reaches the cache (its first layer's count unmoved): eager reruns it
+    backend, refusals = model.model.backends["decode"], []
+
+    def refuse(args, kwargs, **options):
+        refusals.append(1)
+        raise RuntimeError("simulated failure before the cache was written")
+
+    monkeypatch.setattr(backend, "run", refuse)
+    ids = prompt(9)
+    assert torch.equal(generate(model, ids, **STATIC), generate(eager, ids, **STATIC))
+    assert len(refusals) == NEW_TOKENS - 1
 
 
 def test_only_static_full_attention_and_unrolled_sliding_window_caches_are_rewindable_and_their_counter_is_kept():
     """``rewindable``: a StaticCache's layers (positions and counters only) can be put back, and a sliding window
     until it rolls; a layer with its own indexer counter, or a cache without layers (an encoder-decoder pair),
-    cannot. ``counter_snapshot`` copies a
+    cannot. ``cache_advanced`` tells a count that moved from one that did not. ``counter_snapshot`` copies a
     tensor counter into one kept tensor (the same one call after call, following the counter's value) and returns
     an int counter as it is."""
     from transformers.cache_utils import EncoderDecoderCache, StaticIndexedLayer, StaticSlidingWindowLayer
 
-    from aitune.torch.record.llm import counter_snapshot, rewindable
+    from aitune.torch.record.llm import cache_advanced, counter_snapshot, rewindable
 
     model = tiny_llama()
     cache = transformers.StaticCache(config=model.config, max_cache_len=16)
@@ -585,6 +597,9 @@ def test_only_static_full_attention_and_unrolled_sliding_window_caches_are_rewin
     assert rewindable(cache)
     first = counter_snapshot(cache)
     assert int(first) == 4
+    assert cache_advanced(cache, first) is False and cache_advanced(cache, 4) is False
+    assert cache_advanced(cache, torch.tensor(3)) is True and cache_advanced(cache, 3) is True
+    assert cache_advanced(cache, None) is None
     for layer in cache.layers:
         layer.cumulative_length.fill_(6)
     second = counter_snapshot(cache)

@@ -332,8 +332,9 @@ def counter_snapshot(cache: Any) -> torch.Tensor | int | None:
     """The token counter of ``cache``'s first layer as it is now, for :func:`rewind_cache` where the fill was not
     read (NOTE [decode without a device read]): a tensor counter (transformers' static layers) is copied on its
     device without reading it back (an asynchronous copy into a tensor kept for that counter, no allocation per
-    call); an int counter is returned as it is; None without one. The layers of a cache count alike (each
-    advances by the tokens of every call)."""
+    call); an int counter is returned as it is; None without one. Full-attention layers count alike; a sliding
+    layer's tensor counter stops at its window while its int counter goes on, and :func:`rewind_cache` sets both
+    from the one value (the tensor is not read once the window is full)."""
     layers = getattr(cache, "layers", None)
     counter = getattr(layers[0], "cumulative_length", None) if layers else None
     if not isinstance(counter, torch.Tensor):
@@ -346,12 +347,31 @@ def counter_snapshot(cache: Any) -> torch.Tensor | int | None:
     return kept[1].copy_(counter)
 
 
+def cache_advanced(cache: Any, before: int | torch.Tensor | None) -> bool | None:
+    """Has ``cache``'s first layer counted tokens since ``before`` (its count before a call: the int
+    :func:`phase_call` read, or a :func:`counter_snapshot` tensor)? None when it cannot be told. The first layer
+    runs first in a decoder's forward, so an unmoved count means the call applied nothing to the cache. Reads the
+    device for a tensor count (used after a backend raised only)."""
+    try:
+        if isinstance(before, torch.Tensor):
+            layers = getattr(cache, "layers", None)
+            now = getattr(layers[0], "cumulative_length", None) if layers else None
+            if not isinstance(now, torch.Tensor):
+                return None
+            return not torch.equal(now, before.to(now.device))
+        if isinstance(before, int):
+            return int(cache.get_seq_length()) != before
+    except Exception:  # noqa: BLE001 - a cache that cannot say
+        return None
+    return None
+
+
 def rewind_cache(cache: Any, cached: int | torch.Tensor) -> None:
     """Set the counters of ``cache`` and its layers back to ``cached`` tokens (what :func:`phase_call` read before
     the call, or a :func:`counter_snapshot` taken then), so an eager rerun of a call a backend already ran writes
     where that call started. The counters are transformers' ``cumulative_length`` (a tensor, or an int) and
-    ``cumulative_length_int`` (sliding-window layers). A snapshot is copied on the device; it is read back only for
-    an int counter."""
+    ``cumulative_length_int`` (sliding-window layers). A snapshot is copied on the device; it is read back for an
+    int counter (a sliding layer's ``cumulative_length_int`` included: a device read, on this rare path only)."""
     for layer in getattr(cache, "layers", ()):
         counter = getattr(layer, "cumulative_length", None)
         if isinstance(counter, torch.Tensor):
