@@ -234,7 +234,8 @@ def test_c19_graph_breaks_reported_and_slower_never_selected(fast_profiling):
     report = ait.tune(tuned, [(x, offsets)], ready_batches=True)
     assert not report.module_errors
     rows = {row.backend: row for row in report.rows}
-    inductor, eager = rows["inductor_jit"], rows["eager"]
+    inductor = rows["inductor_jit"]
+    assert "eager" in rows
     if inductor.status in ("passed", "selected"):
         assert "graph_breaks" in inductor.details
         if inductor.details["graph_breaks"]:
@@ -242,8 +243,8 @@ def test_c19_graph_breaks_reported_and_slower_never_selected(fast_profiling):
         assert inductor.speedup is not None
     selected = [row for row in report.rows if row.status == "selected"][0]
     if selected.backend != "eager":
-        # Never picked when slower than eager by more than the measured noise.
-        assert selected.measurement["throughput"] * (1 + selected.measurement["noise"]) >= \
-            eager.measurement["throughput"]
+        # Never picked unless faster than eager, by its paired speed-up (timed in alternation with eager: the
+        # rows' own throughputs were measured at other moments, and load between them moves their ratio).
+        assert selected.speedup is not None and selected.speedup > 1.0, report.describe()
     with torch.no_grad():
         torch.testing.assert_close(tuned(x, offsets), model(x, offsets))
