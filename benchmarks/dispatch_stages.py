@@ -1,9 +1,9 @@
 """Where a tuned module's host time per call goes, stage by stage (no profiler's distortion).
 
 :func:`stages` wraps the functions a tuned call goes through (``Dispatch.call`` and the stages it calls: the
-LLM phase read, the cache counter's copy for a rewind, the baked-state check, the weight watch, the value gate, the guard's counter, the backend's
-``run``, the compiled callable, the CUDA-graph output copy) in timers, times ``calls`` calls of ``call`` and
-returns the mean host µs per call of each. A stage nested in another counts in both (``run`` includes the
+LLM phase read, the cache counter's copy for a rewind, the baked-state check, the weight watch, the value gate,
+the guard's counter, the backend's ``run``, the compiled callable, the CUDA-graph output copy) in timers, times
+``calls`` calls of ``call`` and returns the mean host µs per call of each. A stage nested in another counts in both (``run`` includes the
 compiled callable and the copy); ``call - stages`` is what the dispatch does between them. Each timer adds
 ~0.2 µs (two ``perf_counter_ns`` reads), so the total reads a little above the untimed call.
 

@@ -215,7 +215,7 @@ def phase_call(args: tuple, kwargs: dict, read_device: bool = True) -> PhaseCall
     adds one position and whose ``cache_position`` — or, without one, its cache's token counter (transformers 5.x
     passes no ``cache_position``; a static layer counts its tokens in a 0-dim tensor on the cache's device) — is off
     the CPU is taken for a decode call without reading the position: the read waits for the device (a copy back to
-    the host); with it the phase check took 73.5-91.6 µs of a decode call on the GPU machine
+    the host); with it the phase check took 73.5 µs of a decode call on the GPU machine
     (``benchmarks/llm_decode_host.py --stages``), more than the rest of the dispatch. Only a prompt of one token
     into an empty cache is such a call and not a decode call; the decode graph computes the same forward for it (the
     graph takes the positions and the counter as values, not as constants), and a lazily initialised cache
@@ -328,6 +328,12 @@ def rewindable(cache: Any) -> bool:
 _SNAPSHOT: list = [None]  # (weak reference to the last counter copied, the tensor it was copied into)
 
 
+def _first_counter(cache: Any) -> Any:
+    """The first layer's ``cumulative_length`` (a tensor or an int), or None."""
+    layers = getattr(cache, "layers", None)
+    return getattr(layers[0], "cumulative_length", None) if layers else None
+
+
 def counter_snapshot(cache: Any) -> torch.Tensor | int | None:
     """The token counter of ``cache``'s first layer as it is now, for :func:`rewind_cache` where the fill was not
     read (NOTE [decode without a device read]): a tensor counter (transformers' static layers) is copied on its
@@ -335,12 +341,11 @@ def counter_snapshot(cache: Any) -> torch.Tensor | int | None:
     call); an int counter is returned as it is; None without one. Full-attention layers count alike; a sliding
     layer's tensor counter stops at its window while its int counter goes on, and :func:`rewind_cache` sets both
     from the one value (the tensor is not read once the window is full)."""
-    layers = getattr(cache, "layers", None)
-    counter = getattr(layers[0], "cumulative_length", None) if layers else None
+    counter = _first_counter(cache)
     if not isinstance(counter, torch.Tensor):
         return counter if isinstance(counter, int) else None
     kept = _SNAPSHOT[0]
-    if kept is None or kept[0]() is not counter or kept[1].device != counter.device or kept[1].dtype != counter.dtype:
+    if kept is None or kept[0]() is not counter:
         copy = counter.clone()
         _SNAPSHOT[0] = (weakref.ref(counter), copy)
         return copy
@@ -354,8 +359,7 @@ def cache_advanced(cache: Any, before: int | torch.Tensor | None) -> bool | None
     device for a tensor count (used after a backend raised only)."""
     try:
         if isinstance(before, torch.Tensor):
-            layers = getattr(cache, "layers", None)
-            now = getattr(layers[0], "cumulative_length", None) if layers else None
+            now = _first_counter(cache)
             if not isinstance(now, torch.Tensor):
                 return None
             return not torch.equal(now, before.to(now.device))
