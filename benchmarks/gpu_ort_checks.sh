@@ -10,13 +10,13 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-cat /tmp/ortparts/part* > /tmp/onnxruntime_gpu-cp312-manylinux_2_28_x86_64.whl && \
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/onnxruntime_gpu-*.whl
+mkdir -p /tmp/ortwhl && cat /tmp/ortparts/part* > /tmp/ortwhl/onnxruntime_gpu-${ORT_GPU_VERSION:-1.31.1}-cp312-cp312-manylinux_2_28_x86_64.whl && \
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/ortwhl/onnxruntime_gpu-*.whl
 export PYTHONPATH=/tmp/site:$PWD AITUNE_CACHE_DIR=/tmp/aitune-cache
 python3 -c "import torch, onnxruntime as o; print(torch.__version__, o.__version__, o.get_available_providers())" \
   | tee "$OUT/env.txt"
-timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_onnxruntime_gpu.py \
-  tests/gpu/test_llm_generation_gpu.py 2>&1 | tail -40 > "$OUT/tests.log"
+timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu/test_onnxruntime_gpu.py \
+  tests/gpu/test_llm_generation_gpu.py} 2>&1 | tail -40 > "$OUT/tests.log"
 echo "tests rc ${PIPESTATUS[0]}"; tail -5 "$OUT/tests.log"
 timeout ${ORT_TIMEOUT:-230} python3 -m benchmarks.gpu_ort --rounds 3 --calls 30 --json "$OUT/gpu_ort.json" \
   > "$OUT/gpu_ort.log" 2>&1

@@ -24,3 +24,29 @@ def test_probe_reports_an_old_package_with_the_fix():
     assert not check.ok and "older than 9999.0" in check.reason and "pip install -U 'aitune[test]'" in check.reason
     assert probe_requirement(Requirement("pytest", ("pytest",), "test", "1.0")).ok
     assert torch_version_at_least("2.0") and not torch_version_at_least("99.0")
+
+
+def _distribution(site, name, version):
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_the_version_is_the_one_of_the_distribution_the_import_finds(tmp_path, monkeypatch):
+    """Two builds of one package on sys.path (onnxruntime in the environment, onnxruntime-gpu in a --target folder
+    put first, as on the GPU machine): the version reported is the imported one's, and the other build is named, so
+    that the build cache, earlier rankings and a checkpoint's environment check tell the two apart."""
+    cpu, gpu = tmp_path / "cpu", tmp_path / "gpu"
+    for site, name, version in ((cpu, "fakeort", "1.30.0"), (gpu, "fakeort-gpu", "1.31.1")):
+        (site / "fakeort").mkdir(parents=True)
+        (site / "fakeort" / "__init__.py").write_text("")
+        _distribution(site, name, version)
+    monkeypatch.syspath_prepend(str(cpu))
+    monkeypatch.syspath_prepend(str(gpu))  # first on sys.path: the import finds this one
+    requirement = Requirement("fakeort", ("fakeort", "fakeort-gpu"), "onnx", "1.31")
+    check = probe_requirement.__wrapped__(requirement)
+    assert check.ok and check.versions == {"fakeort": "1.31.1 (fakeort-gpu)"}
+    monkeypatch.syspath_prepend(str(cpu))  # now the CPU build comes first: too old, and said so by its name
+    check = probe_requirement.__wrapped__(requirement)
+    assert not check.ok and "package 'fakeort' 1.30.0 is older than 1.31" in check.reason
+    assert check.versions == {"fakeort": "1.30.0"}

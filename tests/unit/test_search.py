@@ -749,3 +749,22 @@ def test_a_build_traces_float_attributes_as_torch_does_so_a_changing_one_compile
         assert [compiles_for(eps) for eps in (1e-6, 1e-3, 1e-2, 0.5, 2.0)] == [0, 0, 0, 0, 0]
     finally:
         model.eps = 1e-6
+
+
+def test_a_ranking_is_not_reused_once_a_candidates_package_changed(fast_profiling, fake_clock, monkeypatch):
+    """Another build or version of a backend's package (onnxruntime-gpu brought beside onnxruntime) makes a re-tune
+    search every candidate again: the packages' versions are part of the ranking's key. Before, on the GPU
+    machine, a re-tune after onnxruntime-gpu was installed skipped every ONNX Runtime variant on the strength of a
+    ranking made while their builds could not reach the CUDA EP."""
+    from aitune.torch.common.requirements import Check
+
+    def packages(label):
+        monkeypatch.setattr(CountedDelayed, "availability", classmethod(lambda cls: Check(True, "", {"fakeort": label})))
+
+    net, batches = _net(), [torch.randn(2, 16)]
+    packages("1.30.0")
+    assert _ranked_tune(net, batches, fast_profiling, "first")[2] == [0.0, 0.002, 0.004]
+    assert _ranked_tune(net, batches, fast_profiling, "same packages")[2] == [0.0]
+    packages("1.30.0 (fakeort-gpu)")
+    assert _ranked_tune(net, batches, fast_profiling, "another build")[2] == [0.0, 0.002, 0.004]
+    assert _ranked_tune(net, batches, fast_profiling, "again")[2] == [0.0]

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
+from pathlib import Path
 
 import torch
 
@@ -49,22 +50,51 @@ class Requirement:
 
 @functools.lru_cache(maxsize=None)
 def probe_requirement(requirement: Requirement) -> Check:
-    """Is ``requirement`` importable and new enough? Cheap and silent (find_spec + metadata only)."""
-    if importlib.util.find_spec(requirement.module) is None:
+    """Is ``requirement`` importable and new enough? Cheap and silent (find_spec + metadata only).
+
+    The version is the one of the installed distribution that provides the module an import finds: with
+    ``onnxruntime`` installed and ``onnxruntime-gpu`` earlier on ``sys.path``, that is ``onnxruntime-gpu``'s. A
+    distribution other than the first of ``requirement.distributions`` is named after the version
+    (``"1.31.1 (onnxruntime-gpu)"``), since two builds of one version differ in what they run (execution providers):
+    the version strings key the build cache, earlier rankings and a checkpoint's environment check."""
+    spec = importlib.util.find_spec(requirement.module)
+    if spec is None:
         return Check(False, f"package '{requirement.distributions[0]}' not found — "
                             f"pip install 'aitune[{requirement.extra}]'")
-    version = None
-    for distribution in requirement.distributions:
-        try:
-            version = importlib.metadata.version(distribution)
-            break
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    distribution, version = _imported_distribution(requirement, spec)
+    label = version or "unknown"
+    if version and distribution != requirement.distributions[0]:
+        label = f"{version} ({distribution})"
     if requirement.min_version and version and version_at_least(version, requirement.min_version) is False:
-        return Check(False, f"package '{requirement.distributions[0]}' {version} is older than "
+        return Check(False, f"package '{distribution}' {version} is older than "
                             f"{requirement.min_version} — pip install -U 'aitune[{requirement.extra}]'",
-                     {requirement.module: version})
-    return Check(True, "", {requirement.module: version or "unknown"})
+                     {requirement.module: label})
+    return Check(True, "", {requirement.module: label})
+
+
+def _imported_distribution(requirement: Requirement, spec) -> tuple[str, str | None]:
+    """``(distribution name, version)`` of the installed distribution whose files hold the module ``spec`` found;
+    with one installed, that one; when none can be matched by location, the first installed in the order of
+    ``requirement.distributions``; ``(first name, None)`` when none is installed (a source checkout)."""
+    locations = list(spec.submodule_search_locations or ()) or ([spec.origin] if spec.origin else [])
+    homes = {_resolved(Path(location).parent) for location in locations}
+    installed = []
+    for name in requirement.distributions:
+        for distribution in importlib.metadata.distributions(name=name):
+            installed.append((name, distribution))
+    for name, distribution in installed:
+        if _resolved(Path(str(distribution.locate_file("")))) in homes:
+            return name, distribution.version
+    if installed:
+        return installed[0][0], installed[0][1].version
+    return requirement.distributions[0], None
+
+
+def _resolved(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except OSError:
+        return path
 
 
 def version_at_least(version: str, minimum: str) -> bool | None:

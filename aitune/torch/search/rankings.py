@@ -15,8 +15,9 @@ rankings and ``aitune env --clear-rankings`` (or deleting ``<cache dir>/rankings
 
 The key (sha256 of canonical JSON): the module fingerprint of the build cache (class, source of non-torch
 classes, every parameter and buffer's bytes, training flags), the graph fingerprint without sample values
-(structure, tensor specs, sample shapes), every candidate's class and config key, the strategy's class and
-settings (tolerance, profiling, probes, quantization, performance validation), the environment of
+(structure, tensor specs, sample shapes), every candidate's class and config key, the versions of the candidates'
+packages (``availability().versions``: installing ``onnxruntime-gpu`` beside ``onnxruntime`` gives a new key), the
+strategy's class and settings (tolerance, profiling, probes, quantization, performance validation), the environment of
 :func:`aitune.torch.common.environment.environment_key` and the aitune version.
 """
 
@@ -64,6 +65,8 @@ class RankingStore:
                         "module": self.fingerprint(context.module),
                         "graph": graph_fingerprint(context.graph),
                         "candidates": [candidate_key(blueprint) for blueprint in blueprints],
+                        "packages": sorted({(name, str(version)) for blueprint in blueprints
+                                            for name, version in type(blueprint).availability().versions.items()}),
                         "strategy": json_safe(strategy_facts),  # dataclasses: their repr
                         "environment": environment_key(context.device)}
         except Exception:  # noqa: BLE001 - no key: the search simply runs in full
