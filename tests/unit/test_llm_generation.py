@@ -24,11 +24,10 @@ NEW_TOKENS = 32
 STATIC = dict(cache_implementation="static", disable_compile=True)
 
 
-def tiny_llama(hidden_size: int = 64):
+def tiny_llama():
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden_size, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=512)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     model = transformers.LlamaForCausalLM(config).eval()
     model.generation_config.pad_token_id = 0
     return model
@@ -709,33 +708,3 @@ def test_an_assumed_decode_phase_is_read_where_no_graph_takes_it_and_served_wher
     assert torch.equal(generate(model, ids, past_key_values=cache, disable_compile=True), expected)
     assert len(served) == NEW_TOKENS  # the one-token prefill too, by the decode graph
     assert model.model.stats["eager_fallbacks"] == fallbacks
-
-
-def test_the_prefill_graph_traces_once_with_floats_specialised_in_every_compile_and_decode_with_torchs_setting():
-    """NOTE [floats as torch traces them] in aitune/torch/backend/compile_settings.py: under torch's setting a
-    Qwen2-0.5B-sized decoder's dynamic prefill trace restarted once on the H200 (float attributes that could not be
-    made tensors; this tiny model's does not restart here). Every compile of the prefill graph's callable, a
-    recompile at serve time included, now specialises floats; the decode graph's compiles keep torch's setting
-    (mixing the two in one graph crashed on CUDA)."""
-    # a width no other test uses: Dynamo shares compiled entries between instances of one module class whose
-    # weights have the same shapes, and another test's entry would answer this test's calls without a compile
-    model = tiny_llama(hidden_size=48)
-    eager = copy.deepcopy(model)
-    model.model = ait.Module(model.model, "decoder", strategy=inductor_only())
-    ait.tune(lambda ids: generate(model, ids, 4, **STATIC), [prompt(5), prompt(7)], ready_batches=True)
-    seen = []
-
-    def compile_started(args=None):  # registered after aitune's own callback, so it sees what aitune set
-        if getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO") == "DYNAMO":
-            seen.append(torch._dynamo.config.specialize_float)
-
-    handler = torch._dynamo.callback_handler
-    handler.register_start_callback(compile_started)
-    try:
-        ids = prompt(6, batch=2)  # a batch never seen: the prefill and the decode graph each compile once more
-        assert torch.equal(generate(model, ids, 4, **STATIC), generate(eager, ids, 4, **STATIC))
-    finally:
-        handler.remove_start_callback(compile_started)
-    assert seen == [True, False]  # prefill first, then decode
-    assert torch._dynamo.config.specialize_float is False  # put back after the compile
-    assert model.model.stats["eager_fallbacks"] == {}

@@ -23,7 +23,7 @@ from aitune.torch.backend.base import (
 )
 from aitune.torch.common.requirements import validate_flags
 from aitune.torch.config import config as aitune_config
-from aitune.torch.backend.compile_settings import compile_settings
+from aitune.torch.backend.compile_settings import parameter_freezing
 from aitune.torch.backend.inductor_jit import (
     COMPILE_MODES,
     allow_many_variants,
@@ -290,7 +290,7 @@ class TorchAOBackend(Backend):
     rank = 40
     default_search_position = 50  # in the default search (Backend.default_search_position)
     requirements = (Requirement("torchao", ("torchao",), "torchao", "0.12"),)
-    _freezing = contextlib.nullcontext()  # compile_settings(...) once built
+    _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
 
     def search_space(self, module, graph, device) -> list["Backend"]:
         """At the default configuration, the device's preset compiled with ``freezing`` (on CUDA
@@ -400,9 +400,7 @@ class TorchAOBackend(Backend):
                                preset or type(torchao_config).__name__, type(module).__name__)
             logger.debug("torchao: quantized %d modules with %s", len(changed), preset or torchao_config)
             self._clone_outputs = bool(changed) and self.config.compile and uses_cuda_graphs(self.config.mode, None)
-            # NOTE [floats as torch traces them] in aitune/torch/backend/compile_settings.py
-            self._freezing = compile_settings(self.config.compile and self.config.freezing,
-                                              self.config.compile and graph is not None and graph.phase == "prefill")
+            self._freezing = parameter_freezing(self.config.compile and self.config.freezing)
             if self.config.compile and changed:  # nothing quantized: a no-op row (evaluation), not worth a compile
                 dynamic = self._resolved_dynamic(graph)
                 self.build_info["dynamic"] = dynamic

@@ -12,7 +12,7 @@ import torch
 
 from aitune.errors import ConfigError
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
-from aitune.torch.backend.compile_settings import compile_settings
+from aitune.torch.backend.compile_settings import parameter_freezing
 from aitune.torch.common.requirements import validate_flags
 from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.eager import AutocastMixin
@@ -201,7 +201,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     """
 
     _channels_last = False
-    _freezing = contextlib.nullcontext()  # compile_settings(...) once built
+    _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
 
     name = "inductor_jit"
     config_class = TorchInductorJitBackendConfig
@@ -321,8 +321,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             except Exception as exc:  # noqa: BLE001 - a module deepcopy refuses: compile it as it is
                 # (a later re-tune's build may then reuse folded old weights; the check against eager rejects it)
                 self.build_info["frozen_copy_failed"] = f"{type(exc).__name__}: {exc}"
-        # NOTE [floats as torch traces them] in aitune/torch/backend/compile_settings.py
-        self._freezing = compile_settings(frozen, graph is not None and graph.phase == "prefill")
+        self._freezing = parameter_freezing(frozen)
         allow_many_variants()
         self._compiled = torch.compile(module, backend="inductor", mode=mode, options=options,
                                        fullgraph=self.config.fullgraph, dynamic=dynamic)
