@@ -20,8 +20,10 @@ import torch
 # ``TORCH_LOGS=dynamo``), which costs tune time. Specialising floats for the build's compiles only (and leaving a
 # later recompile to torch's default) removed that restart, but on CUDA (torch 2.11) the decode graph's first
 # recompile at serve time (a cache of another length) then crashed the process inside Triton's launcher (a
-# segmentation fault; with the static launcher off: "Pointer argument must be either uint64 or have data_ptr
-# method"): tests/gpu/test_llm_generation_gpu.py. aitune's compiles use torch's setting, the same in every compile.
+# segmentation fault; with the static launcher off: "Pointer argument must be either uint64 or have data_ptr method"):
+# tests/gpu/test_llm_generation_gpu.py. Specialising every compile of the prefill graph's callable only (build and
+# serve time alike; the decode graph's with torch's setting) crashed that test file too, a fatal error with Triton's
+# launcher loaded (benchmarks/RESULTS.md). aitune's compiles use torch's setting, the same in every compile.
 
 
 class _FreezingWhileTracing:
