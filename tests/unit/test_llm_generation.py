@@ -708,3 +708,20 @@ def test_an_assumed_decode_phase_is_read_where_no_graph_takes_it_and_served_wher
     assert torch.equal(generate(model, ids, past_key_values=cache, disable_compile=True), expected)
     assert len(served) == NEW_TOKENS  # the one-token prefill too, by the decode graph
     assert model.model.stats["eager_fallbacks"] == fallbacks
+
+
+def test_the_recorder_neither_compares_nor_reads_the_cache_tensors_one_by_one(tuned):
+    """A decode call carries every layer's key and value tensors. Off the CPU each comparison or value read waits for
+    the device, and a generate loop records hundreds of calls (``benchmarks/recording_cost.py``), so the recorder
+    takes the cache as a whole for the input the call changes and records no value range for its tensors (the value
+    gate never reads them: aitune/torch/backend/accepted.py); the other inputs are recorded as before."""
+    from aitune.torch.record.llm import in_cache
+
+    model, _, _ = tuned
+    for graph in model.model.graphs:
+        assert graph.mutated_inputs == [graph.cache_input]
+        specs = {spec.path: spec for spec in graph.tensor_specs}
+        cached = [spec for path, spec in specs.items() if in_cache(path, graph.cache_input)]
+        assert cached and all(spec.value_range is None for spec in cached)
+        low, high = specs["input_ids"].value_range
+        assert 1 <= low <= high < 256  # the recorded token ids

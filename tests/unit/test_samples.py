@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 from aitune.errors import ConfigError
 from aitune.torch.backend import TorchEagerBackend
 from aitune.torch.record.samples import BATCH, DYNAMIC, STATIC, BatchDim, CallSignature, DynamicDim, clone_tree, \
-    record_graphs, same_values
+    Sample, record_graphs, same_values
 
 
 class Toggle(torch.nn.Module):
@@ -239,3 +240,42 @@ def test_same_values_counts_nan_where_both_have_it_for_floating_and_complex_tens
     assert not same_values(complex_values, torch.tensor([complex(nan, 0.0), 1 + 3j]))
     integers = torch.arange(4)
     assert same_values(integers, integers.clone()) and not same_values(integers, integers.flip(0))
+
+
+class LateCounter(torch.nn.Module):
+    """From its ``start``-th call on, counts its calls in a plain attribute (a state change that begins late; the
+    calls before are ticked on an iterator, which state marks hold by identity)."""
+
+    def __init__(self, start: int):
+        super().__init__()
+        self.start, self.ticks, self.count = start, itertools.count(), 0
+
+    def forward(self, x):
+        if next(self.ticks) >= self.start:
+            self.count += 1
+        return x * 2
+
+
+def test_state_is_marked_on_a_graphs_first_calls_and_every_16th_after_so_a_late_change_is_still_found(monkeypatch):
+    """NOTE [state checks while recording] in aitune/torch/record/samples.py: the module's state is marked before
+    and after a graph's first 8 recorded calls, then every 16th; a forward that starts changing state later is
+    found at the next checked call."""
+    import aitune.torch.record.samples as samples
+
+    marks = []
+    real = samples.state_marks
+    monkeypatch.setattr(samples, "state_marks", lambda module: marks.append(1) or real(module))
+    calls = [((torch.randn(2, 3),), {}) for _ in range(40)]
+    graph = record_graphs(LateCounter(start=10**6), calls)[0]
+    assert len(marks) == 2 * (8 + 2) and not graph.stateful  # calls 0-7, 16 and 32, each before and after
+    late = record_graphs(LateCounter(start=20), calls)[0]  # `seen` stops moving at call 20; `count` moves from then
+    assert late.stateful and "attribute `count`" in late.stateful_reason
+
+
+def test_a_samples_shapes_follow_its_arguments():
+    sample = Sample((torch.zeros(2, 3),), {"y": torch.zeros(4)}, 2)
+    assert sample.shapes() == ((2, 3), (4,))
+    sample.kwargs["z"] = torch.zeros(5, 1)  # a key added in place
+    assert sample.shapes() == ((2, 3), (4,), (5, 1))
+    sample.args = (torch.zeros(7),)
+    assert sample.shapes() == ((7,), (4,), (5, 1))

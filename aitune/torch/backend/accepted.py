@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from aitune.torch.common.dtypes import dtype_name
-from aitune.torch.record.llm import POSITION_INPUTS
+from aitune.torch.record.llm import POSITION_INPUTS, in_cache
 from aitune.torch.record.samples import BATCH
 
 
@@ -208,8 +208,7 @@ class ValueGate:
             value_range = getattr(spec, "value_range", None)
             if spec.dtype == torch.bool or spec.dtype.is_complex:
                 continue
-            cache = getattr(graph, "cache_input", None)
-            if cache is not None and (spec.path == cache or spec.path.startswith(cache + "[")):
+            if in_cache(spec.path, getattr(graph, "cache_input", None)):
                 continue  # a key/value cache's own tensors and counters: the dispatch checks the fill (llm.py)
             if not spec.dtype.is_floating_point:
                 rows = getattr(spec, "table_rows", None)

@@ -16,7 +16,7 @@ from aitune.torch.record.serialization import constant_to_json, tree_spec_from_j
 from aitune.torch.record.signature import CallSignature
 from aitune.torch.record.call_sample import Sample, describe_leaf, same_call
 from aitune.torch.record.dims import BatchDim, DynamicDim
-from aitune.torch.record.llm import phase_structure
+from aitune.torch.record.llm import in_cache, phase_structure
 
 
 STATIC, DYNAMIC, BATCH = "static", "dynamic", "batch"
@@ -216,12 +216,14 @@ class GraphSpec:
         self.num_calls += 1
         recorded = sample.leaves()  # the call's values before forward ran (it may change its inputs in place)
         for spec in self.tensor_specs:
-            spec.record_values(recorded[spec.leaf_index])
+            if not in_cache(spec.path, self.cache_input):  # a cache's values are never gated (accepted.py)
+                spec.record_values(recorded[spec.leaf_index])
         shapes = [list(leaves[spec.leaf_index].shape) for spec in self.tensor_specs]
         entry = (sample.batch_size, tuple(tuple(shape) for shape in shapes))
         if entry in self._size_history:
             # These shapes were merged before; keep another call of them if its values differ (bounded).
-            same = [kept for kept in self.samples if kept.shapes() == sample.shapes()]
+            shapes_now = sample.shapes()
+            same = [kept for kept in self.samples if kept.shapes() == shapes_now]
             if len(same) < SAME_SHAPE_SAMPLES and len(self.samples) < self.max_samples and not any(
                     same_call(kept, sample) for kept in same):
                 self.samples.append(sample)

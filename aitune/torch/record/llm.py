@@ -172,6 +172,12 @@ def phase_structure(spec: TreeSpec) -> TreeSpec:
     return TreeSpec(spec.kind, node_type, spec.context, tuple(phase_structure(child) for child in spec.children))
 
 
+def in_cache(path: str, cache: str | None) -> bool:
+    """Is the input leaf at ``path`` the key/value cache ``cache`` (a graph's ``cache_input``) or one of its tensors
+    and counters (``cache[3]``)?"""
+    return cache is not None and (path == cache or path.startswith(cache + "["))
+
+
 def cache_argument(kwargs: dict) -> str | None:
     """The name of the keyword argument holding a transformers cache, or None."""
     for name, value in kwargs.items():

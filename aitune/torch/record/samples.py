@@ -42,11 +42,16 @@ from aitune.torch.record.llm import (
     cache_argument,
     cache_capacity,
     dynamic_cache_reason,
+    in_cache,
     llm_phase,
 )
 from aitune.torch.record.pytree import tree_flatten
 from aitune.torch.record.state import AttributeSnapshot, changed_state, state_marks
 from aitune.torch.record.signature import CallSignature, positional_parameter_names  # noqa: F401 - re-exported
+
+
+STATE_CHECKS_FIRST = 8  # NOTE [state checks while recording]
+STATE_CHECKS_EVERY = 16
 
 
 class Recorder:
@@ -89,14 +94,22 @@ class Recorder:
         if batch_size is None:
             batch_size = infer_batch_size(leaves)
         sample = Sample(cloned_args, cloned_kwargs, batch_size)
-        state_before, kept = state_marks(module)
+        # NOTE [state checks while recording]: marking the module's state before and after a call walks every
+        # submodule's parameters, buffers and attributes: ~4.5 ms per recorded call of a 24-layer decoder on this
+        # project's CPU, more than the call itself (benchmarks/recording_cost.py), and a generate loop records
+        # hundreds of decode calls. So a graph's first STATE_CHECKS_FIRST calls are checked, then every
+        # STATE_CHECKS_EVERY-th: a forward that changes state does so from its first calls (running statistics,
+        # counters, a cache it fills), and one that starts later is still found at the next checked call. One
+        # that changes state only on calls never checked is not found (docs/promises.md).
+        checked = graph.num_calls < STATE_CHECKS_FIRST or graph.num_calls % STATE_CHECKS_EVERY == 0
+        state_before, kept = state_marks(module) if checked else (None, None)
         with _embedding_inputs(module, leaves) as tables:
             output = module(*args, **kwargs)
         for spec in graph.tensor_specs:
             rows = tables.get(spec.leaf_index)
             if rows is not None:
                 spec.table_rows = rows if spec.table_rows is None else min(spec.table_rows, rows)
-        changed = changed_state(state_before, state_marks(module)[0])
+        changed = changed_state(state_before, state_marks(module)[0]) if checked else []
         del kept
         if changed:
             graph.stateful = True
@@ -104,11 +117,14 @@ class Recorder:
                 more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
                 graph.stateful_reason = "forward changes " + ", ".join(changed[:3]) + more
         graph.training = module.training
+        # a cache is written by every call, also where no recorded tensor changed in place (a lazily created cache
+        # replaces its tensors on the first call): the cache as a whole is an input the call changes, and every run
+        # starts from a copy of the recorded state; its own tensors are not compared one by one (off the CPU each
+        # comparison waits for the device)
         mutated = [path for path, before, after in zip(graph.input_paths, sample.leaves(), leaves)
-                   if isinstance(after, torch.Tensor) and not same_values(before, after)]
+                   if isinstance(after, torch.Tensor) and not in_cache(path, graph.cache_input)
+                   and not same_values(before, after)]
         if graph.cache_input is not None:
-            # a cache is written by every call, also where no recorded tensor changed in place (a lazily created
-            # cache replaces its tensors on the first call): every run starts from a copy of the recorded state
             mutated.append(graph.cache_input)
         for path in mutated:
             if path not in graph.mutated_inputs:
