@@ -95,8 +95,8 @@ class Recorder:
             batch_size = infer_batch_size(leaves)
         sample = Sample(cloned_args, cloned_kwargs, batch_size)
         # NOTE [state checks while recording]: marking the module's state before and after a call walks every
-        # submodule's parameters, buffers and attributes: ~4.5 ms per recorded call of a 24-layer decoder on this
-        # project's CPU, more than the call itself (benchmarks/recording_cost.py), and a generate loop records
+        # submodule's parameters, buffers and attributes: ~5 ms per recorded call of a 24-layer decoder on this
+        # project's CPU (two walks of ~2.5 ms), more than the call itself (benchmarks/recording_cost.py), and a generate loop records
         # hundreds of decode calls. So a graph's first STATE_CHECKS_FIRST calls are checked, then every
         # STATE_CHECKS_EVERY-th: a forward that changes state does so from its first calls (running statistics,
         # counters, a cache it fills), and one that starts later is still found at the next checked call. One
