@@ -96,11 +96,11 @@ class Recorder:
         sample = Sample(cloned_args, cloned_kwargs, batch_size)
         # NOTE [state checks while recording]: marking the module's state before and after a call walks every
         # submodule's parameters, buffers and attributes: ~5 ms per recorded call of a 24-layer decoder on this
-        # project's CPU (two walks of ~2.5 ms), more than the call itself (benchmarks/recording_cost.py), and a generate loop records
-        # hundreds of decode calls. So a graph's first STATE_CHECKS_FIRST calls are checked, then every
+        # project's CPU (two walks of ~2.5 ms), more than the call itself (benchmarks/recording_cost.py), and a generate
+        # loop records hundreds of decode calls. So a graph's first STATE_CHECKS_FIRST calls are checked, then every
         # STATE_CHECKS_EVERY-th: a forward that changes state does so from its first calls (running statistics,
-        # counters, a cache it fills), and one that starts later is still found at the next checked call. One
-        # that changes state only on calls never checked is not found (docs/promises.md).
+        # counters, a cache it fills), and one that starts later is still found at the next checked call. One that
+        # changes state only on calls never checked is not found (docs/promises.md).
         checked = graph.num_calls < STATE_CHECKS_FIRST or graph.num_calls % STATE_CHECKS_EVERY == 0
         state_before, kept = state_marks(module) if checked else (None, None)
         with _embedding_inputs(module, leaves) as tables:
