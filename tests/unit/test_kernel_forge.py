@@ -386,3 +386,20 @@ def test_requirements_are_still_importable_from_the_backend_base():
     for name in ("Requirement", "Check", "probe_requirement", "check_requirements", "validate_flags",
                  "torch_version_at_least"):
         assert getattr(base, name) is getattr(requirements, name)
+
+
+def test_a_kernel_selectors_packages_are_its_own_its_delegates_and_its_providers(monkeypatch):
+    """The build cache and earlier rankings are keyed by the packages a candidate runs on: for the kernel selector
+    those of its delegate and of its kernel providers too (before, only its own, which are none)."""
+    from aitune.torch.backend import KernelSelectorBackend, ONNXRuntimeBackend
+    from aitune.torch.common.requirements import Check, package_versions
+    from aitune.torch.kernel_forge.sage_attention import SageAttentionKernelProvider
+
+    monkeypatch.setattr(SageAttentionKernelProvider, "availability",
+                        classmethod(lambda cls: Check(True, "", {"sageattention": "1.0.6"})))
+    selector = KernelSelectorBackend(KernelSelectorBackendConfig(kernel_providers=[SageAttentionKernelProvider()]),
+                                     delegate_backend=ONNXRuntimeBackend())
+    versions = package_versions(selector)
+    assert versions["sageattention"] == "1.0.6"
+    assert versions["onnxruntime"] == ONNXRuntimeBackend.availability().versions["onnxruntime"]
+    assert package_versions(ONNXRuntimeBackend()) == ONNXRuntimeBackend.availability().versions

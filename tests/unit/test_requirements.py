@@ -26,10 +26,12 @@ def test_probe_reports_an_old_package_with_the_fix():
     assert torch_version_at_least("2.0") and not torch_version_at_least("99.0")
 
 
-def _distribution(site, name, version):
+def _distribution(site, name, version, files=()):
+    """A dist-info folder of ``name`` ``version`` in ``site`` whose RECORD lists ``files`` (``(path, size)``)."""
     info = site / f"{name.replace('-', '_')}-{version}.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "RECORD").write_text("".join(f"{path},,{size}\n" for path, size in files))
 
 
 def test_the_version_is_the_one_of_the_distribution_the_import_finds(tmp_path, monkeypatch):
@@ -50,3 +52,27 @@ def test_the_version_is_the_one_of_the_distribution_the_import_finds(tmp_path, m
     check = probe_requirement.__wrapped__(requirement)
     assert not check.ok and "package 'fakeort' 1.30.0 is older than 1.31" in check.reason
     assert check.versions == {"fakeort": "1.30.0"}
+
+
+def test_two_builds_installed_into_one_folder_are_told_apart_by_their_files(tmp_path, monkeypatch):
+    """pip install onnxruntime, then onnxruntime-gpu into the same site-packages: the second overwrote the package's
+    files, and its RECORD is the one whose sizes match them. When the files cannot tell them apart, both are
+    named, so the label still changes when a build is added."""
+    site = tmp_path / "site"
+    (site / "fakeort").mkdir(parents=True)
+    (site / "fakeort" / "__init__.py").write_text("")
+    (site / "fakeort" / "_native.so").write_bytes(b"g" * 200)  # the GPU build's library, written last
+    _distribution(site, "fakeort", "1.30.0", [("fakeort/__init__.py", 0), ("fakeort/_native.so", 100)])
+    _distribution(site, "fakeort-gpu", "1.31.1", [("fakeort/__init__.py", 0), ("fakeort/_native.so", 200)])
+    monkeypatch.syspath_prepend(str(site))
+    requirement = Requirement("fakeort", ("fakeort", "fakeort-gpu"), "onnx", "1.31")
+    check = probe_requirement.__wrapped__(requirement)
+    assert check.ok and check.versions == {"fakeort": "1.31.1 (fakeort-gpu)"}
+    (site / "fakeort" / "_native.so").write_bytes(b"c" * 100)  # the CPU build reinstalled over it
+    check = probe_requirement.__wrapped__(requirement)
+    assert not check.ok and check.versions == {"fakeort": "1.30.0"}
+    record = site / "fakeort-1.30.0.dist-info" / "RECORD"
+    record.write_text(record.read_text().replace("_native.so,,100", "_native.so,,200"))
+    (site / "fakeort" / "_native.so").write_bytes(b"g" * 200)  # now both records match the files
+    check = probe_requirement.__wrapped__(requirement)
+    assert check.versions == {"fakeort": "1.30.0 (fakeort 1.30.0 + fakeort-gpu 1.31.1)"}

@@ -285,3 +285,5 @@ def test_a_samples_shapes_follow_its_arguments():
     assert sample.shapes() == ((2, 3), (4,), (5, 1))
     sample.args = (torch.zeros(7),)
     assert sample.shapes() == ((7,), (4,), (5, 1))
+    sample.kwargs["y"] = torch.zeros(9)  # a value replaced in place
+    assert sample.shapes() == ((7,), (9,), (5, 1))

@@ -759,7 +759,8 @@ def test_a_ranking_is_not_reused_once_a_candidates_package_changed(fast_profilin
     from aitune.torch.common.requirements import Check
 
     def packages(label):
-        monkeypatch.setattr(CountedDelayed, "availability", classmethod(lambda cls: Check(True, "", {"fakeort": label})))
+        available = Check(True, "", {"fakeort": label})
+        monkeypatch.setattr(CountedDelayed, "availability", classmethod(lambda cls: available))
 
     net, batches = _net(), [torch.randn(2, 16)]
     packages("1.30.0")

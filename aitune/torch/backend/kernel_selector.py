@@ -20,6 +20,7 @@ from aitune.torch.backend.base import (
     get_backend_class,
 )
 from aitune.torch.common.files import checkpoint_path
+from aitune.torch.common.requirements import package_versions
 from aitune.torch.backend.inductor_jit import TorchInductorJitBackend
 from aitune.torch.kernel_forge import KernelOptimizationPlan, KernelOptimizer, PlannedModule
 from aitune.torch.kernel_forge.kernel_provider import KernelProvider, TorchSDPAKernelProvider, kernel_provider_from_dict
@@ -176,6 +177,14 @@ class KernelSelectorBackend(Backend):
         import copy as copy_module
 
         return type(self)(copy_module.deepcopy(self.config), delegate_backend=self.delegate.copy())
+
+    def package_versions(self) -> dict:
+        """The packages this candidate runs on: its own, its delegate's and its kernel providers'
+        (:func:`~aitune.torch.common.requirements.package_versions`)."""
+        versions = {**self.availability().versions, **package_versions(self.delegate)}
+        for provider in self.config.providers():
+            versions.update(provider.availability().versions)
+        return versions
 
     # ---- eligibility
     def supports(self, module: torch.nn.Module, graph, device: torch.device) -> Check:

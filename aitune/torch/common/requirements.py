@@ -73,21 +73,49 @@ def probe_requirement(requirement: Requirement) -> Check:
 
 
 def _imported_distribution(requirement: Requirement, spec) -> tuple[str, str | None]:
-    """``(distribution name, version)`` of the installed distribution whose files hold the module ``spec`` found;
-    with one installed, that one; when none can be matched by location, the first installed in the order of
-    ``requirement.distributions``; ``(first name, None)`` when none is installed (a source checkout)."""
-    locations = list(spec.submodule_search_locations or ()) or ([spec.origin] if spec.origin else [])
-    homes = {_resolved(Path(location).parent) for location in locations}
-    installed = []
-    for name in requirement.distributions:
-        for distribution in importlib.metadata.distributions(name=name):
-            installed.append((name, distribution))
-    for name, distribution in installed:
-        if _resolved(Path(str(distribution.locate_file("")))) in homes:
-            return name, distribution.version
-    if installed:
-        return installed[0][0], installed[0][1].version
+    """``(distribution name, version)`` of the installed distribution whose files hold the module ``spec`` found.
+
+    Candidates are the installed distributions of ``requirement.distributions`` in the folder the module is
+    imported from (any installed one, when none is there). Where several share that folder (``pip install
+    onnxruntime`` then ``onnxruntime-gpu``: the second overwrote the first's files), the one whose recorded file
+    sizes all match the files on disk is taken; when that does not single one out, every candidate is named
+    (``"onnxruntime 1.30.0 + onnxruntime-gpu 1.31.1"``) with the first one's version. ``(first name, None)`` when
+    none is installed (a source checkout). Never raises: a distribution that cannot be read is passed over."""
+    try:
+        locations = list(spec.submodule_search_locations or ()) or ([spec.origin] if spec.origin else [])
+        homes = {_resolved(Path(location).parent) for location in locations}
+        installed, seen = [], set()
+        for name in requirement.distributions:
+            for distribution in importlib.metadata.distributions(name=name):  # a folder twice on sys.path: once
+                where = (name, _resolved(Path(str(distribution.locate_file("")))), distribution.version)
+                if where not in seen:
+                    seen.add(where)
+                    installed.append((name, distribution))
+        here = [(name, d) for name, d in installed if _resolved(Path(str(d.locate_file("")))) in homes] or installed
+        if len(here) > 1:
+            current = [(name, d) for name, d in here if _files_match(d, requirement.module)]
+            here = current if len(current) == 1 else here
+        if len(here) > 1:
+            return " + ".join(f"{name} {d.version}" for name, d in here), here[0][1].version
+        if here:
+            return here[0][0], here[0][1].version
+    except Exception:  # noqa: BLE001 - metadata a probe cannot read: no version, never a failure
+        pass
     return requirement.distributions[0], None
+
+
+def _files_match(distribution, module: str) -> bool:
+    """Does every file ``distribution`` recorded under the package ``module`` exist with the recorded size?"""
+    checked = 0
+    for file in distribution.files or ():
+        if file.parts and file.parts[0] == module and file.size is not None:
+            try:
+                if Path(str(distribution.locate_file(file))).stat().st_size != file.size:
+                    return False
+            except OSError:
+                return False
+            checked += 1
+    return checked > 0
 
 
 def _resolved(path: Path) -> Path:
@@ -106,6 +134,14 @@ def version_at_least(version: str, minimum: str) -> bool | None:
         return Version(version.split("+")[0]) >= Version(minimum)
     except InvalidVersion:
         return None
+
+
+def package_versions(blueprint) -> dict:
+    """``{package: version}`` of everything a backend blueprint runs on: its class's packages
+    (``availability().versions``), or what its ``package_versions()`` says where it defines one (the kernel
+    selector: its own, its delegate's and its kernel providers'). Keys the build cache and earlier rankings."""
+    own = getattr(blueprint, "package_versions", None)
+    return dict(own()) if callable(own) else dict(type(blueprint).availability().versions)
 
 
 def check_requirements(requirements) -> Check:

@@ -46,8 +46,9 @@ class Sample:
     args: tuple
     kwargs: dict
     batch_size: int | None = None
-    # (args, kwargs, shapes) of the last shapes() call: a graph compares a new call's shapes with every kept
-    # sample's on each recorded call, and flattening a kept call that holds a key/value cache is not free
+    # (args, the kwargs values, shapes) of the last shapes() call: a graph compares a new call's shapes
+    # with every kept sample's on each recorded call, and flattening a kept call that holds a key/value cache is
+    # not free
     _shapes: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def leaves(self) -> list[Any]:
@@ -58,13 +59,14 @@ class Sample:
         return Sample(args, kwargs, self.batch_size)
 
     def shapes(self) -> tuple:
-        """The shape of every tensor leaf, in leaf order (remembered while ``args``/``kwargs`` are the same objects
-        and ``kwargs`` holds the same keys)."""
-        memo = self._shapes
-        if memo is not None and memo[0] is self.args and memo[1] is self.kwargs and memo[2] == len(self.kwargs):
-            return memo[3]
+        """The shape of every tensor leaf, in leaf order (remembered while ``args`` and the ``kwargs`` values are
+        the same objects; tensors are not resized in place)."""
+        memo, values = self._shapes, tuple(self.kwargs.values())
+        if memo is not None and memo[0] is self.args and len(memo[1]) == len(values) and all(
+                old is new for old, new in zip(memo[1], values)):
+            return memo[2]
         shapes = tuple(tuple(leaf.shape) for leaf in self.leaves() if isinstance(leaf, torch.Tensor))
-        self._shapes = (self.args, self.kwargs, len(self.kwargs), shapes)
+        self._shapes = (self.args, values, shapes)
         return shapes
 
 

@@ -10,7 +10,7 @@ An entry is keyed by sha256 over the canonical JSON of:
   constants, the recorded sample shapes and batch sizes (and, for quantizing backends, which calibrate
   on them, the sample values);
 * the backend: registered name, class and ``config.key()`` (which already includes the torch version);
-* library versions: aitune, torch, CUDA, and the backend's packages (``availability().versions``);
+* library versions: aitune, torch, CUDA, and the backend's packages (``requirements.package_versions``);
 * the device: type, and for CUDA the GPU name and capability, for CPU the model name and machine type.
 
 Layout: ``<root>/<key[:2]>/<key>/entry.json`` + ``artifacts/`` (what ``Backend.save`` wrote). ``entry.json``
@@ -46,6 +46,7 @@ from aitune import __version__
 from aitune.errors import CheckpointError
 from aitune.torch.backend.base import Backend, BackendState, BuildMode
 from aitune.torch.common.environment import cpu_model_name
+from aitune.torch.common.requirements import package_versions
 from aitune.torch.common.files import check_files, digest_files
 from aitune.torch.record.serialization import tree_spec_to_json
 
@@ -125,7 +126,7 @@ class BuildCache:
             "backend": {"name": blueprint.name, "class": f"{backend_class.__module__}.{backend_class.__qualname__}",
                         "config_key": blueprint.config.key()},
             "versions": {"aitune": __version__, "torch": torch.__version__, "cuda": torch.version.cuda,
-                         **{k: str(v) for k, v in backend_class.availability().versions.items()}},
+                         **{k: str(v) for k, v in package_versions(blueprint).items()}},
             "device": device_key(device),
         }
 

@@ -16,7 +16,7 @@ rankings and ``aitune env --clear-rankings`` (or deleting ``<cache dir>/rankings
 The key (sha256 of canonical JSON): the module fingerprint of the build cache (class, source of non-torch
 classes, every parameter and buffer's bytes, training flags), the graph fingerprint without sample values
 (structure, tensor specs, sample shapes), every candidate's class and config key, the versions of the candidates'
-packages (``availability().versions``: installing ``onnxruntime-gpu`` beside ``onnxruntime`` gives a new key), the
+packages (:func:`~aitune.torch.common.requirements.package_versions`: installing ``onnxruntime-gpu`` beside ``onnxruntime`` gives a new key), the
 strategy's class and settings (tolerance, profiling, probes, quantization, performance validation), the environment of
 :func:`aitune.torch.common.environment.environment_key` and the aitune version.
 """
@@ -32,6 +32,7 @@ from pathlib import Path
 
 from aitune import __version__
 from aitune.torch.common.environment import environment_key
+from aitune.torch.common.requirements import package_versions
 from aitune.torch.common.jsonsafe import json_safe
 from aitune.torch.search.cache import graph_fingerprint
 from aitune.torch.search.crashes import CrashRegistry
@@ -66,7 +67,7 @@ class RankingStore:
                         "graph": graph_fingerprint(context.graph),
                         "candidates": [candidate_key(blueprint) for blueprint in blueprints],
                         "packages": sorted({(name, str(version)) for blueprint in blueprints
-                                            for name, version in type(blueprint).availability().versions.items()}),
+                                            for name, version in package_versions(blueprint).items()}),
                         "strategy": json_safe(strategy_facts),  # dataclasses: their repr
                         "environment": environment_key(context.device)}
         except Exception:  # noqa: BLE001 - no key: the search simply runs in full
