@@ -726,3 +726,14 @@ def test_the_recorder_neither_compares_nor_reads_the_cache_tensors_one_by_one(tu
         assert cached and all(spec.value_range is None for spec in cached)
         low, high = specs["input_ids"].value_range
         assert 1 <= low <= high < 256  # the recorded token ids
+
+
+def test_the_readme_example_runs_as_written_and_gives_eagers_tokens(tmp_path, monkeypatch):
+    """The code block of README.md's "Text generation (LLMs)", run as written (a new user found the earlier one
+    needed a model, a tokenizer and texts it never defined)."""
+    from readme_blocks import run_readme_block
+
+    scope = run_readme_block("## Text generation (LLMs)", tmp_path, monkeypatch)
+    with torch.no_grad():
+        assert torch.equal(scope["out"], scope["eager"].generate(scope["ids"], **scope["options"]))
+    assert {graph.name for graph in scope["model"].model.graphs} == {"prefill", "decode"}
