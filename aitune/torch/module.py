@@ -189,11 +189,6 @@ class Module(wrapt.ObjectProxy):
         """Recorded graphs (:class:`~aitune.torch.record.samples.GraphSpec`) in order."""
         return list(self._self_recorder.graphs.values())
 
-    def finish_recording(self) -> None:
-        """End of a recording pass: what the calls not checked one by one changed in the module's state is
-        compared now (NOTE [state checks while recording] in aitune/torch/record/samples.py). Tuning calls it."""
-        self._self_recorder.finish(self.__wrapped__)
-
     @property
     def graph_specs(self) -> list:
         """The reference system's name for :attr:`graphs`."""

@@ -145,8 +145,6 @@ def tune(func: Callable[..., Any], dataset: Any, batch_sizes: list[int] | None =
                     count += 1
         finally:
             set_recording_batch_size(None)
-            for module in registered_modules():  # before the state is put back: it compares the state now
-                module.finish_recording()
             for snapshot in snapshots.values():
                 snapshot.restore()
         recording_s = round(time.perf_counter() - recording_started, 2)
@@ -215,7 +213,6 @@ def tune_modules(modules: Iterable[Module], *, device: str | torch.device | None
     for module in targets:
         if not isinstance(module, Module):
             raise ConfigError(f"modules must hold aitune.torch.Module wrappers, got {type(module).__name__}")
-        module.finish_recording()  # calls recorded in the user's own run (just-in-time tuning); else a no-op
     check_unique_names(targets, "ait.tune")
     if time_budget_s is not None and (isinstance(time_budget_s, bool) or not isinstance(time_budget_s, (int, float))
                                       or not time_budget_s > 0):
@@ -448,8 +445,12 @@ def _describe_item(index: int, args: list, kwargs: dict, batch_size: int | None)
     if batch_size is not None:
         return f"batch #{index} of batch size {batch_size} {dataloader.describe_batch(args, kwargs)}"
     item = args[0]
-    what = (f"tensor {tuple(item.shape)}" if isinstance(item, torch.Tensor) else
-            "dict with keys " + ", ".join(map(str, item)) if isinstance(item, dict) else type(item).__name__)
+    if isinstance(item, torch.Tensor):
+        what = f"tensor {tuple(item.shape)}"
+    elif isinstance(item, dict):
+        what = "dict with keys " + ", ".join(map(str, item))
+    else:
+        what = type(item).__name__
     return f"dataset item #{index} ({what})"
 
 

@@ -719,7 +719,6 @@ def test_the_recorder_neither_compares_nor_reads_the_cache_tensors_one_by_one(tu
 
     model, _, _ = tuned
     for graph in model.model.graphs:
-        assert not graph.stateful, graph.stateful_reason  # calls compared across skipped ones found no change
         assert graph.mutated_inputs == [graph.cache_input]
         specs = {spec.path: spec for spec in graph.tensor_specs}
         cached = [spec for path, spec in specs.items() if in_cache(path, graph.cache_input)]

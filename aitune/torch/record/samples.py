@@ -69,26 +69,6 @@ class Recorder:
         self.max_samples = max_samples
         self.dynamic_shapes = dynamic_shapes or {}
         self.graphs: dict[Hashable, GraphSpec] = {}
-        # graph key -> (call index, state marks, objects they name) after a graph's last checked call
-        # (NOTE [state checks while recording]); emptied by finish()
-        self._last_checked: dict[Hashable, tuple[int, dict, list]] = {}
-
-    def finish(self, module: torch.nn.Module) -> None:
-        """End of a recording: a graph whose last recorded calls were not checked has the module's state now
-        compared with the state after its last checked call (NOTE [state checks while recording]); then the marks
-        are forgotten (they hold the objects they name). Call it before anything else changes the module."""
-        now = None
-        for key, (index, marks, _) in self._last_checked.items():
-            graph = self.graphs.get(key)
-            if graph is not None and graph.num_calls - 1 > index:
-                now = now if now is not None else state_marks(module)[0]
-                _mark_stateful(graph, changed_state(marks, now), f" (calls {index + 2}-{graph.num_calls})")
-        self._last_checked.clear()
-
-    def _compare_with_last_checked(self, graph: GraphSpec, index: int, state_before: dict) -> None:
-        last = self._last_checked.get(graph.key)
-        if last is not None and last[0] < index - 1:  # calls were skipped since
-            _mark_stateful(graph, changed_state(last[1], state_before), f" (calls {last[0] + 2}-{index})")
 
     def record(self, module: torch.nn.Module, args: tuple, kwargs: dict, batch_size: int | None = None) -> Any:
         """Run ``module`` on the call (the caller's tensors, as eager would) and record a cloned sample."""
@@ -116,33 +96,26 @@ class Recorder:
         sample = Sample(cloned_args, cloned_kwargs, batch_size)
         # NOTE [state checks while recording]: marking the module's state before and after a call walks every
         # submodule's parameters, buffers and attributes: ~5 ms per recorded call of a 24-layer decoder on this
-        # project's CPU (two walks of ~2.5 ms), more than the call itself (benchmarks/recording_cost.py), and a
-        # generate loop records hundreds of decode calls. So a graph's first STATE_CHECKS_FIRST calls are checked,
-        # then every STATE_CHECKS_EVERY-th. The calls in between are not lost: a checked call after skipped ones
-        # also compares the state before it with the state after the last checked call, and :meth:`finish` (at the
-        # end of a recording) compares the state then with it, so a change made by any recorded call is found (a
-        # change the caller's own code made between skipped calls counts too: the graph is then taken as stateful,
-        # the safe side).
-        index = graph.num_calls
-        checked = index < STATE_CHECKS_FIRST or index % STATE_CHECKS_EVERY == 0
-        state_before = kept = None
-        if checked:
-            state_before, kept = state_marks(module)
-            self._compare_with_last_checked(graph, index, state_before)
+        # project's CPU (two walks of ~2.5 ms), more than the call itself (benchmarks/recording_cost.py), and a generate
+        # loop records hundreds of decode calls. So a graph's first STATE_CHECKS_FIRST calls are checked, then every
+        # STATE_CHECKS_EVERY-th: a forward that changes state does so from its first calls (running statistics,
+        # counters, a cache it fills), and one that starts later is still found at the next checked call. One that
+        # changes state only on calls never checked is not found (docs/promises.md).
+        checked = graph.num_calls < STATE_CHECKS_FIRST or graph.num_calls % STATE_CHECKS_EVERY == 0
+        state_before, kept = state_marks(module) if checked else (None, None)
         with _embedding_inputs(module, leaves) as tables:
             output = module(*args, **kwargs)
         for spec in graph.tensor_specs:
             rows = tables.get(spec.leaf_index)
             if rows is not None:
                 spec.table_rows = rows if spec.table_rows is None else min(spec.table_rows, rows)
-        if checked:
-            state_after, kept_after = state_marks(module)
-            _mark_stateful(graph, changed_state(state_before, state_after))
-            del kept
-            if graph.stateful:
-                self._last_checked.pop(key, None)  # found: nothing more to look for
-            else:
-                self._last_checked[key] = (index, state_after, kept_after)
+        changed = changed_state(state_before, state_marks(module)[0]) if checked else []
+        del kept
+        if changed:
+            graph.stateful = True
+            if graph.stateful_reason is None:
+                more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+                graph.stateful_reason = "forward changes " + ", ".join(changed[:3]) + more
         graph.training = module.training
         # a cache is written by every call, also where no recorded tensor changed in place (a lazily created cache
         # replaces its tensors on the first call): the cache as a whole is an input the call changes, and every run
@@ -159,17 +132,6 @@ class Recorder:
         graph.output_spec = tree_flatten(output)[1]
         graph.add(sample, leaves)
         return output
-
-
-def _mark_stateful(graph: GraphSpec, changed: list[str], where: str = "") -> None:
-    """Mark ``graph`` stateful when ``changed`` names state, the first time with a reason naming it (``where``: the
-    recorded calls it was found across, 1-based, when they were not checked one by one)."""
-    if not changed:
-        return
-    graph.stateful = True
-    if graph.stateful_reason is None:
-        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
-        graph.stateful_reason = "forward changes " + ", ".join(changed[:3]) + more + where
 
 
 def _bound_positions(graph: GraphSpec, capacity: int | None) -> None:
@@ -218,7 +180,6 @@ def record_graphs(module: torch.nn.Module, calls: Iterable[tuple[tuple, dict]], 
     with torch.no_grad():
         for args, kwargs in calls:
             recorder.record(module, tuple(args), dict(kwargs))
-        recorder.finish(module)
         for name, value in module.state_dict(keep_vars=True).items():
             if name in state and isinstance(value, torch.Tensor):
                 value.detach().copy_(state[name])
