@@ -76,3 +76,19 @@ def test_two_builds_installed_into_one_folder_are_told_apart_by_their_files(tmp_
     (site / "fakeort" / "_native.so").write_bytes(b"g" * 200)  # now both records match the files
     check = probe_requirement.__wrapped__(requirement)
     assert check.versions == {"fakeort": "1.30.0 (fakeort 1.30.0 + fakeort-gpu 1.31.1)"}
+
+
+def test_one_distribution_under_two_spellings_or_beside_a_meta_package_is_named_as_before(tmp_path, monkeypatch):
+    """A requirement listing `-` and `_` spellings of one distribution (torch-tensorrt) finds it once, and a meta
+    package installed beside the real one (tensorrt beside tensorrt-cu12) records no file of the package: neither
+    changes the label."""
+    site = tmp_path / "site"
+    (site / "fakert").mkdir(parents=True)
+    (site / "fakert" / "__init__.py").write_text("")
+    _distribution(site, "fake-rt", "10.1", [("fakert/__init__.py", 0)])
+    _distribution(site, "fake-rt-meta", "10.1", [])
+    monkeypatch.syspath_prepend(str(site))
+    spellings = Requirement("fakert", ("fake-rt", "fake_rt"), "tensorrt")
+    assert probe_requirement.__wrapped__(spellings).versions == {"fakert": "10.1"}
+    meta = Requirement("fakert", ("fake-rt-meta", "fake-rt"), "tensorrt")
+    assert probe_requirement.__wrapped__(meta).versions == {"fakert": "10.1 (fake-rt)"}

@@ -256,10 +256,25 @@ class LateCounter(torch.nn.Module):
         return x * 2
 
 
-def test_state_is_marked_on_a_graphs_first_calls_and_every_16th_after_so_a_late_change_is_still_found(monkeypatch):
+class GrowingTable(torch.nn.Module):
+    """Keeps a table as long as the longest input seen, grown once when a longer one comes (as older rotary
+    embeddings grow their cos/sin cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.zeros(4)  # a plain tensor attribute (older rotary embeddings keep theirs so)
+
+    def forward(self, x):
+        if x.shape[-1] > self.table.numel():
+            self.table = torch.zeros(x.shape[-1])
+        return x + self.table[: x.shape[-1]]
+
+
+def test_state_is_marked_on_a_graphs_first_calls_new_shapes_and_every_16th_call_until_found(monkeypatch):
     """NOTE [state checks while recording] in aitune/torch/record/samples.py: the module's state is marked before
-    and after a graph's first 8 recorded calls, then every 16th; a forward that starts changing state later is
-    found at the next checked call."""
+    and after a graph's first 8 recorded calls, every call of shapes new to the graph and every 16th call; a
+    forward that starts changing state later is found at the next marked call, one that grows state for a longer
+    input at that call; once found, no more marking."""
     import aitune.torch.record.samples as samples
 
     marks = []
@@ -268,8 +283,13 @@ def test_state_is_marked_on_a_graphs_first_calls_and_every_16th_after_so_a_late_
     calls = [((torch.randn(2, 3),), {}) for _ in range(40)]
     graph = record_graphs(LateCounter(start=10**6), calls)[0]
     assert len(marks) == 2 * (8 + 2) and not graph.stateful  # calls 0-7, 16 and 32, each before and after
-    late = record_graphs(LateCounter(start=20), calls)[0]  # `seen` stops moving at call 20; `count` moves from then
-    assert late.stateful and "attribute `count`" in late.stateful_reason
+    marks.clear()
+    late = record_graphs(LateCounter(start=20), calls)[0]  # `count` moves from call 20 on, at every call
+    assert late.stateful and late.stateful_reason == "forward changes attribute `count`"
+    assert len(marks) == 2 * (8 + 2)  # found at call 32: none marked after it
+    lengths = [3] * 20 + [6] + [3] * 19  # the one longer input is call 21, not one of the periodic checks
+    grown = record_graphs(GrowingTable(), [((torch.randn(1, n),), {}) for n in lengths])[0]
+    assert grown.stateful and grown.stateful_reason == "forward changes attribute `table`"
 
 
 def test_a_samples_shapes_follow_its_arguments():

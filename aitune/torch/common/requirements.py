@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
+import re
 from pathlib import Path
 
 import torch
@@ -86,12 +87,17 @@ def _imported_distribution(requirement: Requirement, spec) -> tuple[str, str | N
         homes = {_resolved(Path(location).parent) for location in locations}
         installed, seen = [], set()
         for name in requirement.distributions:
-            for distribution in importlib.metadata.distributions(name=name):  # a folder twice on sys.path: once
-                where = (name, _resolved(Path(str(distribution.locate_file("")))), distribution.version)
+            # names are normalised (torch-tensorrt, torch_tensorrt: one distribution), and a folder twice on
+            # sys.path yields its distributions twice: each is taken once
+            for distribution in importlib.metadata.distributions(name=name):
+                where = (_normalised(distribution.metadata["Name"] or name),
+                         _resolved(Path(str(distribution.locate_file("")))), distribution.version)
                 if where not in seen:
                     seen.add(where)
                     installed.append((name, distribution))
         here = [(name, d) for name, d in installed if _resolved(Path(str(d.locate_file("")))) in homes] or installed
+        if len(here) > 1:  # one that records no file of the package (a meta package) does not provide it
+            here = [(name, d) for name, d in here if _files_match(d, requirement.module) is not None] or here
         if len(here) > 1:
             current = [(name, d) for name, d in here if _files_match(d, requirement.module)]
             here = current if len(current) == 1 else here
@@ -104,8 +110,13 @@ def _imported_distribution(requirement: Requirement, spec) -> tuple[str, str | N
     return requirement.distributions[0], None
 
 
-def _files_match(distribution, module: str) -> bool:
-    """Does every file ``distribution`` recorded under the package ``module`` exist with the recorded size?"""
+def _normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
+
+
+def _files_match(distribution, module: str) -> bool | None:
+    """Does every file ``distribution`` recorded under the package ``module`` exist with the recorded size? None
+    when it records no such file."""
     checked = 0
     for file in distribution.files or ():
         if file.parts and file.parts[0] == module and file.size is not None:
@@ -115,7 +126,7 @@ def _files_match(distribution, module: str) -> bool:
             except OSError:
                 return False
             checked += 1
-    return checked > 0
+    return True if checked else None
 
 
 def _resolved(path: Path) -> Path:

@@ -211,6 +211,14 @@ class GraphSpec:
                     spec.axes[axis] = BATCH if isinstance(dim, BatchDim) else DYNAMIC
 
     # ---- recording
+    def shape_entry(self, leaves: list[Any], batch_size: int | None) -> tuple:
+        """``(batch size, every tensor input's shape)`` of a call of this graph (``leaves``: its flat inputs)."""
+        return batch_size, tuple(tuple(leaves[spec.leaf_index].shape) for spec in self.tensor_specs)
+
+    def new_shapes(self, leaves: list[Any], batch_size: int | None) -> bool:
+        """Has no recorded call of this graph had these shapes (and batch size)?"""
+        return self.shape_entry(leaves, batch_size) not in self._size_history
+
     def add(self, sample: Sample, leaves: list[Any]) -> None:
         """Merge one call's shapes into the specs and keep the sample if its shapes are new/extreme."""
         self.num_calls += 1
@@ -219,7 +227,7 @@ class GraphSpec:
             if not in_cache(spec.path, self.cache_input):  # a cache's values are never gated (accepted.py)
                 spec.record_values(recorded[spec.leaf_index])
         shapes = [list(leaves[spec.leaf_index].shape) for spec in self.tensor_specs]
-        entry = (sample.batch_size, tuple(tuple(shape) for shape in shapes))
+        entry = self.shape_entry(leaves, sample.batch_size)
         if entry in self._size_history:
             # These shapes were merged before; keep another call of them if its values differ (bounded).
             shapes_now = sample.shapes()

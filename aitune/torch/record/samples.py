@@ -96,12 +96,18 @@ class Recorder:
         sample = Sample(cloned_args, cloned_kwargs, batch_size)
         # NOTE [state checks while recording]: marking the module's state before and after a call walks every
         # submodule's parameters, buffers and attributes: ~5 ms per recorded call of a 24-layer decoder on this
-        # project's CPU (two walks of ~2.5 ms), more than the call itself (benchmarks/recording_cost.py), and a generate
-        # loop records hundreds of decode calls. So a graph's first STATE_CHECKS_FIRST calls are checked, then every
-        # STATE_CHECKS_EVERY-th: a forward that changes state does so from its first calls (running statistics,
-        # counters, a cache it fills), and one that starts later is still found at the next checked call. One that
-        # changes state only on calls never checked is not found (docs/promises.md).
-        checked = graph.num_calls < STATE_CHECKS_FIRST or graph.num_calls % STATE_CHECKS_EVERY == 0
+        # project's CPU (two walks of ~2.5 ms), more than the call itself (benchmarks/recording_cost.py), and a
+        # generate loop records hundreds of decode calls. So the state is compared around a graph's first
+        # STATE_CHECKS_FIRST calls, every call with shapes the graph has not recorded before (state grown for a
+        # longer input: a rotary embedding's table, a lazily sized buffer) and every STATE_CHECKS_EVERY-th call,
+        # until a change is found. A forward that changes state does so from its first calls (running statistics,
+        # counters, a cache it fills) or for a new size; one that starts later is found at the next compared call.
+        # A change made only by calls of known shapes that are never compared is missed (docs/promises.md).
+        # (Comparing across the calls in between was tried: it blamed the forward, and every graph of the module,
+        # for what the caller's own code changed between calls, such as a load_state_dict.)
+        count = graph.num_calls
+        checked = not graph.stateful and (count < STATE_CHECKS_FIRST or count % STATE_CHECKS_EVERY == 0
+                                          or graph.new_shapes(leaves, batch_size))
         state_before, kept = state_marks(module) if checked else (None, None)
         with _embedding_inputs(module, leaves) as tables:
             output = module(*args, **kwargs)
