@@ -13,12 +13,12 @@ the record). A time budget (``ait.tune(..., time_budget_s=...)``) asks for a sea
 reused nor recorded then. ``strategy.enable_ranking_reuse(False)`` searches again; ``aitune env`` lists the
 rankings and ``aitune env --clear-rankings`` (or deleting ``<cache dir>/rankings``) forgets them.
 
-The key (sha256 of canonical JSON): the module fingerprint of the build cache (class, source of non-torch
-classes, every parameter and buffer's bytes, training flags), the graph fingerprint without sample values
-(structure, tensor specs, sample shapes), every candidate's class and config key, the versions of the candidates'
-packages (:func:`~aitune.torch.common.requirements.package_versions`: installing ``onnxruntime-gpu`` beside
-``onnxruntime`` gives a new key), the strategy's class and settings (tolerance, profiling, probes, quantization, performance validation), the environment of
-:func:`aitune.torch.common.environment.environment_key` and the aitune version.
+The key (sha256 of canonical JSON): the module fingerprint of the build cache (class, source of non-torch classes,
+every parameter and buffer's bytes, training flags), the graph fingerprint without sample values (structure, tensor
+specs, sample shapes), every candidate's class and config key, the versions of the candidates' packages
+(:func:`~aitune.torch.common.requirements.package_versions`: installing ``onnxruntime-gpu`` beside ``onnxruntime``
+gives a new key), the strategy's class and settings (tolerance, profiling, probes, quantization, performance
+validation), the environment of :func:`aitune.torch.common.environment.environment_key` and the aitune version.
 """
 
 from __future__ import annotations
