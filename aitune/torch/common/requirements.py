@@ -85,21 +85,23 @@ def _imported_distribution(requirement: Requirement, spec) -> tuple[str, str | N
     try:
         locations = list(spec.submodule_search_locations or ()) or ([spec.origin] if spec.origin else [])
         homes = {_resolved(Path(location).parent) for location in locations}
-        installed, seen = [], set()
+        installed, seen = [], set()  # (name, distribution, folder)
         for name in requirement.distributions:
             # names are normalised (torch-tensorrt, torch_tensorrt: one distribution), and a folder twice on
             # sys.path yields its distributions twice: each is taken once
             for distribution in importlib.metadata.distributions(name=name):
-                where = (_normalised(distribution.metadata["Name"] or name),
-                         _resolved(Path(str(distribution.locate_file("")))), distribution.version)
+                folder = _resolved(Path(str(distribution.locate_file(""))))
+                where = (_normalised(distribution.metadata["Name"] or name), folder, distribution.version)
                 if where not in seen:
                     seen.add(where)
-                    installed.append((name, distribution))
-        here = [(name, d) for name, d in installed if _resolved(Path(str(d.locate_file("")))) in homes] or installed
-        if len(here) > 1:  # one that records no file of the package (a meta package) does not provide it
-            here = [(name, d) for name, d in here if _files_match(d, requirement.module) is not None] or here
+                    installed.append((name, distribution, folder))
+        here = [(name, d) for name, d, folder in installed if folder in homes] or [(n, d) for n, d, _ in installed]
         if len(here) > 1:
-            current = [(name, d) for name, d in here if _files_match(d, requirement.module)]
+            # one that records no file of the package (a meta package) does not provide it; of the others, the
+            # one whose recorded file sizes match the files on disk does
+            matches = [(found, _files_match(found[1], requirement.module)) for found in here]
+            here = [found for found, match in matches if match is not None] or here
+            current = [found for found, match in matches if match]
             here = current if len(current) == 1 else here
         if len(here) > 1:
             return " + ".join(f"{name} {d.version}" for name, d in here), here[0][1].version

@@ -226,8 +226,8 @@ class GraphSpec:
         for spec in self.tensor_specs:
             if not in_cache(spec.path, self.cache_input):  # a cache's values are never gated (accepted.py)
                 spec.record_values(recorded[spec.leaf_index])
-        shapes = [list(leaves[spec.leaf_index].shape) for spec in self.tensor_specs]
         entry = self.shape_entry(leaves, sample.batch_size)
+        shapes = entry[1]
         if entry in self._size_history:
             # These shapes were merged before; keep another call of them if its values differ (bounded).
             shapes_now = sample.shapes()
