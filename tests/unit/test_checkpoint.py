@@ -40,6 +40,7 @@ from aitune.torch.backend import (
 )
 from aitune.torch.checkpoint import FORMAT_VERSION, describe_checkpoint, sums_path
 from aitune.torch.check.correctness import OutputComparator, Tolerance
+from aitune.torch.common.requirements import installed_version
 from aitune.torch.measure.profiling import ProfilingConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -508,6 +509,9 @@ def test_another_environment_loads_with_a_warning_that_says_what_differs(eager_c
         graph = manifest["modules"][0]["graphs"][0]
         graph["device"] = "cuda:0"
         graph["device_facts"] = {"type": "cuda", "index": 0, "name": "NVIDIA H200", "capability": [9, 0]}
+        # packages the graph ran on beyond its backend class's own (a kernel selector's delegate and providers):
+        # compared with what is installed here, whichever backend class the graph names
+        graph["packages"] = {"onnxruntime": "0.1.0 (onnxruntime-gpu)", "sageattention": "0.0.1"}
 
     path = edit_manifest(eager_checkpoint.path, tmp_path / "other.ait", edit)
     with caplog.at_level("WARNING", logger="aitune"):
@@ -515,6 +519,8 @@ def test_another_environment_loads_with_a_warning_that_says_what_differs(eager_c
     text = " ".join(record.getMessage() for record in caplog.records)
     assert f"torch 2.0.0 -> {torch.__version__}" in text
     assert "encoder/graph0 was tuned on cuda and is rebuilt on cpu (eager)" in text
+    assert f"encoder/graph0: onnxruntime 0.1.0 (onnxruntime-gpu) -> {installed_version('onnxruntime')}" in text
+    assert f"encoder/graph0: sageattention 0.0.1 -> {installed_version('sageattention')}" in text
     features, _ = models.probe()
     with torch.no_grad():
         output = loaded(features, pooling="mean", scale=0.5)

@@ -29,6 +29,7 @@ from aitune.torch.checkpoint.archive import read_unverified, read_verified
 from aitune.torch.check.correctness import Tolerance
 from aitune.torch.common.dtypes import dtype_name
 from aitune.torch.common.environment import device_facts, environment
+from aitune.torch.common.requirements import package_versions
 from aitune.torch.common.jsonsafe import json_safe
 from aitune.torch.record.onnx_module import OnnxModule
 from aitune.torch.record.serialization import tree_spec_to_json
@@ -179,7 +180,7 @@ def graph_entry(graph, backend, module_name: str, *, base: str, metadata: dict, 
         "metadata": metadata,
         "device": str(backend.device) if backend.device is not None else "cpu",
         "device_facts": device_facts(backend.device or "cpu"),
-        "packages": dict(type(backend).availability().versions),
+        "packages": package_versions(backend),
         "artifacts_dir": f"{base}/artifacts",
         "artifacts": artifacts,
         "spec": json_safe(graph.describe()),

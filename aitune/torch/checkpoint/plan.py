@@ -19,6 +19,7 @@ from aitune.torch.checkpoint.manifest import check_state, graph_tolerance
 from aitune.torch.checkpoint.wrappers import path_text, resolve_path
 from aitune.torch.check.correctness import Tolerance
 from aitune.torch.common.environment import device_facts
+from aitune.torch.common.requirements import installed_version
 from aitune.torch.module import Module
 
 logger = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ def warn_differences(manifest: dict, plans: list[ModulePlan], path: Path) -> Non
             elif saved.get("name") != here.get("name"):
                 differences.append(f"{where}: device {saved.get('name')!r} -> {here.get('name')!r}")
             for package, version in (graph.get("packages") or {}).items():
-                now = graph_plan.backend_class.availability().versions.get(package)
+                now = installed_version(package)
                 if now is not None and now != version:
                     differences.append(f"{where}: {package} {version} -> {now}")
             if graph_plan.rebuild_as_eager:

@@ -48,6 +48,13 @@ class Requirement:
     extra: str
     min_version: str | None = None
 
+    def __post_init__(self) -> None:
+        _DECLARED.setdefault(self.module, self)
+
+
+# every Requirement declared, by import name (the first declaration of a name): what installed_version reads
+_DECLARED: dict[str, Requirement] = {}
+
 
 @functools.lru_cache(maxsize=None)
 def probe_requirement(requirement: Requirement) -> Check:
@@ -155,6 +162,18 @@ def package_versions(blueprint) -> dict:
     selector: its own, its delegate's and its kernel providers'). Keys the build cache and earlier rankings."""
     own = getattr(blueprint, "package_versions", None)
     return dict(own()) if callable(own) else dict(type(blueprint).availability().versions)
+
+
+def installed_version(module: str) -> str | None:
+    """The version label :func:`probe_requirement` gives the package imported as ``module`` here (``"1.31.1
+    (onnxruntime-gpu)"``), ``"not installed"`` when it cannot be imported, None for a name no backend or kernel
+    provider declares. A checkpoint's environment check compares it with the label saved for each package its
+    graphs ran on (a kernel selector's delegate's and providers' too: :func:`package_versions`)."""
+    requirement = _DECLARED.get(module)
+    if requirement is None:
+        return None
+    check = probe_requirement(requirement)
+    return check.versions.get(module, "not installed")
 
 
 def check_requirements(requirements) -> Check:
