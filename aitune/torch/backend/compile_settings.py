@@ -22,8 +22,11 @@ import torch
 # recompile at serve time (a cache of another length) then crashed the process inside Triton's launcher (a
 # segmentation fault; with the static launcher off: "Pointer argument must be either uint64 or have data_ptr method"):
 # tests/gpu/test_llm_generation_gpu.py. Specialising every compile of the prefill graph's callable only (build and
-# serve time alike; the decode graph's with torch's setting) crashed that test file too, a fatal error with Triton's
-# launcher loaded (benchmarks/RESULTS.md). aitune's compiles use torch's setting, the same in every compile.
+# serve time alike; the decode graph's with torch's setting) crashed that test file too, in the same place: the
+# decode graph's CUDA-graph recording, a kernel of its first graph partition launched by Triton's static launcher. It
+# crashed there with Inductor's and Triton's caches off as well (not a cache entry shared between the two settings),
+# and with floats specialised in every compile of every graph (benchmarks/RESULTS.md). aitune's compiles use torch's
+# setting, the same in every compile.
 
 
 class _FreezingWhileTracing:
