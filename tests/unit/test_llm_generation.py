@@ -280,6 +280,10 @@ def test_cache_graphs_are_offered_no_freezing_no_replayed_copies_and_on_cuda_no_
                    for variant in TorchInductorJitBackend().search_space(module, graph, torch.device("cpu")))
         frozen = TorchInductorJitBackend(TorchInductorJitBackendConfig(freezing=True))
         assert "freezing folds" in frozen.supports(module, graph, torch.device("cpu")).reason
+        # NOTE [a C++ wrapper for phase graphs on CPU]: the C++ wrapper first, the plain compile as its fallback
+        variants = TorchInductorJitBackend().search_space(module, graph, torch.device("cpu"))
+        assert [(v.config.options, v.search_fallback) for v in variants] == [({"cpp_wrapper": True}, False),
+                                                                              (None, True)]
     replayed = TorchEagerBackend(TorchEagerBackendConfig(use_cuda_graphs=True))
     assert "replays on its own copies" in replayed.supports(module, decode, torch.device("cuda")).reason
     monkeypatch.setattr(inductor_jit, "native_bf16", lambda device: False)  # no CUDA device needed to list variants

@@ -96,6 +96,13 @@ def has_1x1_convolution(module: torch.nn.Module) -> bool:
 # reduce-overhead's own options (``torch._inductor.list_mode_options("reduce-overhead")``) plus 1x1
 # convolutions as matrix multiplies: ``mode`` and ``options`` cannot be combined (``torch.compile``)
 REDUCE_OVERHEAD_1X1_AS_MM = {"triton.cudagraphs": True, "conv_1x1_as_mm": True}
+# NOTE [a C++ wrapper for phase graphs on CPU]: a decoder's prefill and decode graphs launch many small kernels per
+# call (one token, or a short prompt, through every layer), and on CPU the Python wrapper Inductor generates around
+# them is a large share of a call. Inductor's ``cpp_wrapper`` generates that wrapper in C++: the tiny test decoder's
+# decode step took 419 µs against 575 µs, its prefill (dynamic) 735 against 789 µs, for ~1.4 s more compile time
+# (this project's CPU, torch 2.13; benchmarks/RESULTS.md). So on CPU a phase graph's first variant compiles with it,
+# and the plain compile is the fallback variant, built where the C++ wrapper's variant fails.
+CPP_WRAPPER = {"cpp_wrapper": True}
 
 
 def to_contiguous(value: Any) -> Any:
@@ -236,7 +243,11 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         with Inductor's ``conv_1x1_as_mm`` (those convolutions become matrix multiplies: cuBLAS instead of cuDNN)
         in the first tier. Which of the two wins depends on the batch: on ResNet-50 fp16 it can be a few percent
         faster at batch 1 and slower at batch 32, with the same error vs eager
-        (``benchmarks/gpu_conv_options.py``)."""
+        (``benchmarks/gpu_conv_options.py``).
+
+        A language model's phase graph (prefill or decode) compiles without freezing (its key/value cache is
+        written in place); on CPU its first variant uses Inductor's C++ wrapper (``cpp_wrapper``), with the plain
+        compile as its fallback (NOTE [a C++ wrapper for phase graphs on CPU])."""
         config = self.config
         if config != TorchInductorJitBackendConfig():  # a configuration the user chose is tried as given
             return [self]
@@ -261,7 +272,13 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             configs = [kwargs for kwargs in configs if not kwargs.get("freezing")] or [dict(mode="reduce-overhead")]
             if graph.phase == PREFILL and device.type == "cuda":  # no CUDA graphs (NOTE [no CUDA graphs for prefill])
                 configs = [dict()]
+            elif device.type == "cpu":  # NOTE [a C++ wrapper for phase graphs on CPU]
+                configs = [dict(options=dict(CPP_WRAPPER)), *configs]
         variants = [TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)) for kwargs in configs]
+        if device.type == "cpu" and getattr(graph, "phase", None) is not None and len(variants) > 1:
+            for variant in variants[1:]:  # built where the C++ wrapper's compile fails or its build is rejected
+                variant._tier = 1
+            variants[1]._fallback = True
         if device.type == "cuda" and len(variants) > first_tier:  # (a prefill graph has one variant)
             for variant in variants[first_tier:]:  # with a time budget: channels-last, default mode (bf16
                 if not variant.config.autocast_enabled:  # tensor cores, the largest win for an fp32 model, always)
