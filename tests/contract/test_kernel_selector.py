@@ -170,3 +170,17 @@ def test_checkpoint_round_trip_restores_the_plan(built, block, graph, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(output, block(*sample.args, **sample.kwargs), atol=1e-4, rtol=1e-3)
     assert not block._forward_pre_hooks and not block._forward_hooks
+
+
+def test_a_checkpoint_entry_records_the_delegates_packages(built, graph, monkeypatch):
+    """A graph's manifest entry lists every package its backend runs on, the delegate's included (the kernel
+    selector's own class requires none): ait.load compares each with what is installed where it loads."""
+    from aitune.torch.checkpoint.manifest import graph_entry
+    from aitune.torch.common.requirements import Requirement
+
+    backend, _ = built
+    monkeypatch.setattr(TorchInductorJitBackend, "requirements", (Requirement("json", ("json",), "all"),))
+    entry = graph_entry(graph, backend, "block", base="modules/block/graphs/graph0", metadata={}, artifacts=[],
+                        samples={"file": "samples.safetensors", "count": 2, "batch_sizes": [2, 3]}, tune_row=None)
+    assert entry["packages"] == {"json": "unknown"}  # the delegate's (stdlib json has no distribution: "unknown")
+    assert "json" not in KernelSelectorBackend.availability().versions
