@@ -176,6 +176,43 @@ def test_a_fallback_variant_is_built_only_when_no_other_variant_of_its_backend_p
     assert skipped.status == "skipped" and "fallback variant" in skipped.reason and "one did" in skipped.reason
 
 
+class PausedNet(torch.nn.Module):
+    """``_net()`` whose eager forward pauses 2 ms on the fake clock; :class:`Unpaused` computes the same values
+    without the pause, so it ranks first whatever the machine's load."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _net()
+
+    def forward(self, x):
+        pause(0.002)
+        return self.net(x)
+
+
+class Unpaused(Variant):
+    def _infer(self, args, kwargs):
+        with torch.no_grad():
+            out = self._callable.net(*args, *kwargs.values())
+        return out + 1.0 if self.wrong else out
+
+
+def test_a_promoted_fallback_that_won_is_rebuilt_by_a_re_tune(fast_profiling, fake_clock):
+    """A fallback variant promoted in a tune (no other variant of its backend passed) and ranked first is rebuilt,
+    promoted again, by a re-tune that reuses the ranking; it was skipped as an unneeded fallback there, and eager
+    served the graph."""
+    net, batches = PausedNet().eval(), [torch.randn(4, 16)]
+    for tune in ("first", "re-tune"):
+        first, fallback = Unpaused(), Unpaused()
+        first.wrong, first.tag, fallback.tag = True, "first", "fallback"
+        fallback._tier, fallback._fallback = 1, True
+        tuned = ait.Module(net, tune, strategy=ait.MaxThroughputStrategy(
+            [first, fallback], profiling_config=fast_profiling).enable_performance_validation(False))
+        report = ait.tune(tuned, batches, ready_batches=True)
+        rows = {r.description: r for r in report.rows if r.backend == "test_variant"}
+        assert rows["Variant(fallback)"].status == "selected", (tune, rows["Variant(fallback)"].reason)
+    assert "rebuilt: among the winners" in rows["Variant(fallback)"].reason
+
+
 def test_a_fallback_variant_is_built_anyway_with_a_budget_of_at_least_60_s(fast_profiling):
     """README "Search": with a budget of >= 60 s the fallback variant is built as an extra even though an
     earlier variant of its backend passed; with less left it is skipped, saying how much was left. (The budget

@@ -224,7 +224,9 @@ def _search_again(context: GraphContext, blueprints: list[Backend], settings: Se
     candidates, evaluated, skipped = [], {}, 0
     for index, blueprint in enumerate(blueprints):
         if candidate_key(blueprint) in wanted:
-            candidate = evaluate(blueprint, context, settings.evaluation)
+            # a fallback variant ranked among the winners won as a promoted copy (_promote_fallback): built as one
+            candidate = evaluate(blueprint.copy() if blueprint.search_fallback else blueprint, context,
+                                 settings.evaluation)
             evaluated[index] = candidate
             if candidate.backend is not None:
                 candidate.backend.deactivate()
