@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+import aitune
 import aitune.torch as ait
 import checkpoint_models as models
 from checkpoint_edits import rewrite_archive
@@ -40,6 +41,7 @@ from aitune.torch.backend import (
 )
 from aitune.torch.checkpoint import FORMAT_VERSION, describe_checkpoint, sums_path
 from aitune.torch.check.correctness import OutputComparator, Tolerance
+from aitune.torch.common.environment import device_facts
 from aitune.torch.common.requirements import installed_version
 from aitune.torch.measure.profiling import ProfilingConfig
 
@@ -505,26 +507,38 @@ def test_load_into_another_structure_names_the_path(jit_checkpoint, eager_checkp
 
 def test_another_environment_loads_with_a_warning_that_says_what_differs(eager_checkpoint, tmp_path, caplog):
     def edit(manifest):
-        manifest["versions"]["torch"] = "2.0.0"
+        manifest["versions"].update(torch="2.0.0", aitune="0.0.1", cuda="99.0")
         graph = manifest["modules"][0]["graphs"][0]
         graph["device"] = "cuda:0"
         graph["device_facts"] = {"type": "cuda", "index": 0, "name": "NVIDIA H200", "capability": [9, 0]}
         # packages the graph ran on beyond its backend class's own (a kernel selector's delegate and providers):
         # compared with what is installed here, whichever backend class the graph names
-        graph["packages"] = {"onnxruntime": "0.1.0 (onnxruntime-gpu)", "sageattention": "0.0.1"}
+        graph["packages"] = {"onnxruntime": "0.1.0 (onnxruntime-gpu)", "sageattention": "0.0.1",
+                             "a_plugins_package": "1.0"}  # declared by nothing imported here
 
     path = edit_manifest(eager_checkpoint.path, tmp_path / "other.ait", edit)
     with caplog.at_level("WARNING", logger="aitune"):
         loaded = ait.load(models.Encoder().eval(), path, device="cpu")
     text = " ".join(record.getMessage() for record in caplog.records)
     assert f"torch 2.0.0 -> {torch.__version__}" in text
+    assert f"aitune 0.0.1 -> {aitune.__version__}" in text and f"cuda 99.0 -> {torch.version.cuda}" in text
     assert "encoder/graph0 was tuned on cuda and is rebuilt on cpu (eager)" in text
     assert f"encoder/graph0: onnxruntime 0.1.0 (onnxruntime-gpu) -> {installed_version('onnxruntime')}" in text
     assert f"encoder/graph0: sageattention 0.0.1 -> {installed_version('sageattention')}" in text
+    assert "encoder/graph0: a_plugins_package 1.0 -> not installed" in text
     features, _ = models.probe()
     with torch.no_grad():
         output = loaded(features, pooling="mean", scale=0.5)
     torch.testing.assert_close(output.pooled, eager_checkpoint.expected.pooled, rtol=0, atol=0)
+
+    def other_cpu(manifest):  # the same device type, another processor
+        manifest["modules"][0]["graphs"][0]["device_facts"]["name"] = "Another CPU"
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="aitune"):
+        ait.load(models.Encoder().eval(), edit_manifest(eager_checkpoint.path, tmp_path / "cpu.ait", other_cpu))
+    here = device_facts("cpu")["name"]
+    assert f"encoder/graph0: device 'Another CPU' -> {here!r}" in " ".join(r.getMessage() for r in caplog.records)
 
 
 @needs_aot

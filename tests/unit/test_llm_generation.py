@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import aitune.torch as ait
-from aitune.torch.backend import TorchInductorJitBackend
+from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
+from aitune.torch.backend.inductor_jit import CPP_WRAPPER
 
 from llm_calls import first_decode_call, raising_after_the_run
 
@@ -42,9 +43,14 @@ def generate(model, ids, new_tokens=NEW_TOKENS, **kwargs):
         return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
 
 
+CPP = "TorchInductorJitBackend(options={'cpp_wrapper': True})"
+
+
 def inductor_only():
-    """Inductor JIT alone, always used when it passes its checks (tests check values, never speed)."""
-    strategy = ait.OneBackendStrategy(TorchInductorJitBackend(),
+    """Inductor JIT alone, always used when it passes its checks (tests check values, never speed), with the C++
+    wrapper: the first variant a phase graph gets on CPU (NOTE [a C++ wrapper for phase graphs on CPU])."""
+    backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(options=dict(CPP_WRAPPER)))
+    strategy = ait.OneBackendStrategy(backend,
                                       profiling_config=ait.ProfilingConfig(warmup_rounds=1, warmup_s=0.0, min_rounds=3,
                                                                            max_rounds=10, time_budget_s=0.2))
     return strategy.enable_performance_validation(False)
@@ -77,7 +83,7 @@ def test_prefill_and_decode_are_graphs_named_by_their_phase(tuned):
     assert [graph.name for graph in wrapped.graphs] == ["prefill", "decode"]
     assert [graph.phase for graph in wrapped.graphs] == ["prefill", "decode"]
     assert {entry.graph: entry.selected for entry in report.graphs} == {
-        "prefill": "TorchInductorJitBackend()", "decode": "TorchInductorJitBackend()"}
+        "prefill": CPP, "decode": CPP}
     # the recorded caches were 37 and 39 positions long: one decode graph with a dynamic cache axis
     decode = wrapped.graphs[1]
     assert decode.num_calls == 2 * (NEW_TOKENS - 1) and decode.is_dynamic
@@ -269,7 +275,7 @@ def test_cache_graphs_are_offered_no_freezing_no_replayed_copies_and_on_cuda_no_
                                                                                                          monkeypatch):
     """Freezing would fold the cache's static-address tensors like weights; eager's CUDA-graph runner replays on
     copies of the inputs; a prefill may create the cache's tensors, which must not live in a CUDA graph's pool."""
-    from aitune.torch.backend import TorchEagerBackend, TorchEagerBackendConfig, TorchInductorJitBackendConfig
+    from aitune.torch.backend import TorchEagerBackend, TorchEagerBackendConfig
     from aitune.torch.backend import inductor_jit
 
     model, _, _ = tuned
@@ -282,8 +288,8 @@ def test_cache_graphs_are_offered_no_freezing_no_replayed_copies_and_on_cuda_no_
         assert "freezing folds" in frozen.supports(module, graph, torch.device("cpu")).reason
         # NOTE [a C++ wrapper for phase graphs on CPU]: the C++ wrapper first, the plain compile as its fallback
         variants = TorchInductorJitBackend().search_space(module, graph, torch.device("cpu"))
-        assert [(v.config.options, v.search_fallback) for v in variants] == [({"cpp_wrapper": True}, False),
-                                                                              (None, True)]
+        assert [(v.config.options, v.search_fallback, v.search_tier) for v in variants] == [
+            ({"cpp_wrapper": True}, False, 0), (None, True, 1)]  # the plain compile: built only if needed
     replayed = TorchEagerBackend(TorchEagerBackendConfig(use_cuda_graphs=True))
     assert "replays on its own copies" in replayed.supports(module, decode, torch.device("cuda")).reason
     monkeypatch.setattr(inductor_jit, "native_bf16", lambda device: False)  # no CUDA device needed to list variants

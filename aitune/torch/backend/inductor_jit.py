@@ -99,9 +99,10 @@ REDUCE_OVERHEAD_1X1_AS_MM = {"triton.cudagraphs": True, "conv_1x1_as_mm": True}
 # NOTE [a C++ wrapper for phase graphs on CPU]: a decoder's prefill and decode graphs launch many small kernels per
 # call (one token, or a short prompt, through every layer), and on CPU the Python wrapper Inductor generates around
 # them is a large share of a call. Inductor's ``cpp_wrapper`` generates that wrapper in C++: the tiny test decoder's
-# decode step took 419 µs against 575 µs, its prefill (dynamic) 735 against 789 µs, for ~1.4 s more compile time
-# (this project's CPU, torch 2.13; benchmarks/RESULTS.md). So on CPU a phase graph's first variant compiles with it,
-# and the plain compile is the fallback variant, built where the C++ wrapper's variant fails.
+# decode step took 364 µs against 503 µs, its prefill (dynamic) 614 against 707 µs (this project's CPU, torch 2.13;
+# benchmarks/cpu_phase_steps.py). Its compile adds a C++ build of the wrapper: a first tune from cold compile caches
+# took 22.5 s against 10.8 s (benchmarks/RESULTS.md). So on CPU a phase graph's first variant compiles with it, and
+# the plain compile is the fallback variant, built where the C++ wrapper's variant fails or is rejected.
 CPP_WRAPPER = {"cpp_wrapper": True}
 
 

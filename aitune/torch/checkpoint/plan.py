@@ -223,9 +223,10 @@ def warn_differences(manifest: dict, plans: list[ModulePlan], path: Path) -> Non
                                    f"({graph.get('backend')}); its backend choice was measured on {saved.get('type')}")
             elif saved.get("name") != here.get("name"):
                 differences.append(f"{where}: device {saved.get('name')!r} -> {here.get('name')!r}")
-            for package, version in (graph.get("packages") or {}).items():
+            packages = {} if graph_plan.rebuild_as_eager else graph.get("packages") or {}  # (eager needs none)
+            for package, version in packages.items():
                 now = installed_version(package)
-                if now is not None and now != version:
+                if now != version:
                     differences.append(f"{where}: {package} {version} -> {now}")
             if graph_plan.rebuild_as_eager:
                 differences.append(f"{where}: {graph_plan.rebuild_as_eager}; it runs eager")

@@ -164,14 +164,13 @@ def package_versions(blueprint) -> dict:
     return dict(own()) if callable(own) else dict(type(blueprint).availability().versions)
 
 
-def installed_version(module: str) -> str | None:
+def installed_version(module: str) -> str:
     """The version label :func:`probe_requirement` gives the package imported as ``module`` here (``"1.31.1
-    (onnxruntime-gpu)"``), ``"not installed"`` when it cannot be imported, None for a name no backend or kernel
-    provider declares. A checkpoint's environment check compares it with the label saved for each package its
-    graphs ran on (a kernel selector's delegate's and providers' too: :func:`package_versions`)."""
-    requirement = _DECLARED.get(module)
-    if requirement is None:
-        return None
+    (onnxruntime-gpu)"``), ``"not installed"`` when it cannot be imported. A name no backend or kernel provider
+    imported so far declares is probed as the distribution of that name. A checkpoint's environment check compares
+    it with the label saved for each package its graphs ran on (a kernel selector's delegate's and providers' too:
+    :func:`package_versions`)."""
+    requirement = _DECLARED.get(module) or Requirement(module, (module,), "all")
     check = probe_requirement(requirement)
     return check.versions.get(module, "not installed")
 
