@@ -179,7 +179,8 @@ def test_a_checkpoint_entry_records_the_delegates_packages(built, graph, monkeyp
     from aitune.torch.common.requirements import Requirement
 
     backend, _ = built
-    monkeypatch.setattr(TorchInductorJitBackend, "requirements", (Requirement("json", ("json",), "all"),))
+    json_requirement = Requirement("json", ("json",), "all", declared=False)
+    monkeypatch.setattr(TorchInductorJitBackend, "requirements", (json_requirement,))
     entry = graph_entry(graph, backend, "block", base="modules/block/graphs/graph0", metadata={}, artifacts=[],
                         samples={"file": "samples.safetensors", "count": 2, "batch_sizes": [2, 3]}, tune_row=None)
     assert entry["packages"] == {"json": "unknown"}  # the delegate's (stdlib json has no distribution: "unknown")

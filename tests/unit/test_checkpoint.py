@@ -540,6 +540,18 @@ def test_another_environment_loads_with_a_warning_that_says_what_differs(eager_c
     here = device_facts("cpu")["name"]
     assert f"encoder/graph0: device 'Another CPU' -> {here!r}" in " ".join(r.getMessage() for r in caplog.records)
 
+    def unavailable_backend(manifest):  # rebuilt as eager here: the packages it ran on no longer matter
+        graph = manifest["modules"][0]["graphs"][0]
+        graph.update(backend="torch_tensorrt_jit", config={}, packages={"torch_tensorrt": "2.0.0"})
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="aitune"):
+        ait.load(models.Encoder().eval(), edit_manifest(eager_checkpoint.path, tmp_path / "trt.ait",
+                                                        unavailable_backend))
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "encoder/graph0: backend 'torch_tensorrt_jit' is unavailable here" in text and "it runs eager" in text
+    assert "torch_tensorrt 2.0.0 ->" not in text
+
 
 @needs_aot
 def test_an_aot_artifact_for_another_device_type_is_refused(aot_checkpoint, tmp_path):

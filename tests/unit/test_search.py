@@ -176,6 +176,22 @@ def test_a_fallback_variant_is_built_only_when_no_other_variant_of_its_backend_p
     assert skipped.status == "skipped" and "fallback variant" in skipped.reason and "one did" in skipped.reason
 
 
+@pytest.mark.parametrize("make", [lambda backends, profiling: ait.FirstWinsStrategy(backends, profiling_config=profiling),
+                                  lambda backends, profiling: ait.LatencyBudgetStrategy(1e6, backends,
+                                                                                        profiling_config=profiling)],
+                         ids=["first-wins", "latency-budget"])
+def test_every_strategy_builds_a_fallback_variant_when_no_other_variant_of_its_backend_passes(make, fast_profiling):
+    first, fallback = Variant(), Variant()
+    first.wrong, first.tag, fallback.tag = True, "first", "fallback"
+    fallback._tier, fallback._fallback = 1, True
+    model = _net()
+    strategy = make([first, fallback], fast_profiling).enable_performance_validation(False)  # (built, not timed)
+    report = ait.tune(ait.Module(model, "fallback", strategy=strategy), [torch.randn(4, 16)], ready_batches=True)
+    rows = {r.description: r for r in report.rows if r.backend == "test_variant"}
+    assert rows["Variant(first)"].status == "rejected (correctness)"
+    assert rows["Variant(fallback)"].status in ("passed", "selected"), rows["Variant(fallback)"].reason
+
+
 class PausedNet(torch.nn.Module):
     """``_net()`` whose eager forward pauses 2 ms on the fake clock; :class:`Unpaused` computes the same values
     without the pause, so it ranks first whatever the machine's load."""

@@ -100,9 +100,10 @@ REDUCE_OVERHEAD_1X1_AS_MM = {"triton.cudagraphs": True, "conv_1x1_as_mm": True}
 # call (one token, or a short prompt, through every layer), and on CPU the Python wrapper Inductor generates around
 # them is a large share of a call. Inductor's ``cpp_wrapper`` generates that wrapper in C++: the tiny test decoder's
 # decode step took 364 µs against 503 µs, its prefill (dynamic) 614 against 707 µs (this project's CPU, torch 2.13;
-# benchmarks/cpu_phase_steps.py). Its compile adds a C++ build of the wrapper: a first tune from cold compile caches
-# took 22.5 s against 10.8 s (benchmarks/RESULTS.md). So on CPU a phase graph's first variant compiles with it, and
-# the plain compile is the fallback variant, built where the C++ wrapper's variant fails or is rejected.
+# benchmarks/cpu_phase_steps.py). Its compile adds a C++ build of the wrapper: a re-tune took 13.2 s against 11.1 s,
+# a tune from cold compile caches 22.5 s (benchmarks/RESULTS.md). So on CPU a phase graph's first variant compiles
+# with it, and the plain compile is the fallback variant, built where the C++ wrapper's variant fails its build or
+# its checks (a C++ wrapper variant that passes but is slower than eager does not bring the plain one in).
 CPP_WRAPPER = {"cpp_wrapper": True}
 
 

@@ -47,9 +47,11 @@ class Requirement:
     distributions: tuple[str, ...]
     extra: str
     min_version: str | None = None
+    declared: bool = dataclasses.field(default=True, compare=False, repr=False)  # False: a probe only, not kept
 
     def __post_init__(self) -> None:
-        _DECLARED.setdefault(self.module, self)
+        if self.declared:
+            _DECLARED.setdefault(self.module, self)
 
 
 # every Requirement declared, by import name (the first declaration of a name): what installed_version reads
@@ -167,10 +169,13 @@ def package_versions(blueprint) -> dict:
 def installed_version(module: str) -> str:
     """The version label :func:`probe_requirement` gives the package imported as ``module`` here (``"1.31.1
     (onnxruntime-gpu)"``), ``"not installed"`` when it cannot be imported. A name no backend or kernel provider
-    imported so far declares is probed as the distribution of that name. A checkpoint's environment check compares
-    it with the label saved for each package its graphs ran on (a kernel selector's delegate's and providers' too:
-    :func:`package_versions`)."""
-    requirement = _DECLARED.get(module) or Requirement(module, (module,), "all")
+    imported so far declares is probed as the distributions that install it (``yaml``: PyYAML), without keeping
+    that probe as a declaration. A checkpoint's environment check compares it with the label saved for each package
+    its graphs ran on (a kernel selector's delegate's and providers' too: :func:`package_versions`)."""
+    requirement = _DECLARED.get(module)
+    if requirement is None:
+        names = tuple(importlib.metadata.packages_distributions().get(module, ())) or (module,)
+        requirement = Requirement(module, names, "all", declared=False)
     check = probe_requirement(requirement)
     return check.versions.get(module, "not installed")
 

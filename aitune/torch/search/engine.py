@@ -154,7 +154,7 @@ def _search_all(context: GraphContext, blueprints: list[Backend], settings: Sear
                 continue
             with DeviceSection(context.device) as section:
                 if results[index] is None:
-                    results[index] = evaluate(_promote_fallback(blueprint, blueprints[:index], results[:index]),
+                    results[index] = evaluate(promote_fallback(blueprint, blueprints[:index], results[:index]),
                                               context, evaluation)
                 elif isinstance(results[index], Evaluation):
                     results[index] = complete(results[index], context)
@@ -224,7 +224,7 @@ def _search_again(context: GraphContext, blueprints: list[Backend], settings: Se
     candidates, evaluated, skipped = [], {}, 0
     for index, blueprint in enumerate(blueprints):
         if candidate_key(blueprint) in wanted:
-            # a fallback variant ranked among the winners won as a promoted copy (_promote_fallback): built as one
+            # a fallback variant ranked among the winners won as a promoted copy (promote_fallback): built as one
             candidate = evaluate(blueprint.copy() if blueprint.search_fallback else blueprint, context,
                                  settings.evaluation)
             evaluated[index] = candidate
@@ -287,7 +287,7 @@ def relative_noise(candidate: Candidate, min_noise: float) -> float:
     return max(paired.spread, min_noise)
 
 
-def _promote_fallback(blueprint: Backend, earlier: list[Backend], results: list) -> Backend:
+def promote_fallback(blueprint: Backend, earlier: list[Backend], results: list) -> Backend:
     """A fallback variant (``Backend.search_fallback``) as a first-tier candidate when no earlier variant of its
     backend class passed its checks in this tune; otherwise (and for any other blueprint) ``blueprint`` itself."""
     if not blueprint.search_fallback or any(
