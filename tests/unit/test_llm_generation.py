@@ -746,3 +746,7 @@ def test_the_readme_example_runs_as_written_and_gives_eagers_tokens(tmp_path, mo
     with torch.no_grad():
         assert torch.equal(scope["out"], scope["eager"].generate(scope["ids"], **scope["options"]))
     assert {graph.name for graph in scope["model"].model.graphs} == {"prefill", "decode"}
+    assert scope["out"].shape[1] == scope["ids"].shape[1] + 32  # every new token generated: no early stop
+    served = scope["model"].model.stats["backend_calls"]
+    chosen = {graph.graph: graph.selected for graph in scope["report"].graphs}
+    assert served == ("eager" not in chosen["prefill"].lower()) + 31 * ("eager" not in chosen["decode"].lower())
