@@ -22,28 +22,21 @@ import time
 import torch
 
 from aitune.torch.record.llm import counter_snapshot, find_cache, rewind_cache
-from benchmarks.llm_generate import build
+from benchmarks.llm_generate import _Spy, build, generate
 
 SETTINGS = {"plain": {}, "cpp_wrapper": {"cpp_wrapper": True}}
 
 
 def recorded_calls(model, prompt: int) -> list[dict]:
-    """The decoder's keyword arguments of every call of one static-cache ``generate``."""
-    calls, forward = [], model.model.forward
-
-    def spy(*args, **kwargs):
-        calls.append(dict(kwargs))
-        return forward(*args, **kwargs)
-
-    model.model.forward = spy
+    """The decoder's keyword arguments of every call of one static-cache ``generate`` of 64 new tokens."""
+    spy, decoder = _Spy(model.model), model.model
+    model.model = spy
     try:
         ids = torch.randint(1, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False,
-                           cache_implementation="static", disable_compile=True)
+        generate(model, ids, 64, static=True)
     finally:
-        model.model.forward = forward
-    return calls
+        model.model = decoder
+    return [kwargs for _, kwargs in spy.calls]
 
 
 def timed(step, call: dict, cache, start, calls: int) -> float:

@@ -237,15 +237,17 @@ def main(argv=None) -> int:
 
 
 class _Spy(torch.nn.Module):
-    """Passes calls to ``inner`` and keeps the last call's arguments."""
+    """Passes calls to ``inner`` and keeps every call's arguments (``calls``; the last one: ``last``)."""
 
     def __init__(self, inner):
         super().__init__()
         self.inner = inner
+        self.calls: list[tuple[tuple, dict]] = []
         self.last = None
 
     def forward(self, *args, **kwargs):
         self.last = (args, dict(kwargs))
+        self.calls.append(self.last)
         return self.inner(*args, **kwargs)
 
 

@@ -277,11 +277,9 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             elif device.type == "cpu":  # NOTE [a C++ wrapper for phase graphs on CPU]
                 configs = [dict(options=dict(CPP_WRAPPER)), *configs]
         variants = [TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)) for kwargs in configs]
-        if device.type == "cpu" and getattr(graph, "phase", None) is not None and len(variants) > 1:
-            for variant in variants[1:]:  # built where the C++ wrapper's compile fails or its build is rejected
-                variant._tier = 1
-            variants[1]._fallback = True
-        if device.type == "cuda" and len(variants) > first_tier:  # (a prefill graph has one variant)
+        # on CUDA, and for a phase graph on CPU (the plain compile after the C++ wrapper's; a CUDA prefill graph has
+        # one variant), the variants after the first tier need a budget, the first of them the fallback
+        if (device.type == "cuda" or getattr(graph, "phase", None) is not None) and len(variants) > first_tier:
             for variant in variants[first_tier:]:  # with a time budget: channels-last, default mode (bf16
                 if not variant.config.autocast_enabled:  # tensor cores, the largest win for an fp32 model, always)
                     variant._tier = 1

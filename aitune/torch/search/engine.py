@@ -224,9 +224,8 @@ def _search_again(context: GraphContext, blueprints: list[Backend], settings: Se
     candidates, evaluated, skipped = [], {}, 0
     for index, blueprint in enumerate(blueprints):
         if candidate_key(blueprint) in wanted:
-            # a fallback variant ranked among the winners won as a promoted copy (promote_fallback): built as one
-            candidate = evaluate(blueprint.copy() if blueprint.search_fallback else blueprint, context,
-                                 settings.evaluation)
+            # a fallback variant among the winners won promoted (promote_fallback): rebuilt promoted
+            candidate = evaluate(promoted(blueprint), context, settings.evaluation)
             evaluated[index] = candidate
             if candidate.backend is not None:
                 candidate.backend.deactivate()
@@ -294,7 +293,12 @@ def promote_fallback(blueprint: Backend, earlier: list[Backend], results: list) 
             type(other) is type(blueprint) and result is not None and result.passed
             for other, result in zip(earlier, results)):
         return blueprint
-    return blueprint.copy()  # a fresh copy: first tier, no longer marked as a fallback
+    return promoted(blueprint)
+
+
+def promoted(blueprint: Backend) -> Backend:
+    """A fallback variant as a first-tier candidate (a fresh copy, no longer marked); any other blueprint itself."""
+    return blueprint.copy() if blueprint.search_fallback else blueprint
 
 
 def explain_finalists(finalists: list[Candidate], others: list[Candidate]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -24,7 +24,7 @@ from aitune.torch.common.arguments import init_keywords, reject_unknown_keywords
 from aitune.torch.measure.profiling import ProfilingConfig, reaches_speedup
 from aitune.torch.report.rows import PASSED, SELECTED, CandidateResult
 from aitune.torch.search import engine
-from aitune.torch.search.engine import default_backends, relative_noise, score_for
+from aitune.torch.search.engine import default_backends, promote_fallback, relative_noise, score_for
 from aitune.torch.search.engine import explain_finalists as _explain_finalists  # noqa: F401 - its old import path
 from aitune.torch.search.evaluation import Candidate, eager_candidate, evaluate
 from aitune.torch.search.max_batch_size import MaxBatchSizeSearch
@@ -301,6 +301,15 @@ class TuneStrategy:
                  raise_errors: bool = False) -> Candidate:
         """One candidate through :func:`aitune.torch.search.evaluation.evaluate` with this strategy's settings."""
         return evaluate(blueprint, context, self.settings(measure=measure_it), raise_errors=raise_errors)
+
+    def evaluate_in_order(self, blueprints: list[Backend], context: GraphContext, **options) -> Iterator[Candidate]:
+        """:meth:`evaluate` each blueprint in turn, a fallback variant promoted where no earlier variant of its
+        backend passed (:func:`~aitune.torch.search.engine.promote_fallback`), as the default search does."""
+        evaluated: list[Candidate] = []
+        for position, blueprint in enumerate(blueprints):
+            evaluated.append(self.evaluate(promote_fallback(blueprint, blueprints[:position], evaluated), context,
+                                           **options))
+            yield evaluated[-1]
 
     finalists = 3  # candidates measured at full length after the quick round (successive halving)
 

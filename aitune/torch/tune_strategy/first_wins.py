@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from aitune.torch.report.rows import REJECTED_PERFORMANCE, SKIPPED, CandidateResult
-from aitune.torch.search.engine import promote_fallback
 from aitune.torch.tune_strategy.base import TuneStrategy
 
 
@@ -17,11 +16,8 @@ class FirstWinsStrategy(TuneStrategy):
         eager = self.eager_candidate(context) if self.performance_validation else None
         rows: list[CandidateResult] = []
         blueprints = self.candidates_for(context)
-        evaluated: list = []
-        for position, blueprint in enumerate(blueprints):
-            candidate = self.evaluate(promote_fallback(blueprint, blueprints[:position], evaluated), context,
-                                      measure_it=self.performance_validation)
-            evaluated.append(candidate)
+        for position, candidate in enumerate(self.evaluate_in_order(blueprints, context,
+                                                                    measure_it=self.performance_validation)):
             rows.append(candidate.row)
             if not self.selectable(candidate):
                 if candidate.backend is not None:

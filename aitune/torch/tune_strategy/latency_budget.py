@@ -6,7 +6,6 @@ import math
 
 from aitune.errors import ConfigError, TuningError
 from aitune.torch.report.rows import REJECTED_PERFORMANCE
-from aitune.torch.search.engine import promote_fallback
 from aitune.torch.tune_strategy.base import Candidate, TuneStrategy
 
 
@@ -68,9 +67,7 @@ class LatencyBudgetStrategy(TuneStrategy):
     def tune(self, context):
         """Evaluate every candidate, then choose by :meth:`choose`."""
         eager = self.eager_candidate(context)
-        blueprints, candidates = self.candidates_for(context), []
-        for position, blueprint in enumerate(blueprints):  # (a fallback variant: built if no sibling passed)
-            candidates.append(self.evaluate(promote_fallback(blueprint, blueprints[:position], candidates), context))
+        candidates = list(self.evaluate_in_order(self.candidates_for(context), context))
         pool = candidates + [eager]
         chosen = self.choose(pool, f"{context.module_name}/{context.graph.name}")
         self.finish(chosen, pool, self._budget_figure)
