@@ -38,6 +38,7 @@ from aitune.torch.backend import (
     TorchEagerBackend,
     TorchInductorAotBackend,
     TorchInductorJitBackend,
+    TorchInductorJitBackendConfig,
 )
 from aitune.torch.checkpoint import FORMAT_VERSION, describe_checkpoint, sums_path
 from aitune.torch.check.correctness import OutputComparator, Tolerance
@@ -551,6 +552,54 @@ def test_another_environment_loads_with_a_warning_that_says_what_differs(eager_c
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "encoder/graph0: backend 'torch_tensorrt_jit' is unavailable here" in text and "it runs eager" in text
     assert "torch_tensorrt 2.0.0 ->" not in text
+
+
+def _as_inductor_jit(options: dict):
+    def edit(manifest):  # the eager checkpoint's graph, as if tuned with Inductor JIT and these options
+        graph = manifest["modules"][0]["graphs"][0]
+        graph.update(backend="inductor_jit", packages={},
+                     config={"type": "TorchInductorJitBackendConfig", "version": 1, "data": {"options": options}})
+    return edit
+
+
+def test_a_jit_backend_that_fails_to_rebuild_at_load_serves_eager_with_a_warning(eager_checkpoint, tmp_path, caplog):
+    # Inductor's own test switch makes its compile raise here: the JIT rebuild fails where the checkpoint is loaded
+    path = edit_manifest(eager_checkpoint.path, tmp_path / "fails.ait",
+                         _as_inductor_jit({"_raise_error_for_testing": True}))
+    with caplog.at_level("WARNING", logger="aitune"):
+        loaded = ait.load(models.Encoder().eval(), path, device="cpu")
+    text = " ".join(record.getMessage() for record in caplog.records)
+    assert "encoder/graph0: rebuilding backend 'inductor_jit' failed here" in text and "runs eager" in text
+    backend = loaded.backends["graph0"]
+    assert backend.name == "eager" and backend.build_info["rebuild_failed"].startswith("inductor_jit:")
+    features, _ = models.probe()
+    with torch.no_grad():
+        output = loaded(features, pooling="mean", scale=0.5)
+    torch.testing.assert_close(output.pooled, eager_checkpoint.expected.pooled, rtol=0, atol=0)
+
+
+def test_a_cpp_wrapper_build_that_fails_at_load_compiles_without_it(eager_checkpoint, tmp_path, caplog, monkeypatch):
+    # Fault injection (not a stand-in for Inductor): the C++ wrapper's compile is made to fail here by adding
+    # Inductor's own test switch to it; the plain compile then runs for real.
+    real = TorchInductorJitBackendConfig.compile_arguments
+
+    def cpp_wrapper_fails(config):
+        mode, options = real(config)
+        return (mode, {**options, "_raise_error_for_testing": True}) if (options or {}).get("cpp_wrapper") else \
+            (mode, options)
+
+    monkeypatch.setattr(TorchInductorJitBackendConfig, "compile_arguments", cpp_wrapper_fails)
+    path = edit_manifest(eager_checkpoint.path, tmp_path / "cpp.ait", _as_inductor_jit({"cpp_wrapper": True}))
+    with caplog.at_level("WARNING", logger="aitune"):
+        loaded = ait.load(models.Encoder().eval(), path, device="cpu")
+    assert "the C++ wrapper's compile failed here" in " ".join(record.getMessage() for record in caplog.records)
+    backend = loaded.backends["graph0"]
+    assert backend.name == "inductor_jit" and not backend.config.options and backend.build_info["cpp_wrapper_failed"]
+    features, _ = models.probe()
+    with torch.no_grad():
+        output = loaded(features, pooling="mean", scale=0.5)
+    torch.testing.assert_close(output.pooled, eager_checkpoint.expected.pooled)
+    assert loaded.stats["backend_calls"] >= 1
 
 
 @needs_aot

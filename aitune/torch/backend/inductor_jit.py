@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from aitune.errors import ConfigError
+from aitune.errors import ConfigError, one_line
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
 from aitune.torch.backend.compile_settings import parameter_freezing
 from aitune.torch.common.requirements import validate_flags
@@ -370,4 +370,16 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     def _load(self, directory, metadata, module, graph, device) -> None:
         if module is None:
             raise ConfigError("the inductor_jit backend recompiles on load and needs the original module")
-        self._build(module, graph, device, directory)
+        try:
+            self._build(module, graph, device, directory)
+        except Exception as exc:  # noqa: BLE001 - the C++ wrapper's plain fallback, as at tuning
+            plain = {key: value for key, value in (self.config.options or {}).items() if key != "cpp_wrapper"}
+            if plain == (self.config.options or {}):
+                raise
+            # where the C++ wrapper's compile fails here (NOTE [a C++ wrapper for phase graphs on CPU]), the plain
+            # compile is what the tune's fallback variant would have built
+            logger.warning("inductor_jit: the C++ wrapper's compile failed here (%s); compiling without it",
+                           one_line(exc))
+            self.config = dataclasses.replace(self.config, options=plain or None)
+            self._build(module, graph, device, directory)
+            self.build_info["cpp_wrapper_failed"] = one_line(exc)

@@ -206,10 +206,19 @@ def _restore_module(plan: ModulePlan, files: ExtractedFiles, weights: str | None
         except CheckpointIntegrityError:
             raise  # a stored file name that leaves the checkpoint: the message names the field already
         except Exception as exc:  # noqa: BLE001 - translated with the cause chained
-            raise CheckpointError(
-                f"{plan.name}/{graph.name}: restoring backend '{backend_class.name}' failed: {type(exc).__name__}: "
-                f"{exc}. It was saved on {graph_entry.get('device')}; load it in the environment it was saved in, or "
-                "re-tune") from exc
+            if graph_entry.get("build_mode") == "aot" or backend_class is TorchEagerBackend:
+                raise CheckpointError(
+                    f"{where}: restoring backend '{backend_class.name}' failed: {type(exc).__name__}: {exc}. It was "
+                    f"saved on {graph_entry.get('device')}; load it in the environment it was saved in, or re-tune"
+                ) from exc
+            # NOTE [a JIT rebuild that fails at load]: a JIT backend recompiles the user's module where it is loaded,
+            # so eager can answer for it, as for a JIT backend unavailable here (plan_module): the load goes on.
+            logger.warning("aitune.load: %s: rebuilding backend '%s' failed here (%s); the graph runs eager. "
+                           "Re-tune here for a backend that builds", where, backend_class.name, one_line(exc))
+            with torch.no_grad():
+                backend = TorchEagerBackend.from_checkpoint(artifacts, TorchEagerBackend.config_class(), {}, module,
+                                                            graph, graph_plan.device)
+            backend.build_info["rebuild_failed"] = f"{backend_class.name}: {one_line(exc)}"
         files.keep_alive_while(backend)
         backend.build_info.update({"restored_from_checkpoint": True})
         plan.dispatch[graph.key] = (graph, backend)
