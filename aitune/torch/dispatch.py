@@ -185,7 +185,11 @@ class Dispatch:
 
     # ---- calls
     def call(self, args: tuple, kwargs: dict):
-        """Answer one call of the tuned module (its arguments as given)."""
+        """Answer one call of the tuned module (its arguments as given).
+
+        Eager runs the call as given, not its canonical form: forward(-pre) hooks of the wrapped module see the
+        positional arguments the caller passed (NOTE [calls as given] in aitune/torch/record/samples.py)."""
+        given = args, kwargs
         # NOTE [dispatch fast path]: a call whose arguments are all tensors or plain constants (no nesting) is keyed
         # as given, before normalisation, by dtype/rank/device and constant values; the key finds the TunedGraph
         # (whose per-call facts were computed once) and the normalising plan made from the first such call. The
@@ -220,7 +224,7 @@ class Dispatch:
                     if tuned is not None and tuned.graph.phase is not None:  # a phase call, other nested inputs
                         phase = slow_route_facts(args, kwargs, tuned.graph.phase)
         if tuned is None:
-            return self.eager(args, kwargs, "graph", "a call whose input structure, constants or dtypes were "
+            return self.eager(*given, "graph", "a call whose input structure, constants or dtypes were "
                                                      "never recorded runs eager")
         backend = tuned.backend
         # NOTE [what a backend follows] in aitune/torch/check/baked_state.py: grad mode, the caller's autocast,
@@ -235,19 +239,19 @@ class Dispatch:
                     logger.warning("%s: %s — but eager may not run here (%s); the tuned backend answers without "
                                    "autograd", self.name, differs[1], self.eager_fallback_error)
             else:
-                return self.eager(args, kwargs, *differs)
-        if tuned.passthrough:
-            return backend.run(args, kwargs)
+                return self.eager(*given, *differs)
+        if tuned.passthrough:  # plain eager: the module itself, on the call as given
+            return self.run_eager(*given)
         watch = self.watch if tuned.bakes_weights else None
         if watch is not None and watch.reason is not None:
-            return self._stale(args, kwargs, backend)
+            return self._stale(*given, backend)
         if self.module.training != tuned.training or tuned.drops_state:  # (what refusal() reads, without a call)
             refusal = tuned.refusal(self.module)
             if refusal is not None:
-                return self.eager(args, kwargs, *refusal)
+                return self.eager(*given, *refusal)
         graph = tuned.graph
         if phase is not None and phase.overflows:
-            return self.eager(args, kwargs, ("values", graph.name), f"{graph.name}: the call adds {phase.query} "
+            return self.eager(*given, ("values", graph.name), f"{graph.name}: the call adds {phase.query} "
                                                                     f"position(s) to a key/value cache holding "
                                                                     f"{phase.cached} of {phase.capacity}")
         contiguous = True
@@ -257,23 +261,23 @@ class Dispatch:
                     # NOTE [zero-size inputs]: compiled kernels and exported graphs mishandle empty batches and
                     # empty spatial dims (microsoft/onnxruntime#13626, pytorch/pytorch#197095); eager gives the
                     # right empty result or the right error.
-                    return self.eager(args, kwargs, "empty", "zero-size inputs run eager")
+                    return self.eager(*given, "empty", "zero-size inputs run eager")
                 if contiguous and not leaf.is_contiguous():
                     contiguous = False
         if tuned.checks_inputs:
             rejection = backend.rejects(leaves)
             if rejection is not None:
-                return self.eager(args, kwargs, ("range", graph.name), f"{graph.name}: {rejection} ({backend.name}'s "
+                return self.eager(*given, ("range", graph.name), f"{graph.name}: {rejection} ({backend.name}'s "
                                                                        "accepted inputs); such calls run eager")
         if tuned.values is not None:
             rejection = tuned.values.rejects(leaves, phase.capacity if phase is not None else None)
             if rejection is not None:
-                return self.eager(args, kwargs, ("values", graph.name), f"{graph.name}: {rejection}; such calls "
+                return self.eager(*given, ("values", graph.name), f"{graph.name}: {rejection}; such calls "
                                                                         f"run eager instead of {backend.name}")
         if not contiguous:
             # NOTE [non-contiguous inputs]: some artifacts assume contiguous strides (pytorch/pytorch#122784).
             if graph.mutated_inputs:
-                return self.eager(args, kwargs, "strides", "non-contiguous inputs to a module that mutates "
+                return self.eager(*given, "strides", "non-contiguous inputs to a module that mutates "
                                                            "its inputs run eager")
             args, kwargs = _contiguous((args, kwargs))
         guard = tuned.guard
@@ -289,15 +293,15 @@ class Dispatch:
         try:
             if guard is not None and guard.due(leaves):
                 if watch is not None and watch.changed() is not None:
-                    return self._stale(args, kwargs, backend)
+                    return self._stale(*given, backend)
                 return self._guarded_call(tuned, guard, args, kwargs, leaves)
             output = backend.run(args, kwargs, accepted=True)
         except Exception as exc:  # noqa: BLE001 - a crashing backend never takes the caller down
             if cache is not None:
                 self._put_back(graph, backend, cache, rewind, f"raised {type(exc).__name__}: {exc}", exc, before)
             if watch is not None and watch.changed() is not None:
-                return self._stale(args, kwargs, backend)
-            return self.eager(args, kwargs, ("error", graph.name),
+                return self._stale(*given, backend)
+            return self.eager(*given, ("error", graph.name),
                               f"backend {backend.name} raised {type(exc).__name__}: {exc}; running eager instead")
         # NOTE [stale check after launch]: a backend that bakes the weights in never reads the user's tensors, so
         # whether they changed since tuning (StateWatch: tens of ns per parameter/buffer, tens of µs for a
@@ -307,7 +311,7 @@ class Dispatch:
         if watch is not None and watch.changed() is not None:
             if cache is not None:
                 self._put_back(graph, backend, cache, rewind, "served weights that changed since tuning")
-            return self._stale(args, kwargs, backend)
+            return self._stale(*given, backend)
         self.backend_calls += 1
         return output
 
@@ -348,8 +352,9 @@ class Dispatch:
             leaves, spec = tree_flatten((args, kwargs))
             return self._by_key.get(make_graph_key(leaves, spec, llm_phase(args, kwargs) if self.phases else None)), \
                 leaves
-        if raw_key is not None:
-            self._routes[raw_key] = (tuned, self.signature.plan(raw_args, raw_kwargs))
+        plan = self.signature.plan(raw_args, raw_kwargs) if raw_key is not None else None
+        if plan is not None:  # (None: positional-only parameters or *args: such calls take the general path)
+            self._routes[raw_key] = (tuned, plan)
         return tuned, [*args, *kwargs.values()]
 
     def _phase_route(self, phase: PhaseCall, args, kwargs) -> tuple[TunedGraph | None, list, list, PhaseCall]:

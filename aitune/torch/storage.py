@@ -30,7 +30,7 @@ import os
 import shutil
 import tempfile
 import zipfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -304,10 +304,14 @@ def _check_replaceable_folder(folder: Path, archive: Path) -> None:
             problem = f"it has no aitune {MANIFEST} and {SUMS}"
         else:
             allowed = listed | {SUMS, sums_path(archive).name}
+            folders = {parent.as_posix() for name in listed for parent in PurePosixPath(name).parents}
             for entry in entries:
                 relative = entry.relative_to(folder).as_posix()
                 if entry.is_symlink() or (not entry.is_dir() and relative not in allowed):
                     problem = f"{relative} is not a file aitune wrote"
+                    break
+                if entry.is_dir() and relative not in folders:  # (an empty folder of the user's too)
+                    problem = f"{relative}/ is not a folder aitune wrote"
                     break
     except (OSError, UnicodeDecodeError, CheckpointError) as exc:
         problem = f"its {SUMS} cannot be read ({exc})"

@@ -319,6 +319,13 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
         if failed_row is not None and report.graphs and failed_row not in report.graphs[-1].candidates:
             report.graphs[-1].candidates.append(failed_row)
         reason = f"{type(exc).__name__}: {exc}"
+        wrapped = module.module
+        if wrapped._forward_pre_hooks or wrapped._forward_hooks:
+            # NOTE [calls as given] in aitune/torch/record/samples.py: the user's calls reach the module as given,
+            # but the checks replay the recorded calls in their canonical form
+            reason += (" (the module has forward hooks of its own: while aitune checks candidates they receive the "
+                       "recorded calls' arguments by keyword; read them from kwargs, with_kwargs=True, or register "
+                       "them after tuning)")
         report.module_errors[module.name] = reason
         module.mark_failed(reason)
         logger.warning("aitune: tuning %s failed, it runs eager: %s", module.name, reason)

@@ -385,6 +385,16 @@ def test_a_newer_format_version_is_refused(eager_checkpoint, tmp_path):
 
 
 @needs_aot
+def test_a_samples_entry_whose_count_and_batch_sizes_disagree_is_refused(eager_checkpoint, tmp_path):
+    def shorter(manifest):  # edited and signed again: the archive's sums hold, the manifest's fields do not agree
+        manifest["modules"][0]["graphs"][0]["samples"]["batch_sizes"] = []
+
+    path = edit_manifest(eager_checkpoint.path, tmp_path / "samples.ait", shorter)
+    with pytest.raises(CheckpointError, match=r"encoder/graph0: the manifest's 'samples' count \(\d+\) and "
+                                              r"batch_sizes \(\[\]\) disagree"):
+        ait.load(models.Encoder().eval(), path)
+
+
 def test_a_missing_artifact_is_refused(aot_checkpoint, tmp_path):
     graph = module_entry(read_manifest(aot_checkpoint.path), "mlp")["graphs"][0]
     member = f"{graph['artifacts_dir']}/{graph['artifacts'][0]}"

@@ -105,6 +105,11 @@ def test_save_replaces_its_own_checkpoint_but_not_files_added_to_it(in_tmp):
     with pytest.raises(CheckpointError, match=r"notes\.txt is not a file aitune wrote"):
         ait.save(module, "m.ait")
     assert (in_tmp / "checkpoints" / "m" / "notes.txt").read_text() == "mine"
+    (in_tmp / "checkpoints" / "m" / "notes.txt").unlink()
+    (in_tmp / "checkpoints" / "m" / "modules" / "my_results").mkdir()  # an empty folder of the user's
+    with pytest.raises(CheckpointError, match=r"modules/my_results/ is not a folder aitune wrote"):
+        ait.save(module, "m.ait")
+    assert (in_tmp / "checkpoints" / "m" / "modules" / "my_results").is_dir()
 
 
 # ---------------------------------------------------------------------------------------------- names

@@ -5,6 +5,7 @@ import ast
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -133,6 +134,81 @@ def test_a_warm_route_still_obeys_every_change_it_could_skip(fast_profiling):
         model[0].weight.mul_(2)  # the copy holds the old weights: eager from now on
         torch.testing.assert_close(tuned(x), model(x))
     assert tuned.backend_calls == 8 and tuned.needs_retune
+
+
+class ServesTheModule(TorchEagerBackend):
+    """Runs the module through the backend's own path (not a passthrough), so the dispatch routes, normalises and
+    counts its calls as it does a compiled artifact's."""
+
+    name = "test_serves_the_module"
+    passthrough = False
+
+
+class PositionalOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x, /):
+        return self.linear(x).relu()
+
+
+class VarArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, *xs):
+        return self.linear(xs[0] - xs[1])
+
+
+@pytest.mark.parametrize("model_class", [PositionalOnly, VarArgs])
+def test_a_forward_with_positional_only_parameters_or_var_args_is_served_on_every_call(model_class, fast_profiling):
+    # such a signature has no normalising plan: the dispatch kept None as the fast route's plan and called it
+    model = model_class().eval()
+    inputs = (torch.randn(2, 4),) if model_class is PositionalOnly else (torch.randn(2, 4), torch.randn(2, 4))
+    strategy = ait.OneBackendStrategy(ServesTheModule(), profiling_config=fast_profiling)
+    tuned = ait.Module(model, "signature", strategy=strategy.enable_performance_validation(False),
+                       guard=ait.GuardConfig(enabled=False))
+    ait.tune(tuned, [inputs], ready_batches=True)
+    with torch.no_grad():
+        for calls in (1, 2, 3):
+            torch.testing.assert_close(tuned(*inputs), model(*inputs), rtol=0, atol=0)
+            assert tuned.backend_calls == calls, tuned.stats
+
+
+@pytest.mark.parametrize("backend_class", [TorchEagerBackend, ServesTheModule])
+def test_hooks_of_the_wrapped_module_see_the_call_as_the_caller_made_it(backend_class, fast_profiling):
+    # NOTE [calls as given]: recording and eager runs pass the caller's positional arguments on, so a pre-hook that
+    # reads args[0] works as without aitune (it saw args == () and raised IndexError)
+    model = Net().eval()
+    seen = []
+
+    def doubling(module, args):
+        seen.append(len(args))
+        return (args[0] * 2,)
+
+    strategy = ait.OneBackendStrategy(backend_class(), profiling_config=fast_profiling)
+    tuned = ait.Module(model, "hooked", strategy=strategy.enable_performance_validation(False),
+                       guard=ait.GuardConfig(enabled=False))
+    ait.tune(tuned, [torch.randn(3, 4)], ready_batches=True)
+    x = torch.randn(3, 4)
+    handle = model.register_forward_pre_hook(doubling)
+    late = model.register_forward_hook(lambda module, inputs, output: output + inputs[0].sum())
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)  # hooks registered: eager, as called
+    handle.remove(), late.remove()
+    assert seen == [1, 1]
+
+    recording = ait.Module(Net().eval(), "recording", strategy=strategy.enable_performance_validation(False))
+    recording.module.register_forward_pre_hook(doubling)
+    with torch.no_grad():
+        torch.testing.assert_close(recording(x), recording.module(x), rtol=0, atol=0)  # recorded, as called
+    assert seen == [1, 1, 1, 1]
+    ait.tune(recording, [x], ready_batches=True)  # the checks replay the canonical call: the hook cannot run
+    assert "forward hooks of its own" in recording.tuning_error
+    with torch.no_grad():
+        torch.testing.assert_close(recording(x), recording.module(x), rtol=0, atol=0)
 
 
 def _imported_modules(path: Path) -> set[str]:

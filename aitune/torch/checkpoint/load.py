@@ -361,6 +361,10 @@ def _restore_samples(entry: dict, root: Path, device: torch.device, where: str) 
     if any(not 0 <= index < count for index, _ in tensor_leaves) or any(not 0 <= i < count for i in constants):
         raise CheckpointError(f"{where}: leaf indices in the checkpoint do not fit its input structure")
     samples_entry = entry["samples"]
+    stored, sizes = samples_entry.get("count"), samples_entry.get("batch_sizes")
+    if type(stored) is not int or not isinstance(sizes, list) or len(sizes) != stored:
+        raise CheckpointError(f"{where}: the manifest's 'samples' count ({stored!r}) and batch_sizes ({sizes!r}) "
+                              "disagree: the checkpoint was edited or damaged; save it again")
     tensors = load_file(str(checkpoint_path(root, samples_entry["file"], f"{where}: the manifest's 'samples.file'")),
                         device="cpu")
     samples = []

@@ -71,7 +71,13 @@ class Recorder:
         self.graphs: dict[Hashable, GraphSpec] = {}
 
     def record(self, module: torch.nn.Module, args: tuple, kwargs: dict, batch_size: int | None = None) -> Any:
-        """Run ``module`` on the call (the caller's tensors, as eager would) and record a cloned sample."""
+        """Run ``module`` on the call (the caller's tensors, as eager would) and record a cloned sample.
+
+        NOTE [calls as given]: the module runs on the call as the caller made it; the canonical form (every
+        argument that can be a keyword is one) is what is recorded and keyed. A forward(-pre) hook of the wrapped
+        module reads its positional arguments, which the canonical form has moved into keywords. The two forms
+        share their tensors, so what the call changes in place is seen through either."""
+        given_args, given_kwargs = args, kwargs
         args, kwargs = self.signature.normalize(args, kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         phase = llm_phase(args, kwargs)
@@ -110,7 +116,7 @@ class Recorder:
                                           or graph.new_shapes(leaves, batch_size))
         state_before, kept = state_marks(module) if checked else (None, None)
         with _embedding_inputs(module, leaves) as tables:
-            output = module(*args, **kwargs)
+            output = module(*given_args, **given_kwargs)
         for spec in graph.tensor_specs:
             rows = tables.get(spec.leaf_index)
             if rows is not None:
