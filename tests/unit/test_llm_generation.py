@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import aitune.torch as ait
-from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
+from aitune.torch.backend import TorchEagerBackend, TorchInductorJitBackend, TorchInductorJitBackendConfig
 from aitune.torch.backend.inductor_jit import CPP_WRAPPER
 
 from llm_calls import first_decode_call, raising_after_the_run
@@ -269,6 +269,44 @@ def test_a_sliding_window_layer_does_not_bound_the_positions_a_call_may_write():
     assert [layer.max_cache_len for layer in mixed.layers] == [4, 16] and cache_capacity({"cache": mixed}) == 16
     rolling = transformers.StaticCache(config=transformers.MistralConfig(**sizes), max_cache_len=16)
     assert cache_capacity({"cache": rolling}) is None
+
+
+class ServedEager(TorchEagerBackend):
+    """Eager through a backend's own path (not a passthrough): the dispatch's checks apply to its calls as to a
+    compiled artifact's, without a compile."""
+
+    name = "test_served_eager"
+    passthrough = False
+
+
+def test_positions_of_a_cache_of_sliding_window_layers_only_are_not_held_to_the_recorded_range():
+    # a rolling cache never fills (cache_capacity None): prompts and generations of lengths never recorded were
+    # sent to eager by the value gate ("position_ids holds values in [3, 3], outside the accepted [5, 21]")
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
+    model = transformers.MistralForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    eager = copy.deepcopy(model)
+    strategy = ait.OneBackendStrategy(ServedEager(), profiling_config=ait.ProfilingConfig(
+        warmup_rounds=1, warmup_s=0.0, min_rounds=3, max_rounds=10, time_budget_s=0.2))
+    model.model = ait.Module(model.model, "decoder", strategy=strategy.enable_performance_validation(False))
+    ait.tune(lambda ids: generate(model, ids, 8, **STATIC), [prompt(5), prompt(7)], ready_batches=True)
+    assert {graph.name for graph in model.model.graphs} == {"prefill", "decode"}
+    for length in (3, 12):
+        served = model.model.stats["backend_calls"]
+        assert torch.equal(generate(model, prompt(length), 8, **STATIC), generate(eager, prompt(length), 8, **STATIC))
+        assert model.model.stats["backend_calls"] - served == 8, model.model.stats  # the prefill and 7 decode calls
+    assert "values" not in model.model.stats["eager_fallbacks"]
+    # its layers count tokens in a plain int: a decode graph compiled for one length would compile per position
+    decode = next(graph for graph in model.model.graphs if graph.name == "decode")
+    assert TorchInductorJitBackend()._resolved_dynamic(decode) is None  # torch's automatic dynamic shapes
+
+
+def test_a_decode_graph_of_full_attention_layers_compiles_for_one_cache_length(tuned):
+    model, _, _ = tuned
+    decode = next(graph for graph in model.model.graphs if graph.name == "decode")
+    assert TorchInductorJitBackend()._resolved_dynamic(decode) is False  # NOTE [decode per cache length]
 
 
 def test_cache_graphs_are_offered_no_freezing_no_replayed_copies_and_on_cuda_no_cuda_graphs_for_prefill(tuned,

@@ -212,9 +212,13 @@ class ValueGate:
                 continue  # a key/value cache's own tensors and counters: the dispatch checks the fill (llm.py)
             if not spec.dtype.is_floating_point:
                 rows = getattr(spec, "table_rows", None)
-                if getattr(graph, "phase", None) is not None and spec.path in POSITION_INPUTS and rows is not None:
-                    gate.positions.append((spec.leaf_index, spec.path, int(rows)))
-                elif value_range is not None:
+                if getattr(graph, "phase", None) is not None and spec.path in POSITION_INPUTS:
+                    if rows is not None:
+                        gate.positions.append((spec.leaf_index, spec.path, int(rows)))
+                    # else a cache of sliding-window layers only, which rolls and never fills (cache_capacity):
+                    # every position is one the model takes, as in eager; not the recorded range
+                    continue
+                if value_range is not None:
                     low, high = int(value_range[0]), int(value_range[1])
                     if rows is not None and 0 <= low and high < rows:
                         low, high = 0, rows - 1

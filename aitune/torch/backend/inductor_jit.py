@@ -18,7 +18,7 @@ from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.common.environment import native_bf16
-from aitune.torch.record.llm import DECODE, PREFILL, folds_state, is_kv_cache
+from aitune.torch.record.llm import DECODE, PREFILL, find_cache, folds_state, is_kv_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,10 @@ REDUCE_OVERHEAD_1X1_AS_MM = {"triton.cudagraphs": True, "conv_1x1_as_mm": True}
 # with it, and the plain compile is the fallback variant, built where the C++ wrapper's variant fails its build or
 # its checks (a C++ wrapper variant that passes but is slower than eager does not bring the plain one in).
 CPP_WRAPPER = {"cpp_wrapper": True}
+
+
+def _has_sliding_layers(cache: Any) -> bool:
+    return any("Sliding" in type(layer).__name__ for layer in getattr(cache, "layers", None) or ())
 
 
 def to_contiguous(value: Any) -> Any:
@@ -317,6 +321,12 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             # never shrinks between calls (``_prepare_static_cache`` takes the longest so far, ``max_cache_len``
             # sets the least), so a generate loop meets few lengths, each compiled on its first call, within
             # dynamo's recompile limit (NOTE [recompile limit]).
+            # A sliding-window layer keeps its token count in a plain int (transformers' StaticSlidingWindowLayer),
+            # which a graph compiled with dynamic=False specialises on: one compile per position, up to the
+            # recompile limit. Such a cache's decode graph compiles with torch's automatic dynamic shapes instead
+            # (static first; what changes between calls, that count, symbolic from the second compile on).
+            if graph.samples and _has_sliding_layers(find_cache(graph.samples[0].kwargs, graph.samples[0].args)):
+                return None
             return False
         return True if graph is not None and graph.is_dynamic else None
 
