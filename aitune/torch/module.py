@@ -452,6 +452,20 @@ class Module(wrapt.ObjectProxy):
         self._self_error = reason
         self._self_state = ModuleState.PASSTHROUGH
 
+    # ---- copies: the wrapped module, untuned (a copy shares no backend, guard or recorded sample with this one)
+    def __copy__(self):
+        import copy
+
+        return copy.copy(self.__wrapped__)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return copy.deepcopy(self.__wrapped__, memo)
+
+    def __reduce_ex__(self, protocol):
+        return self.__wrapped__.__reduce_ex__(protocol)
+
     def __repr__(self) -> str:
         stale = self.needs_retune
         state = self._self_state.value + (f" (needs re-tune: {stale})" if stale else "")

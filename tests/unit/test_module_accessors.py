@@ -56,3 +56,20 @@ def test_extracted_files_live_while_a_user_does(tmp_path):
     del user
     gc.collect()
     assert user_ref() is None and not root.exists()
+
+
+def test_copies_and_pickles_of_a_wrapped_module_are_the_wrapped_module_untuned():
+    # wrapt's proxy refused them (NotImplementedError: object proxy must define __deepcopy__()), so a model holding
+    # an ait.Module could not be copied: no eager twin, no float32 copy for correctness rule 5
+    import copy
+    import pickle
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU()).eval()
+    model[0] = ait.Module(model[0], "linear")
+    x = torch.randn(2, 4)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert type(twin[0]) is nn.Linear and twin[0].weight.data_ptr() != model[0].weight.data_ptr()
+        with torch.no_grad():
+            torch.testing.assert_close(twin(x), model(x), rtol=0, atol=0)
+    shallow = copy.copy(model[0])
+    assert type(shallow) is nn.Linear and shallow.weight is model[0].weight
