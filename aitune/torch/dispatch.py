@@ -423,8 +423,9 @@ class Dispatch:
         return self.run_eager(args, kwargs)
 
     def run_eager(self, args, kwargs):
-        """The original module on a normalised call, in the caller's grad mode: a call that needs autograd gets
-        eager's ``grad_fn`` (:class:`~aitune.torch.check.baked_state.BakedState` routes such calls here)."""
+        """The original module on a call (as given; normalised for the guard's comparisons), in the caller's grad
+        mode: a call that needs autograd gets eager's ``grad_fn`` (:class:`~aitune.torch.check.baked_state.BakedState`
+        routes such calls here)."""
         if self.eager_fallback_error is not None:
             raise BackendRuntimeError(self.eager_fallback_error)
         return self.module(*args, **kwargs)

@@ -24,7 +24,7 @@ from aitune.torch.measure.memory import PeakMemory, available_memory_bytes
 from aitune.torch.module import Module, ModuleState, registered_modules, set_recording_batch_size
 from aitune.torch.record.module_arguments import check_unique_names
 from aitune.torch.report.rows import GraphReport, TuneReport
-from aitune.torch.record.samples import clone_tree
+from aitune.torch.record.samples import clone_tree, hook_hint
 from aitune.torch.record.state import AttributeSnapshot
 from aitune.torch.tune_strategy import MaxThroughputStrategy, TuneStrategy
 from aitune.torch.check.context import GraphContext
@@ -318,14 +318,7 @@ def _tune_module(module: Module, report: TuneReport, snapshot: "_Snapshot", devi
         failed_row = getattr(exc, "candidate_row", None)
         if failed_row is not None and report.graphs and failed_row not in report.graphs[-1].candidates:
             report.graphs[-1].candidates.append(failed_row)
-        reason = f"{type(exc).__name__}: {exc}"
-        wrapped = module.module
-        if wrapped._forward_pre_hooks or wrapped._forward_hooks:
-            # NOTE [calls as given] in aitune/torch/record/samples.py: the user's calls reach the module as given,
-            # but the checks replay the recorded calls in their canonical form
-            reason += (" (the module has forward hooks of its own: while aitune checks candidates they receive the "
-                       "recorded calls' arguments by keyword; read them from kwargs, with_kwargs=True, or register "
-                       "them after tuning)")
+        reason = f"{type(exc).__name__}: {exc}{hook_hint(module.module, exc)}"
         report.module_errors[module.name] = reason
         module.mark_failed(reason)
         logger.warning("aitune: tuning %s failed, it runs eager: %s", module.name, reason)

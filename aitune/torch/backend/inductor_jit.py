@@ -388,7 +388,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
                 raise
             # where the C++ wrapper's compile fails here (NOTE [a C++ wrapper for phase graphs on CPU]), the plain
             # compile is what the tune's fallback variant would have built
-            logger.warning("inductor_jit: the C++ wrapper's compile failed here (%s); compiling without it",
+            logger.warning("inductor_jit: compiling with the C++ wrapper failed here (%s); retrying without it",
                            one_line(exc))
             self.config = dataclasses.replace(self.config, options=plain or None)
             self._build(module, graph, device, directory)

@@ -197,3 +197,25 @@ def record_graphs(module: torch.nn.Module, calls: Iterable[tuple[tuple, dict]], 
                 value.detach().copy_(state[name])
     attributes.restore()
     return list(recorder.graphs.values())
+
+
+def hook_hint(module: torch.nn.Module, exc: BaseException) -> str:
+    """A hint for a tune that failed inside a forward(-pre) hook of the wrapped module registered without
+    ``with_kwargs``: the checks replay the recorded calls in their canonical (keyword) form (NOTE [calls as given]),
+    so such a hook sees no positional arguments there. Empty when the failure did not pass through such a hook."""
+    registered = ((module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs),
+                  (module._forward_hooks, module._forward_hooks_with_kwargs))
+    codes = {getattr(hook, "__code__", None) for hooks, kwargs in registered
+             for key, hook in hooks.items() if key not in kwargs}
+    seen, error = set(), exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        trace = error.__traceback__
+        while trace is not None:
+            if trace.tb_frame.f_code in codes:
+                return (" (it failed in a forward hook of the module: while aitune checks candidates, hooks "
+                        "receive the recorded calls' arguments by keyword; read them from kwargs, with_kwargs=True, or "
+                        "register the hook after tuning)")
+            trace = trace.tb_next
+        error = error.__cause__ or error.__context__
+    return ""
