@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from aitune.torch.common.dtypes import dtype_name
-from aitune.torch.record.llm import POSITION_INPUTS, in_cache
+from aitune.torch.record.llm import POSITION_INPUTS, find_cache, in_cache
 from aitune.torch.record.samples import BATCH
 
 
@@ -212,12 +212,11 @@ class ValueGate:
                 continue  # a key/value cache's own tensors and counters: the dispatch checks the fill (llm.py)
             if not spec.dtype.is_floating_point:
                 rows = getattr(spec, "table_rows", None)
-                if getattr(graph, "phase", None) is not None and spec.path in POSITION_INPUTS:
-                    if rows is not None:
-                        gate.positions.append((spec.leaf_index, spec.path, int(rows)))
-                    # else a cache of sliding-window layers only, which rolls and never fills (cache_capacity):
-                    # every position is one the model takes, as in eager; not the recorded range
+                if getattr(graph, "phase", None) is not None and spec.path in POSITION_INPUTS and rows is not None:
+                    gate.positions.append((spec.leaf_index, spec.path, int(rows)))
                     continue
+                if getattr(graph, "phase", None) is not None and spec.path in POSITION_INPUTS and _rolls(graph):
+                    continue  # every position is one the model takes, as in eager: not only the recorded range
                 if value_range is not None:
                     low, high = int(value_range[0]), int(value_range[1])
                     if rows is not None and 0 <= low and high < rows:
@@ -285,6 +284,14 @@ class ValueGate:
                         f"recorded largest ({limit / QUANTIZED_RANGE_FACTOR:.4g}) the quantized candidate was "
                         "checked on")
         return None
+
+
+def _rolls(graph) -> bool:
+    """Is a phase graph's cache made of sliding-window layers only (it rolls and never fills: no capacity bounds
+    its positions, :func:`~aitune.torch.record.llm.cache_capacity`)?"""
+    sample = graph.samples[0] if graph.samples else None
+    layers = getattr(find_cache(sample.kwargs, sample.args), "layers", None) if sample is not None else None
+    return bool(layers) and all("Sliding" in type(layer).__name__ for layer in layers)
 
 
 def _int_bounds(tensor: torch.Tensor) -> tuple[int, int]:
