@@ -453,18 +453,25 @@ class Module(wrapt.ObjectProxy):
         self._self_state = ModuleState.PASSTHROUGH
 
     # ---- copies: the wrapped module, untuned (a copy shares no backend, guard or recorded sample with this one)
+    def _copyable(self) -> torch.nn.Module:
+        reason = self._self_dispatch.eager_fallback_error  # the wrapped module is not the model that answers
+        if reason is not None:
+            raise TypeError(f"{self._self_name}: a copy or pickle would be the wrapped module, which may not answer "
+                            f"for it: {reason}")
+        return self.__wrapped__
+
     def __copy__(self):
         import copy
 
-        return copy.copy(self.__wrapped__)
+        return copy.copy(self._copyable())
 
     def __deepcopy__(self, memo):
         import copy
 
-        return copy.deepcopy(self.__wrapped__, memo)
+        return copy.deepcopy(self._copyable(), memo)
 
     def __reduce_ex__(self, protocol):
-        return self.__wrapped__.__reduce_ex__(protocol)
+        return self._copyable().__reduce_ex__(protocol)
 
     def __repr__(self) -> str:
         stale = self.needs_retune

@@ -73,3 +73,16 @@ def test_copies_and_pickles_of_a_wrapped_module_are_the_wrapped_module_untuned()
             torch.testing.assert_close(twin(x), model(x), rtol=0, atol=0)
     shallow = copy.copy(model[0])
     assert type(shallow) is nn.Linear and shallow.weight is model[0].weight
+
+
+def test_a_wrapped_module_that_does_not_answer_for_its_wrapper_is_not_copied():
+    # after ait.load into a module without weights, or with other weights than the answering checkpoint, the
+    # wrapped module is not the model that answers: a copy of it would silently be another model
+    import copy
+    import pickle
+
+    wrapped = ait.Module(nn.Linear(4, 3).eval(), "linear")
+    wrapped._set_tuned([], eager_fallback_error="its weights are on 'meta'")  # what ait.load sets in those cases
+    for make_copy in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match="its weights are on 'meta'"):
+            make_copy(wrapped)

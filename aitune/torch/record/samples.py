@@ -205,8 +205,7 @@ def hook_hint(module: torch.nn.Module, exc: BaseException) -> str:
     so such a hook sees no positional arguments there. Empty when the failure did not pass through such a hook."""
     registered = ((module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs),
                   (module._forward_hooks, module._forward_hooks_with_kwargs))
-    codes = {getattr(hook, "__code__", None) for hooks, kwargs in registered
-             for key, hook in hooks.items() if key not in kwargs}
+    codes = {_code(hook) for hooks, kwargs in registered for key, hook in hooks.items() if key not in kwargs}
     seen, error = set(), exc
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -219,3 +218,9 @@ def hook_hint(module: torch.nn.Module, exc: BaseException) -> str:
             trace = trace.tb_next
         error = error.__cause__ or error.__context__
     return ""
+
+
+def _code(hook) -> Any:
+    """The code object a hook runs: a function's, a ``functools.partial``'s function's, or a callable's ``__call__``."""
+    hook = getattr(hook, "func", hook)
+    return getattr(hook, "__code__", None) or getattr(getattr(type(hook), "__call__", None), "__code__", None)
