@@ -29,9 +29,9 @@ callable alone (CUDA-graph step marker included, no output copy) and, on CUDA, t
 path: host µs until the call returns (device idle before it) and µs until the device is done. The tuned
 decoder minus the compiled callable is what aitune's dispatch costs per generated token. On CUDA the three are
 timed again with ``config.copy_cuda_graph_outputs = False`` (NOTE [output copies] in aitune/torch/config.py).
-``--scope model`` wraps the whole causal LM's step instead of its decoder stack: the model's own forward (head
-included) as a module (``WholeForward``), reached from ``generate`` through an instance ``forward`` attribute;
-the gap between the two scopes is what running the head and the model's forward eagerly costs per token.
+``--scope model`` wraps the whole causal LM instead of its decoder stack (``ait.Module(model, "model")``, then
+``wrapped.generate(...)``: README, "Text generation"), head included; the gap between the two scopes is what
+running the head and the model's forward eagerly costs per token.
 ``--skip`` leaves variants out (``eager-dynamic``, ``hf-compile``, ``hand-decoder``) where device time is short.
 """
 
@@ -115,9 +115,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tune-only", action="store_true", help="tune, print the report and stop (e.g. to time a "
                                                                  "re-tune with the compile caches warm)")
     parser.add_argument("--scope", choices=("decoder", "model"), default="decoder",
-                        help="what is wrapped: the decoder stack (model.model, as the README shows), or the whole "
-                             "causal LM's forward, head included (WholeForward: a measurement of that scope, not "
-                             "an aitune API)")
+                        help="what is wrapped: the decoder stack (model.model) or the whole causal LM, head "
+                             "included (README, 'Text generation')")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     if args.scope == "model" and args.decode_calls:
@@ -132,23 +131,20 @@ def main(argv=None) -> int:
     measured = torch.randint(1, vocab, (args.batch, args.prompt), generator=generator).to(device)
 
     eager_decoder = model.model
-    if args.scope == "model":
-        wrapped = ait.Module(WholeForward(model), "model")
+    if args.scope == "model":  # generate reached through the wrapper calls it at every step (NOTE [own calls])
+        wrapped = ait.Module(model, "model")
 
-        def use(tuned: bool) -> None:
-            model.model = eager_decoder
-            model.__dict__.pop("forward", None)
-            if tuned:  # generate's self(...) reaches it through nn.Module.__call__; a function, not the proxy
-                # itself, so that copies of the model (the float32 reference of correctness rule 5) can be made
-                model.__dict__["forward"] = lambda *args, **kwargs: wrapped(*args, **kwargs)
+        def use(tuned: bool):
+            return wrapped if tuned else model
     else:
         wrapped = ait.Module(eager_decoder, "decoder")
 
-        def use(tuned: bool) -> None:
+        def use(tuned: bool):
             model.model = wrapped if tuned else eager_decoder
-    use(True)
+            return model
     started = time.perf_counter()
-    report = ait.tune(lambda ids: generate(model, ids, args.new_tokens, static=True), prompts, ready_batches=True)
+    report = ait.tune(lambda ids: generate(use(True), ids, args.new_tokens, static=True), prompts,
+                      ready_batches=True)
     tune_s = time.perf_counter() - started
     print(report.describe())
     if args.compile_times:
@@ -161,15 +157,15 @@ def main(argv=None) -> int:
         return 0
 
     def variant(name):
-        use(name == "tuned")
+        target = use(name == "tuned")
         if name == "eager-dynamic":
-            return lambda: generate(model, measured, args.new_tokens, static=False)
+            return lambda: generate(target, measured, args.new_tokens, static=False)
         if name in ("eager-static", "tuned"):
-            return lambda: generate(model, measured, args.new_tokens, static=True)
+            return lambda: generate(target, measured, args.new_tokens, static=True)
         if name == "hand-decoder":
             model.model = hand_decoder
-            return lambda: generate(model, measured, args.new_tokens, static=True)
-        return lambda: generate(model, measured, args.new_tokens, static=True, compile_=True)
+            return lambda: generate(target, measured, args.new_tokens, static=True)
+        return lambda: generate(target, measured, args.new_tokens, static=True, compile_=True)
 
     names = ["eager-dynamic", "eager-static", "tuned"] + (["hf-compile", "hand-decoder"]
                                                           if device.startswith("cuda") else [])
@@ -195,13 +191,13 @@ def main(argv=None) -> int:
             sync(device)
             times[name].append(time.perf_counter() - start)
             if name in ("eager-static", "tuned"):  # time to first token: a generate of one new token
-                use(name == "tuned")
+                target = use(name == "tuned")
                 sync(device)
                 start = time.perf_counter()
-                generate(model, measured, 1, static=True)
+                generate(target, measured, 1, static=True)
                 sync(device)
                 first_token[name].append(time.perf_counter() - start)
-    use(True)
+    use(True)  # (the decoder scope's wrapper back in place)
     decode_cost = decode_call_cost(model, wrapped, hand_decoder if "hand-decoder" in names else None, measured,
                                    args.decode_calls, args.rounds) if args.decode_calls else None
     decode_cost_uncopied = None
@@ -251,19 +247,6 @@ def main(argv=None) -> int:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)
     return 0
-
-
-class WholeForward(torch.nn.Module):
-    """The causal LM's own forward (its class's, head included) as a module, so ``ait.Module`` can wrap the whole
-    step while the model's instance ``forward`` points at that wrapper (``--scope model``). Benchmark-only: it
-    measures what wrapping the head with the decoder stack would give; aitune has no such API."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args, **kwargs):
-        return type(self.inner).forward(self.inner, *args, **kwargs)
 
 
 class _Spy(torch.nn.Module):

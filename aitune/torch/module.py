@@ -18,6 +18,7 @@ import wrapt
 from aitune.errors import ConfigError, TuningError
 from aitune.torch.backend.artifact import deployment_artifacts
 from aitune.torch.check.guard import GuardConfig
+from aitune.torch.common.own_calls import own_method
 from aitune.torch.config import config
 from aitune.torch.dispatch import Dispatch
 from aitune.torch.record.module_arguments import validate_dynamic_shapes, validate_strategies
@@ -135,6 +136,7 @@ class Module(wrapt.ObjectProxy):
         self._self_guard_config = guard or GuardConfig()
         self._self_dispatch = self._new_dispatch()  # the tuned graphs and how calls reach them (aitune/torch/dispatch.py)
         self._self_tune_rows: dict[str, dict] = {}
+        self._self_view = None  # the module as its own methods see it through this wrapper (NOTE [own calls])
         _REGISTRY[self._self_id] = self
 
     # ---- properties (on the proxy, not forwarded)
@@ -479,6 +481,9 @@ class Module(wrapt.ObjectProxy):
         return f"aitune.Module(name={self._self_name!r}, state={state}, module={self.__wrapped__!r})"
 
     # ---- calls
+    def __getattr__(self, name: str):  # the module's own methods call this wrapper (NOTE [own calls])
+        return own_method(name, super().__getattr__(name), self)
+
     def __call__(self, *args, **kwargs):
         state = self._self_state
         if torch.compiler.is_compiling():

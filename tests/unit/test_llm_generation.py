@@ -783,8 +783,36 @@ def test_the_readme_example_runs_as_written_and_gives_eagers_tokens(tmp_path, mo
     scope = run_readme_block("## Text generation (LLMs)", tmp_path, monkeypatch)
     with torch.no_grad():
         assert torch.equal(scope["out"], scope["eager"].generate(scope["ids"], **scope["options"]))
-    assert {graph.name for graph in scope["model"].model.graphs} == {"prefill", "decode"}
+    assert {graph.name for graph in scope["lm"].graphs} == {"prefill", "decode"}
     assert scope["out"].shape[1] == scope["ids"].shape[1] + 32  # every new token generated: no early stop
-    served = scope["model"].model.stats["backend_calls"]
+    served = scope["lm"].stats["backend_calls"]
     chosen = {graph.graph: graph.selected for graph in scope["report"].graphs}
     assert served == ("eager" not in chosen["prefill"].lower()) + 31 * ("eager" not in chosen["decode"].lower())
+
+
+def test_a_whole_causal_lm_wrapped_and_driven_by_its_own_generate_is_tuned_saved_and_loaded(tmp_path):
+    """The whole model wrapped (head included) and ``generate`` called through the wrapper (NOTE [own calls]):
+    both phases are recorded and served, tokens equal eager's (greedy and sampling), the model itself still runs
+    eagerly, and a checkpoint loads into a fresh wrapper."""
+    model = tiny_llama()
+    eager = copy.deepcopy(model)
+    wrapped = ait.Module(model, "lm", strategy=inductor_only())
+    report = ait.tune(lambda ids: generate(wrapped, ids, **STATIC), [prompt(5), prompt(7)], ready_batches=True)
+    assert {entry.graph: entry.selected for entry in report.graphs} == {"prefill": CPP, "decode": CPP}
+    ids = prompt(9)
+    calls = wrapped.backend_calls
+    assert torch.equal(generate(wrapped, ids, **STATIC), generate(eager, ids, **STATIC))
+    assert wrapped.backend_calls - calls == NEW_TOKENS and wrapped.stats["eager_fallbacks"] == {}
+    torch.manual_seed(7)
+    expected = generate(eager, ids, do_sample=True, top_k=20, **STATIC)
+    torch.manual_seed(7)
+    assert torch.equal(generate(wrapped, ids, do_sample=True, top_k=20, **STATIC), expected)
+    calls = wrapped.backend_calls
+    generate(model, ids, 4, **STATIC)  # the model itself: eager, as before it was wrapped
+    assert wrapped.backend_calls == calls
+
+    ait.save(wrapped, tmp_path / "lm.ait")
+    fresh = ait.load(ait.Module(tiny_llama(), "lm"), tmp_path / "lm.ait")
+    assert [graph.name for graph in fresh.graphs] == ["prefill", "decode"]
+    assert torch.equal(generate(fresh, prompt(10), **STATIC), generate(eager, prompt(10), **STATIC))
+    assert fresh.backend_calls == NEW_TOKENS

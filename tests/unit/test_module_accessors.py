@@ -11,7 +11,7 @@ from torch import nn
 
 import aitune.torch as ait
 from aitune.errors import BackendRuntimeError
-from aitune.torch.backend import TorchEagerBackend
+from aitune.torch.backend import TorchEagerBackend, TorchInductorJitBackend
 from aitune.torch.checkpoint import ExtractedFiles
 from aitune.torch.measure.profiling import ProfilingConfig
 
@@ -86,3 +86,59 @@ def test_a_wrapped_module_that_does_not_answer_for_its_wrapper_is_not_copied():
     for make_copy in (copy.deepcopy, copy.copy, pickle.dumps):
         with pytest.raises(TypeError, match="its weights are on 'meta'"):
             make_copy(wrapped)
+
+
+class Driven(nn.Module):
+    """A module driven by methods of its own that call it (as transformers' ``generate`` does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.name = "the module's own name"  # the wrapper has a ``name`` too: the methods must read this one
+        self.steps = 0
+
+    def forward(self, x):
+        return self.linear(x)
+
+    def loop(self, x, steps):
+        for _ in range(steps):
+            x = self.step(x)
+        return x
+
+    def step(self, x):
+        self.steps += 1  # an assignment in a method reaches the module
+        return torch.tanh(self.__call__(x) if self.steps % 2 else self(x))
+
+    def looked_up_on_the_type(self, x):
+        return getattr(type(self), "step")(self, x)
+
+    def own_name(self):
+        return self.name
+
+
+def test_methods_of_the_wrapped_modules_class_call_the_wrapper_when_they_call_the_module(tmp_path):
+    """NOTE [own calls] (aitune/torch/common/own_calls.py): a whole model wrapped and driven by a method of its own
+    is recorded and served; the method sees the module's attributes, not the wrapper's."""
+    torch.manual_seed(0)
+    module = Driven().eval()
+    eager = Driven().eval()
+    eager.load_state_dict(module.state_dict())
+    wrapped = ait.Module(module, "driven", strategy=ait.OneBackendStrategy(TorchInductorJitBackend(),
+                                                                           profiling_config=FAST)
+                            .enable_performance_validation(False))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        ait.tune(lambda v: wrapped.loop(v, 3), [x], cache_dir_path=tmp_path, ready_batches=True)
+        assert [graph.num_calls for graph in wrapped.graphs] == [3]  # both call forms of step were recorded
+        assert wrapped.own_name() == "the module's own name"
+        calls, steps = wrapped.backend_calls, module.steps
+        assert torch.allclose(wrapped.loop(x, 4), eager.loop(x, 4), atol=1e-6)
+        assert module.steps == steps + 4
+        assert wrapped.looked_up_on_the_type(x).shape == (2, 4)
+        assert wrapped.backend_calls - calls == 5
+        module.loop(x, 2)  # the module itself, not reached through the wrapper, runs eagerly
+        wrapped.forward(x)  # torch.nn.Module's own names are the module's (forward runs eagerly)
+        assert wrapped.backend_calls - calls == 5
+    assert isinstance(wrapped.loop.__self__, Driven) and wrapped.loop.__self__.__dict__ is module.__dict__
+    assert wrapped.state_dict is not None and wrapped.to("cpu") is module  # nn.Module's API: unchanged
+    assert vars(module).keys() == vars(eager).keys()  # nothing of aitune's was stored in the module
