@@ -135,6 +135,7 @@ def main(argv=None) -> int:
         wrapped = ait.Module(model, "model")
 
         def use(tuned: bool):
+            model.model = eager_decoder  # (the hand-picked variant swaps it)
             return wrapped if tuned else model
     else:
         wrapped = ait.Module(eager_decoder, "decoder")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import weakref
 
 import pytest
@@ -115,6 +117,9 @@ class Driven(nn.Module):
     def own_name(self):
         return self.name
 
+    def copied(self):
+        return copy.deepcopy(self)
+
 
 def test_methods_of_the_wrapped_modules_class_call_the_wrapper_when_they_call_the_module(tmp_path):
     """NOTE [own calls] (aitune/torch/common/own_calls.py): a whole model wrapped and driven by a method of its own
@@ -142,3 +147,27 @@ def test_methods_of_the_wrapped_modules_class_call_the_wrapper_when_they_call_th
     assert isinstance(wrapped.loop.__self__, Driven) and wrapped.loop.__self__.__dict__ is module.__dict__
     assert wrapped.state_dict is not None and wrapped.to("cpu") is module  # nn.Module's API: unchanged
     assert vars(module).keys() == vars(eager).keys()  # nothing of aitune's was stored in the module
+    copied = wrapped.copied()  # a copy an own method makes is a plain module of the module's class
+    assert type(copied) is Driven and type(pickle.loads(pickle.dumps(wrapped.loop.__self__))) is Driven
+    with torch.no_grad():
+        copied.linear.weight.zero_()
+        calls = wrapped.backend_calls
+        assert torch.equal(copied(x), copied.linear.bias.expand(2, 4)) and wrapped.backend_calls == calls
+
+
+class Keyed(nn.Module):
+    def __init_subclass__(cls, key, **kwargs):  # refuses subclasses without a key
+        super().__init_subclass__(**kwargs)
+
+    def forward(self, x):
+        return x + 1
+
+    def twice(self, x):
+        return self(self(x))
+
+
+def test_a_class_that_refuses_subclasses_keeps_its_methods_bound_to_the_module():
+    wrapped = ait.Module(Keyed.__new__(Keyed), "keyed")
+    nn.Module.__init__(wrapped.__wrapped__)
+    assert wrapped.twice.__self__ is wrapped.__wrapped__  # eager, as before: no error on reading it
+    assert torch.equal(wrapped.twice(torch.zeros(1)), torch.full((1,), 2.0))

@@ -5,18 +5,24 @@ transformers' ``generate`` calls ``self.__call__`` once per token. Reached throu
 such a method is bound to the original module, so those calls never reach the wrapper: wrapping a whole causal
 LM recorded nothing (``ait.tune`` failed: no wrapped module was called) and a tuned one ran eagerly. The
 reference system swaps the module's ``forward`` for its interceptor; aitune does not change the user's module.
-Instead, a method the wrapped module's class (or a base between it and ``torch.nn.Module``) defines is bound,
-when read through the wrapper, to a *view* of the module: an instance of a subclass of the module's class made
-for this wrapper, sharing the module's ``__dict__`` (its parameters, submodules, buffers and attributes: what
+Instead, a method of the module (any bound method whose name ``torch.nn.Module`` does not define) is bound,
+when read through the wrapper, to a *view* of the module: an instance of a subclass of the module's class (made
+once per class), sharing the module's ``__dict__`` (its parameters, submodules, buffers and attributes: what
 the method reads or assigns is the module's own), whose only difference is that calling it — ``self(...)`` or
 ``self.__call__(...)`` — goes to the wrapper. The methods it reaches through ``self`` are bound to the view
-too, and ``type(self)`` has the class's methods (``generate`` looks its decoding loop up there).
+too, and ``type(self)`` has the class's methods (``generate`` looks its decoding loop up there); ``type(self)`` is
+not the module's class itself: an instance an own method makes of it, or a copy of the view, is a plain module of
+its own (copies and pickles are of the module's class), and what changes the class (``self.__class__ = ...``,
+``torch.nn.utils.parametrize`` inside such a method) reaches the view only. A class that refuses subclasses (a
+metaclass or ``__init_subclass__`` with required arguments) keeps its methods bound to the module: they run
+eagerly, as before.
 ``torch.nn.Module``'s own methods (``to``, ``state_dict``, ``forward``, ``named_modules``, ...) are left as they
 are, also where the class overrides them: ``wrapper.forward(x)`` still runs the module's forward eagerly.
 """
 
 from __future__ import annotations
 
+import copyreg
 import types
 import weakref
 from typing import Any
@@ -36,27 +42,68 @@ def own_method(name: str, value: Any, wrapper) -> Any:
         wrapper: the ``ait.Module`` it was read through (``__wrapped__``: the module; calls go to it).
     """
     if type(value) is types.MethodType and name not in _MODULE_API and value.__self__ is wrapper.__wrapped__:
-        return types.MethodType(value.__func__, view(wrapper))
+        own = view(wrapper)
+        if own is not None:
+            return types.MethodType(value.__func__, own)
     return value
 
 
 def view(wrapper) -> torch.nn.Module:
     """The module wrapped by ``wrapper`` as its own methods see it (NOTE [own calls]), made once per wrapper and
-    module: a ``type(module)`` instance sharing the module's ``__dict__`` whose calls run ``wrapper``."""
+    module: a ``type(module)`` instance sharing the module's ``__dict__`` whose calls run ``wrapper``; None where
+    no subclass of the module's class can be made (a metaclass or ``__init_subclass__`` that refuses one)."""
     module = wrapper.__wrapped__
     made = getattr(wrapper, "_self_view", None)
-    if made is not None and made.__dict__ is module.__dict__:
+    if made is not None and made.__dict__ is module.__dict__ and type(made).__base__ is type(module):
         return made
-    cls = type(module)
-    route = weakref.ref(wrapper)  # (the view is kept by the wrapper: no cycle through it)
-
-    def __call__(self, *args, **kwargs):
-        target = route()
-        return target(*args, **kwargs) if target is not None else cls.__call__(self, *args, **kwargs)
-
-    own = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    own = _view_class(type(module))
+    if own is None:
+        return None
     made = object.__new__(own)
     object.__setattr__(made, "__dict__", module.__dict__)
+    _ROUTES[made] = weakref.ref(wrapper)  # (weak both ways: the wrapper keeps its view, nothing keeps the wrapper)
     wrapper._self_view = made
     return made
+
+
+_ROUTES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # view -> weakref to its wrapper
+_VIEW_CLASSES: "weakref.WeakKeyDictionary[type, type | None]" = weakref.WeakKeyDictionary()
+
+
+def _view_class(cls: type) -> type | None:
+    """The subclass of ``cls`` that views are instances of, made once per class. Only a view registered in
+    ``_ROUTES`` calls its wrapper: an instance an own method makes of ``type(self)`` (or a copy of the view) is a
+    plain module of its own."""
+    if cls in _VIEW_CLASSES:
+        return _VIEW_CLASSES[cls]
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # inside a caller's compile (transformers' auto-compile): the module's
+            return cls.__call__(self, *args, **kwargs)
+        route = _ROUTES.get(self)
+        wrapper = route() if route is not None else None
+        return wrapper(*args, **kwargs) if wrapper is not None else cls.__call__(self, *args, **kwargs)
+
+    def __reduce_ex__(self, protocol):  # copies and pickles are of the module's own class
+        return reduce_as(cls, self, protocol)
+
+    namespace = {"__call__": __call__, "__reduce_ex__": __reduce_ex__, "__module__": cls.__module__,
+                 "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+    try:
+        own = type(cls)(cls.__name__, (cls,), namespace)
+    except Exception:  # (a metaclass or __init_subclass__ with required arguments): its methods stay unrouted
+        own = None
+    _VIEW_CLASSES[cls] = own
+    return own
+
+
+def reduce_as(cls: type, obj, protocol: int):
+    """``obj.__reduce_ex__(protocol)`` as if ``obj`` were an instance of ``cls`` (a base of its class made by aitune):
+    pickle refuses ``__newobj__`` with another class, so the stdlib's ``_reconstructor`` stands in, and unpickling
+    needs neither aitune nor the made class."""
+    reduced = cls.__reduce_ex__(obj, protocol)
+    if not (isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[1] and reduced[1][0] is type(obj)):
+        return reduced
+    if reduced[0] is copyreg.__newobj__ and len(reduced[1]) == 1:
+        return (copyreg._reconstructor, (cls, object, None), *reduced[2:])
+    return (reduced[0], (cls, *reduced[1][1:]), *reduced[2:])

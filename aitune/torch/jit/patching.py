@@ -23,10 +23,11 @@ enabled; ``isinstance`` holds).
 
 from __future__ import annotations
 
-import copyreg
 from typing import Any, Callable
 
 import torch
+
+from aitune.torch.common.own_calls import reduce_as
 
 __all__ = ["is_patched", "make_twin", "original_class", "patch", "unpatch"]
 
@@ -77,15 +78,8 @@ def _routing_class(cls: type, route: Callable) -> type:
             return cls.__call__(self, *args, **kwargs)
         return route(self, args, kwargs)
 
-    def _reduce_ex(self, protocol):
-        # Copies and pickles are of the original class (pickle refuses __newobj__ with another class, so the
-        # stdlib's _reconstructor stands in: unpickling needs neither aitune nor the routing class).
-        reduced = cls.__reduce_ex__(self, protocol)
-        if not (isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[1] and reduced[1][0] is type(self)):
-            return reduced
-        if reduced[0] is copyreg.__newobj__ and len(reduced[1]) == 1:
-            return (copyreg._reconstructor, (cls, object, None), *reduced[2:])
-        return (reduced[0], (cls, *reduced[1][1:]), *reduced[2:])
+    def _reduce_ex(self, protocol):  # copies and pickles are of the original class
+        return reduce_as(cls, self, protocol)
 
     namespace = {"__call__": __call__, "__reduce_ex__": _reduce_ex, "__module__": cls.__module__,
                  "__qualname__": cls.__qualname__, "__doc__": cls.__doc__, _ORIGINAL: cls,
