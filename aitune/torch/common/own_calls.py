@@ -61,12 +61,15 @@ def view(wrapper) -> torch.nn.Module:
         return None
     made = object.__new__(own)
     object.__setattr__(made, "__dict__", module.__dict__)
-    _ROUTES[made] = weakref.ref(wrapper)  # (weak both ways: the wrapper keeps its view, nothing keeps the wrapper)
+    # by id, not by the view (a class with __eq__ and no __hash__ is unhashable); weak both ways: the wrapper keeps
+    # its view, nothing keeps the wrapper, and the entry goes with the view
+    _ROUTES[id(made)] = weakref.ref(wrapper)
+    weakref.finalize(made, _ROUTES.pop, id(made), None)
     wrapper._self_view = made
     return made
 
 
-_ROUTES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # view -> weakref to its wrapper
+_ROUTES: dict[int, "weakref.ref"] = {}  # id of a live view -> weakref to its wrapper
 _VIEW_CLASSES: "weakref.WeakKeyDictionary[type, type | None]" = weakref.WeakKeyDictionary()
 
 
@@ -80,7 +83,7 @@ def _view_class(cls: type) -> type | None:
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # inside a caller's compile (transformers' auto-compile): the module's
             return cls.__call__(self, *args, **kwargs)
-        route = _ROUTES.get(self)
+        route = _ROUTES.get(id(self))
         wrapper = route() if route is not None else None
         return wrapper(*args, **kwargs) if wrapper is not None else cls.__call__(self, *args, **kwargs)
 
