@@ -133,3 +133,23 @@ def test_a_decode_backend_that_raises_after_writing_the_cache_is_rewound_on_the_
         ids = prompt(9)
         assert torch.equal(generate(model, ids, **STATIC), generate(eager, ids, **STATIC))
     assert failures == [1, 1, 1]
+
+
+def test_a_whole_model_wrapped_and_driven_by_its_own_generate_gives_eagers_tokens_with_and_without_auto_compile():
+    """The whole model wrapped, ``generate`` read through the wrapper (NOTE [own calls]): the decode graph under
+    CUDA graphs serves every step; with transformers' auto-compile on, its compile of the step (made through the
+    view) traces the original model; tokens equal eager's both ways."""
+    model = tiny_llama()
+    eager = copy.deepcopy(model)
+    backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="reduce-overhead"))
+    strategy = ait.MaxThroughputStrategy(backends=[backend], profiling_config=ProfilingConfig(time_budget_s=0.2))
+    lm = ait.Module(model, "lm", strategy=strategy)
+    ait.tune(lambda ids: generate(lm, ids, **STATIC), [prompt(5), prompt(7)], ready_batches=True,
+             ignore_failing_modules=False)
+    ids = prompt(9)
+    expected = generate(eager, ids, **STATIC)
+    calls = lm.backend_calls
+    assert torch.equal(generate(lm, ids, **STATIC), expected)
+    assert lm.backend_calls - calls == 32 and lm.stats["eager_fallbacks"] == {}
+    assert torch.equal(generate(lm, ids, cache_implementation="static"), expected)
+    assert torch.equal(generate(model, ids, **STATIC), expected)  # the model itself: eager
