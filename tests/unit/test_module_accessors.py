@@ -171,3 +171,24 @@ def test_a_class_that_refuses_subclasses_keeps_its_methods_bound_to_the_module()
     nn.Module.__init__(wrapped.__wrapped__)
     assert wrapped.twice.__self__ is wrapped.__wrapped__  # eager, as before: no error on reading it
     assert torch.equal(wrapped.twice(torch.zeros(1)), torch.full((1,), 2.0))
+
+
+class EqualMeta(type(nn.Module)):
+    def __eq__(cls, other):  # (and so no __hash__: its classes are unhashable, which torch does not mind)
+        return cls is other
+
+
+class Unhashable(nn.Module, metaclass=EqualMeta):
+    def forward(self, x):
+        return x * 3
+
+    def twice(self, x):
+        return self(self(x))
+
+
+def test_a_module_class_that_is_unhashable_is_viewed_too(tmp_path):
+    wrapped = ait.Module(Unhashable(), "unhashable", strategy=ait.OneBackendStrategy(TorchEagerBackend(),
+                                                                                       profiling_config=FAST))
+    ait.tune(lambda v: wrapped.twice(v), [torch.ones(2)], cache_dir_path=tmp_path, ready_batches=True)
+    assert [graph.num_calls for graph in wrapped.graphs] == [2]
+    assert torch.equal(wrapped.twice(torch.ones(2)), torch.full((2,), 9.0))

@@ -54,11 +54,11 @@ def view(wrapper) -> torch.nn.Module:
     no subclass of the module's class can be made (a metaclass or ``__init_subclass__`` that refuses one)."""
     module = wrapper.__wrapped__
     made = getattr(wrapper, "_self_view", None)
-    if made is not None and made.__dict__ is module.__dict__ and type(made).__base__ is type(module):
-        return made
     own = _view_class(type(module))
     if own is None:
         return None
+    if made is not None and made.__dict__ is module.__dict__ and type(made) is own:
+        return made
     made = object.__new__(own)
     object.__setattr__(made, "__dict__", module.__dict__)
     # by id, not by the view (a class with __eq__ and no __hash__ is unhashable); weak both ways: the wrapper keeps
@@ -70,15 +70,18 @@ def view(wrapper) -> torch.nn.Module:
 
 
 _ROUTES: dict[int, "weakref.ref"] = {}  # id of a live view -> weakref to its wrapper
-_VIEW_CLASSES: "weakref.WeakKeyDictionary[type, type | None]" = weakref.WeakKeyDictionary()
+# id of a module class -> (the class, its view class or None); by id: a metaclass may make classes unhashable. Kept
+# for the process, as jit's routing classes are (the view class holds its base strongly: weak keys would not free it)
+_VIEW_CLASSES: dict[int, tuple[type, type | None]] = {}
 
 
 def _view_class(cls: type) -> type | None:
     """The subclass of ``cls`` that views are instances of, made once per class. Only a view registered in
     ``_ROUTES`` calls its wrapper: an instance an own method makes of ``type(self)`` (or a copy of the view) is a
     plain module of its own."""
-    if cls in _VIEW_CLASSES:
-        return _VIEW_CLASSES[cls]
+    known = _VIEW_CLASSES.get(id(cls))
+    if known is not None and known[0] is cls:
+        return known[1]
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # inside a caller's compile (transformers' auto-compile): the module's
@@ -96,7 +99,7 @@ def _view_class(cls: type) -> type | None:
         own = type(cls)(cls.__name__, (cls,), namespace)
     except Exception:  # (a metaclass or __init_subclass__ with required arguments): its methods stay unrouted
         own = None
-    _VIEW_CLASSES[cls] = own
+    _VIEW_CLASSES[id(cls)] = (cls, own)
     return own
 
 
