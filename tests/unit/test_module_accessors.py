@@ -145,7 +145,7 @@ def test_methods_of_the_wrapped_modules_class_call_the_wrapper_when_they_call_th
         wrapped.forward(x)  # torch.nn.Module's own names are the module's (forward runs eagerly)
         assert wrapped.backend_calls - calls == 5
     assert isinstance(wrapped.loop.__self__, Driven) and wrapped.loop.__self__.__dict__ is module.__dict__
-    assert wrapped.state_dict is not None and wrapped.to("cpu") is module  # nn.Module's API: unchanged
+    assert wrapped.state_dict.__self__ is module and wrapped.to("cpu") is module  # nn.Module's API: unchanged
     assert vars(module).keys() == vars(eager).keys()  # nothing of aitune's was stored in the module
     copied = wrapped.copied()  # a copy an own method makes is a plain module of the module's class
     assert type(copied) is Driven and type(pickle.loads(pickle.dumps(wrapped.loop.__self__))) is Driven

@@ -53,7 +53,7 @@ def view(wrapper) -> torch.nn.Module:
     module: a ``type(module)`` instance sharing the module's ``__dict__`` whose calls run ``wrapper``; None where
     no subclass of the module's class can be made (a metaclass or ``__init_subclass__`` that refuses one)."""
     module = wrapper.__wrapped__
-    made = getattr(wrapper, "_self_view", None)
+    made = wrapper._self_view
     own = _view_class(type(module))
     if own is None:
         return None
@@ -83,27 +83,45 @@ def _view_class(cls: type) -> type | None:
     if known is not None and known[0] is cls:
         return known[1]
 
-    def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling():  # inside a caller's compile (transformers' auto-compile): the module's
-            return cls.__call__(self, *args, **kwargs)
-        route = _ROUTES.get(id(self))
-        wrapper = route() if route is not None else None
+    def route(self, args, kwargs):
+        wrapper = _ROUTES.get(id(self), _DEAD)()
         return wrapper(*args, **kwargs) if wrapper is not None else cls.__call__(self, *args, **kwargs)
 
-    def __reduce_ex__(self, protocol):  # copies and pickles are of the module's own class
-        return reduce_as(cls, self, protocol)
-
-    namespace = {"__call__": __call__, "__reduce_ex__": __reduce_ex__, "__module__": cls.__module__,
-                 "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
     try:
-        own = type(cls)(cls.__name__, (cls,), namespace)
+        own = calling_subclass(cls, route)
     except Exception:  # (a metaclass or __init_subclass__ with required arguments): its methods stay unrouted
         own = None
     _VIEW_CLASSES[id(cls)] = (cls, own)
     return own
 
 
-def reduce_as(cls: type, obj, protocol: int):
+def _DEAD():  # the route of an object that is no view: no wrapper
+    return None
+
+
+def calling_subclass(cls: type, route, **namespace) -> type:
+    """A subclass of ``cls`` (same name, module and docstring; ``namespace`` added) whose instances' calls run
+    ``route(instance, args, kwargs)``, except inside a caller's ``torch.compile`` trace (transformers'
+    auto-compile, a user's compile), where ``cls``'s own call runs; copies and pickles of its instances are of
+    ``cls``. Used for the views here and for just-in-time tuning's routing classes (``aitune/torch/jit/patching.py``).
+
+    Raises:
+        whatever ``cls``'s metaclass or ``__init_subclass__`` raises for a subclass.
+    """
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return cls.__call__(self, *args, **kwargs)
+        return route(self, args, kwargs)
+
+    def __reduce_ex__(self, protocol):
+        return _reduce_as(cls, self, protocol)
+
+    namespace.update({"__call__": __call__, "__reduce_ex__": __reduce_ex__, "__module__": cls.__module__,
+                      "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    return type(cls)(cls.__name__, (cls,), namespace)
+
+
+def _reduce_as(cls: type, obj, protocol: int):
     """``obj.__reduce_ex__(protocol)`` as if ``obj`` were an instance of ``cls`` (a base of its class made by aitune):
     pickle refuses ``__newobj__`` with another class, so the stdlib's ``_reconstructor`` stands in, and unpickling
     needs neither aitune nor the made class."""

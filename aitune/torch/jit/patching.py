@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from aitune.torch.common.own_calls import reduce_as
+from aitune.torch.common.own_calls import calling_subclass
 
 __all__ = ["is_patched", "make_twin", "original_class", "patch", "unpatch"]
 
@@ -73,15 +73,4 @@ def unpatch(module: torch.nn.Module) -> None:
 
 
 def _routing_class(cls: type, route: Callable) -> type:
-    def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling():  # the user compiled the module: stay out of the trace
-            return cls.__call__(self, *args, **kwargs)
-        return route(self, args, kwargs)
-
-    def _reduce_ex(self, protocol):  # copies and pickles are of the original class
-        return reduce_as(cls, self, protocol)
-
-    namespace = {"__call__": __call__, "__reduce_ex__": _reduce_ex, "__module__": cls.__module__,
-                 "__qualname__": cls.__qualname__, "__doc__": cls.__doc__, _ORIGINAL: cls,
-                 "_aitune_jit_route": route}
-    return type(cls)(cls.__name__, (cls,), namespace)
+    return calling_subclass(cls, route, **{_ORIGINAL: cls, "_aitune_jit_route": route})
