@@ -25,7 +25,8 @@ Usage (from the repository root):
 ``--decode-calls N`` also times one decode call (the last of a short ``generate``, replayed with the same
 inputs: it rewrites the same cache position) call by call, N calls per path per round, interleaved: the tuned
 decoder as ``generate`` calls it, the decode graph's backend ``run`` on the normalised call, its compiled
-callable alone (CUDA-graph step marker included, no output copy) and, on CUDA, the hand-picked decoder. Per
+callable alone (CUDA-graph step marker included, no output copy) and, on CUDA, the hand-picked decoder (decoder
+scope) or transformers' own compiled call of the model on the same inputs (model scope, ``hf-compiled``). Per
 path: host µs until the call returns (device idle before it) and µs until the device is done. The tuned
 decoder minus the compiled callable is what aitune's dispatch costs per generated token. On CUDA the three are
 timed again with ``config.copy_cuda_graph_outputs = False`` (NOTE [output copies] in aitune/torch/config.py).
@@ -119,8 +120,6 @@ def main(argv=None) -> int:
                              "included (README, 'Text generation')")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
-    if args.scope == "model" and args.decode_calls:
-        parser.error("--decode-calls times the wrapped decoder stack: use it with --scope decoder")
     ait.config.copy_cuda_graph_outputs = not args.no_output_copies
     dtype = getattr(torch, args.dtype)
     device = args.device
@@ -199,12 +198,15 @@ def main(argv=None) -> int:
                 sync(device)
                 first_token[name].append(time.perf_counter() - start)
     use(True)  # (the decoder scope's wrapper back in place)
-    decode_cost = decode_call_cost(model, wrapped, hand_decoder if "hand-decoder" in names else None, measured,
-                                   args.decode_calls, args.rounds) if args.decode_calls else None
+    caller = wrapped if args.scope == "model" else None
+    hand = hand_decoder if "hand-decoder" in names and args.scope == "decoder" else None
+    decode_cost = decode_call_cost(model, wrapped, hand, measured, args.decode_calls, args.rounds,
+                                   caller) if args.decode_calls else None
     decode_cost_uncopied = None
     if args.decode_calls and not args.no_output_copies and device.startswith("cuda"):  # the same without copies
         ait.config.copy_cuda_graph_outputs = False
-        decode_cost_uncopied = decode_call_cost(model, wrapped, None, measured, args.decode_calls, args.rounds)
+        decode_cost_uncopied = decode_call_cost(model, wrapped, None, measured, args.decode_calls, args.rounds,
+                                                caller)
         ait.config.copy_cuda_graph_outputs = True
     tokens = args.batch * args.new_tokens
     result = {"model": args.model, "scope": args.scope, "device": device, "dtype": args.dtype, "batch": args.batch, "prompt": args.prompt,
@@ -265,24 +267,36 @@ class _Spy(torch.nn.Module):
         return self.inner(*args, **kwargs)
 
 
-def last_decode_call(model, wrapped, prompt) -> tuple[tuple, dict, object, int]:
-    """``(args, kwargs, cache, tokens cached before it)`` of the last decode call of a 3-token generate from
-    ``prompt``, the decoder ``wrapped`` (``model.model``); rewinding the cache to that count repeats the call."""
-    spy = _Spy(wrapped)
-    model.model = spy
-    generate(model, prompt, 3, static=True)
-    model.model = wrapped
-    args, kwargs = spy.last
+def last_decode_call(model, wrapped, prompt, caller=None) -> tuple[tuple, dict, object, int]:
+    """``(args, kwargs, cache, tokens cached before it)`` of the last call of ``wrapped`` (an ``ait.Module``: the
+    decoder ``model.model``, or the whole model) in a 3-token generate from ``prompt`` run on ``caller`` (default
+    ``model``); rewinding the cache to that count repeats the call."""
+    dispatch = wrapped._self_dispatch
+    calls = []
+    serve = type(dispatch).call
+
+    def spy(self, args, kwargs):
+        if self is dispatch:
+            calls.append((args, dict(kwargs)))
+        return serve(self, args, kwargs)
+
+    type(dispatch).call = spy
+    try:
+        generate(caller if caller is not None else model, prompt, 3, static=True)
+    finally:
+        type(dispatch).call = serve
+    args, kwargs = calls[-1]
     cache = find_cache(kwargs, args)
     tokens = kwargs.get("input_ids")
     cached = int(cache.get_seq_length()) - (tokens.shape[1] if tokens is not None else 1)  # before that call
     return args, kwargs, cache, cached
 
 
-def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: int) -> dict:
+def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: int, caller=None) -> dict:
     """Host and device µs of one decode call per path (see the module docstring), p50 over all calls; the paths
-    alternate call by call, ``rounds * calls`` calls each."""
-    args, kwargs, cache, cached = last_decode_call(model, wrapped, prompt)
+    alternate call by call, ``rounds * calls`` calls each. With the whole model wrapped (``caller``: the wrapper),
+    transformers' own compiled call (``model._compiled_call``, made by the hf-compile variant) is a path too."""
+    args, kwargs, cache, cached = last_decode_call(model, wrapped, prompt, caller)
     dispatch = wrapped._self_dispatch
     graph = next(graph for graph in wrapped.graphs if getattr(graph, "phase", None) == "decode")
     backend = wrapped.backends[graph.name]
@@ -299,12 +313,20 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
         torch.compiler.cudagraph_mark_step_begin()
         return hand_decoder(*args, **kwargs)
 
+    hf_compiled = vars(model).get("_compiled_call") if caller is not None else None
+
+    def hf_call():
+        torch.compiler.cudagraph_mark_step_begin()
+        return hf_compiled(*args, **kwargs)
+
     paths = {"tuned": lambda: wrapped(*args, **kwargs),
              "backend_run": lambda: backend.run(normal_args, normal_kwargs, accepted=True)}  # (as served)
     if compiled is not None:
         paths["compiled"] = compiled_call
     if hand_decoder is not None:
         paths["hand-decoder"] = hand_call
+    if hf_compiled is not None and cuda:
+        paths["hf-compiled"] = hf_call
     host, done = {name: [] for name in paths}, {name: [] for name in paths}
     clock = time.perf_counter_ns
     with torch.no_grad():
