@@ -30,6 +30,8 @@ scope) or transformers' own compiled call of the model on the same inputs (model
 path: host µs until the call returns (device idle before it) and µs until the device is done. The tuned
 decoder minus the compiled callable is what aitune's dispatch costs per generated token. On CUDA the three are
 timed again with ``config.copy_cuda_graph_outputs = False`` (NOTE [output copies] in aitune/torch/config.py).
+With it, ``--stages N`` adds the tuned call's host time stage by stage (``benchmarks/dispatch_stages.py``) and
+``--profile-decode FILE`` a cProfile of N tuned calls.
 ``--scope model`` wraps the whole causal LM instead of its decoder stack (``ait.Module(model, "model")``, then
 ``wrapped.generate(...)``: README, "Text generation"), head included; the gap between the two scopes is what
 running the head and the model's forward eagerly costs per token.
@@ -43,6 +45,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -118,6 +121,12 @@ def main(argv=None) -> int:
     parser.add_argument("--scope", choices=("decoder", "model"), default="decoder",
                         help="what is wrapped: the decoder stack (model.model) or the whole causal LM, head "
                              "included (README, 'Text generation')")
+    parser.add_argument("--stages", type=int, default=0, metavar="CALLS",
+                        help="with --decode-calls: also the tuned decode call's host time stage by stage, mean over "
+                             "CALLS calls (benchmarks/dispatch_stages.py)")
+    parser.add_argument("--profile-decode", metavar="FILE",
+                        help="with --decode-calls: write a cProfile of that many tuned decode calls here (text, by "
+                             "own time), to see where the dispatch's host time goes")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     ait.config.copy_cuda_graph_outputs = not args.no_output_copies
@@ -201,7 +210,7 @@ def main(argv=None) -> int:
     caller = wrapped if args.scope == "model" else None
     hand = hand_decoder if "hand-decoder" in names and args.scope == "decoder" else None
     decode_cost = decode_call_cost(model, wrapped, hand, measured, args.decode_calls, args.rounds,
-                                   caller) if args.decode_calls else None
+                                   caller, args.profile_decode, args.stages) if args.decode_calls else None
     decode_cost_uncopied = None
     if args.decode_calls and not args.no_output_copies and device.startswith("cuda"):  # the same without copies
         ait.config.copy_cuda_graph_outputs = False
@@ -209,8 +218,8 @@ def main(argv=None) -> int:
                                                 caller)
         ait.config.copy_cuda_graph_outputs = True
     tokens = args.batch * args.new_tokens
-    result = {"model": args.model, "scope": args.scope, "device": device, "dtype": args.dtype, "batch": args.batch, "prompt": args.prompt,
-              "new_tokens": args.new_tokens, "tune_s": round(tune_s, 1), "variants": {}}
+    result = {"model": args.model, "scope": args.scope, "device": device, "dtype": args.dtype, "batch": args.batch,
+              "prompt": args.prompt, "new_tokens": args.new_tokens, "tune_s": round(tune_s, 1), "variants": {}}
     base = statistics.median(times["eager-static"])
     for name in names:
         median = statistics.median(times[name])
@@ -240,7 +249,12 @@ def main(argv=None) -> int:
         result["decode_call_us"] = decode_cost
         print("one decode call, µs (p50 over all rounds): host until it returns / until the device is done")
         for name, entry in decode_cost.items():
-            print(f"  {name:14s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
+            if name != "stages":
+                print(f"  {name:14s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
+        if "stages" in decode_cost:
+            from benchmarks.dispatch_stages import print_stages
+
+            print_stages(f"the tuned decode call ({args.scope} scope)", decode_cost["stages"])
     if decode_cost_uncopied is not None:
         result["decode_call_us_without_output_copies"] = decode_cost_uncopied
         print("the same with config.copy_cuda_graph_outputs = False")
@@ -292,10 +306,13 @@ def last_decode_call(model, wrapped, prompt, caller=None) -> tuple[tuple, dict, 
     return args, kwargs, cache, cached
 
 
-def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: int, caller=None) -> dict:
+def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: int, caller=None,
+                     profile: str | None = None, stage_calls: int = 0) -> dict:
     """Host and device µs of one decode call per path (see the module docstring), p50 over all calls; the paths
     alternate call by call, ``rounds * calls`` calls each. With the whole model wrapped (``caller``: the wrapper),
-    transformers' own compiled call (``model._compiled_call``, made by the hf-compile variant) is a path too."""
+    transformers' own compiled call (``model._compiled_call``, made by the hf-compile variant) is a path too.
+    ``profile``: a file to write a cProfile of ``calls`` tuned calls to (sorted by own time; after the timing).
+    ``stage_calls``: also the tuned call's mean host µs stage by stage over that many calls (key ``"stages"``)."""
     args, kwargs, cache, cached = last_decode_call(model, wrapped, prompt, caller)
     dispatch = wrapped._self_dispatch
     graph = next(graph for graph in wrapped.graphs if getattr(graph, "phase", None) == "decode")
@@ -345,6 +362,24 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
                 sync("cuda" if cuda else "cpu")
                 host[name].append((returned - started) / 1e3)
                 done[name].append((clock() - started) / 1e3)
+    if profile:
+        import cProfile
+        import io
+        import pstats
+
+        with torch.no_grad(), cProfile.Profile() as profiler:
+            for _ in range(calls):
+                rewind_cache(cache, cached)
+                paths["tuned"]()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(45)
+        Path(profile).write_text(f"{calls} tuned decode calls\n{text.getvalue()}")
+    stage_means = None
+    if stage_calls:
+        from benchmarks.dispatch_stages import stages
+
+        stage_means = stages(wrapped, backend, paths["tuned"], stage_calls, cuda,
+                             before=lambda: rewind_cache(cache, cached))
     base = "compiled" if "compiled" in paths else "backend_run"
     result = {name: {"host_p50_us": round(statistics.median(host[name]), 1),
                      "done_p50_us": round(statistics.median(done[name]), 1)} for name in paths}
@@ -352,6 +387,8 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
     result[f"tuned - {base}"] = {key: round(statistics.median(mine - other for mine, other in zip(times["tuned"],
                                                                                                times[base])), 1)
                                  for key, times in (("host_p50_us", host), ("done_p50_us", done))}
+    if stage_means is not None:
+        result["stages"] = {label: round(value, 2) for label, value in stage_means.items()}
     return result
 
 
