@@ -26,7 +26,9 @@ Usage (from the repository root):
 inputs: it rewrites the same cache position) call by call, N calls per path per round, interleaved: the tuned
 decoder as ``generate`` calls it, the decode graph's backend ``run`` on the normalised call, its compiled
 callable alone (CUDA-graph step marker included, no output copy) and, on CUDA, the hand-picked decoder (decoder
-scope) or transformers' own compiled call of the model on the same inputs (model scope, ``hf-compiled``). Per
+scope) or transformers' own compiled call of the model on the same inputs (model scope, ``hf-compiled``; on
+the CPU, where transformers' auto-compile is off by default, ``hand-model``: ``torch.compile(model.__call__,
+fullgraph=True, dynamic=False)`` with the tuned decode graph's compile options, its recipe done by hand). Per
 path: host µs until the call returns (device idle before it) and µs until the device is done. The tuned
 decoder minus the compiled callable is what aitune's dispatch costs per generated token. On CUDA the three are
 timed again with ``config.copy_cuda_graph_outputs = False`` (NOTE [output copies] in aitune/torch/config.py).
@@ -250,7 +252,7 @@ def main(argv=None) -> int:
         print("one decode call, µs (p50 over all rounds): host until it returns / until the device is done")
         for name, entry in decode_cost.items():
             if name != "stages":
-                print(f"  {name:14s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
+                print(f"  {name:24s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
         if "stages" in decode_cost:
             from benchmarks.dispatch_stages import print_stages
 
@@ -259,7 +261,7 @@ def main(argv=None) -> int:
         result["decode_call_us_without_output_copies"] = decode_cost_uncopied
         print("the same with config.copy_cuda_graph_outputs = False")
         for name, entry in decode_cost_uncopied.items():
-            print(f"  {name:14s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
+            print(f"  {name:24s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)
@@ -344,6 +346,12 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
         paths["hand-decoder"] = hand_call
     if hf_compiled is not None and cuda:
         paths["hf-compiled"] = hf_call
+    if caller is not None and not cuda and compiled is not None:
+        # transformers does not auto-compile on the CPU by default: its recipe done by hand here, with the options of
+        # the tuned decode graph's compile (the C++ wrapper's, where that variant was chosen)
+        hand_model = torch.compile(model.__call__, fullgraph=True, dynamic=False,
+                                   options=dict(getattr(backend.config, "options", None) or {}) or None)
+        paths["hand-model"] = lambda: hand_model(*args, **kwargs)
     host, done = {name: [] for name in paths}, {name: [] for name in paths}
     clock = time.perf_counter_ns
     with torch.no_grad():
@@ -383,10 +391,13 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
     base = "compiled" if "compiled" in paths else "backend_run"
     result = {name: {"host_p50_us": round(statistics.median(host[name]), 1),
                      "done_p50_us": round(statistics.median(done[name]), 1)} for name in paths}
-    # aitune's dispatch per decode call: the median of the call-by-call differences to the compiled callable
-    result[f"tuned - {base}"] = {key: round(statistics.median(mine - other for mine, other in zip(times["tuned"],
-                                                                                               times[base])), 1)
-                                 for key, times in (("host_p50_us", host), ("done_p50_us", done))}
+    # aitune's dispatch per decode call, and an anchor's call against the same compiled callable: medians of the
+    # call-by-call differences
+    for name in ("tuned", "hf-compiled", "hand-model"):
+        if name in paths:
+            result[f"{name} - {base}"] = {key: round(statistics.median(mine - other for mine, other in
+                                                                       zip(times[name], times[base])), 1)
+                                          for key, times in (("host_p50_us", host), ("done_p50_us", done))}
     if stage_means is not None:
         result["stages"] = {label: round(value, 2) for label, value in stage_means.items()}
     return result
