@@ -3,11 +3,13 @@
 :func:`stages` wraps the functions a tuned call goes through (``Dispatch.call`` and the stages it calls: the
 LLM phase read, the cache counter's copy for a rewind, the baked-state check, the weight watch, the value gate,
 the guard's counter, the backend's ``run``, the compiled callable, the CUDA-graph output copy) in timers, times
-``calls`` calls of ``call`` and returns the mean host µs per call of each. A stage nested in another counts in both (``run`` includes the
-compiled callable and the copy); ``call - stages`` is what the dispatch does between them. Each timer adds
+``calls`` calls of ``call`` and returns the mean host µs per call of each. A stage nested in another counts in
+both (``run`` includes the compiled callable and the copy); ``call - stages`` is what the dispatch does between
+them. Each timer adds
 ~0.2 µs (two ``perf_counter_ns`` reads), so the total reads a little above the untimed call.
 
-Used by ``benchmarks/wrapper_cost.py --stages`` and ``benchmarks/llm_decode_host.py --stages``.
+Used by ``benchmarks/wrapper_cost.py --stages``, ``benchmarks/llm_decode_host.py --stages`` and
+``benchmarks/llm_generate.py --decode-calls N --stages M``.
 """
 
 from __future__ import annotations

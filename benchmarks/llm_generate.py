@@ -30,10 +30,10 @@ scope) or transformers' own compiled call of the model on the same inputs (model
 the CPU, where transformers' auto-compile is off by default, ``hand-model``: ``torch.compile(model.__call__,
 fullgraph=True, dynamic=False)`` with the tuned decode graph's compile options, its recipe done by hand). Per
 path: host µs until the call returns (device idle before it) and µs until the device is done. The tuned
-decoder minus the compiled callable is what aitune's dispatch costs per generated token. On CUDA the three are
-timed again with ``config.copy_cuda_graph_outputs = False`` (NOTE [output copies] in aitune/torch/config.py).
-With it, ``--stages N`` adds the tuned call's host time stage by stage (``benchmarks/dispatch_stages.py``) and
-``--profile-decode FILE`` a cProfile of N tuned calls.
+decoder minus the compiled callable is what aitune's dispatch costs per generated token. On CUDA aitune's paths
+(tuned, run, compiled) are timed again with ``config.copy_cuda_graph_outputs = False`` (NOTE [output copies] in
+aitune/torch/config.py). With it, ``--stages N`` adds the tuned call's host time stage by stage
+(``benchmarks/dispatch_stages.py``) and ``--profile-decode FILE`` a cProfile of the decode-call count's tuned calls.
 ``--scope model`` wraps the whole causal LM instead of its decoder stack (``ait.Module(model, "model")``, then
 ``wrapped.generate(...)``: README, "Text generation"), head included; the gap between the two scopes is what
 running the head and the model's forward eagerly costs per token.
@@ -131,6 +131,8 @@ def main(argv=None) -> int:
                              "own time), to see where the dispatch's host time goes")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
+    if (args.stages or args.profile_decode) and not args.decode_calls:
+        parser.error("--stages and --profile-decode time the decode call of --decode-calls N: give N too")
     ait.config.copy_cuda_graph_outputs = not args.no_output_copies
     dtype = getattr(torch, args.dtype)
     device = args.device
@@ -209,6 +211,7 @@ def main(argv=None) -> int:
                 sync(device)
                 first_token[name].append(time.perf_counter() - start)
     use(True)  # (the decoder scope's wrapper back in place)
+    stats = json.loads(json.dumps(wrapped.stats))  # (a copy, before the decode calls below replay calls of their own)
     caller = wrapped if args.scope == "model" else None
     hand = hand_decoder if "hand-decoder" in names and args.scope == "decoder" else None
     decode_cost = decode_call_cost(model, wrapped, hand, measured, args.decode_calls, args.rounds,
@@ -217,7 +220,7 @@ def main(argv=None) -> int:
     if args.decode_calls and not args.no_output_copies and device.startswith("cuda"):  # the same without copies
         ait.config.copy_cuda_graph_outputs = False
         decode_cost_uncopied = decode_call_cost(model, wrapped, None, measured, args.decode_calls, args.rounds,
-                                                caller)
+                                                caller, anchors=False)
         ait.config.copy_cuda_graph_outputs = True
     tokens = args.batch * args.new_tokens
     result = {"model": args.model, "scope": args.scope, "device": device, "dtype": args.dtype, "batch": args.batch,
@@ -235,7 +238,6 @@ def main(argv=None) -> int:
         if anchor in result["variants"] and anchor not in args.once:  # paired: the median of per-round ratios
             result[f"tuned_vs_{anchor.replace('-', '_')}"] = round(statistics.median(
                 other / mine for other, mine in zip(times[anchor], times["tuned"])), 3)
-    stats = wrapped.stats
     result["backend_calls"], result["eager_fallbacks"] = stats["backend_calls"], stats["eager_fallbacks"]
     print(f"tune: {tune_s:.1f} s; tuned decoder calls: {stats['backend_calls']} by a backend, eager fallbacks "
           f"{stats['eager_fallbacks']}")
@@ -248,15 +250,16 @@ def main(argv=None) -> int:
         if key in result:
             print(f"{key}: {result[key]} (median of per-round ratios of tokens/s)")
     if decode_cost is not None:
+        stage_means = decode_cost.pop("stages", None)
         result["decode_call_us"] = decode_cost
         print("one decode call, µs (p50 over all rounds): host until it returns / until the device is done")
         for name, entry in decode_cost.items():
-            if name != "stages":
-                print(f"  {name:24s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
-        if "stages" in decode_cost:
+            print(f"  {name:24s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
+        if stage_means is not None:
             from benchmarks.dispatch_stages import print_stages
 
-            print_stages(f"the tuned decode call ({args.scope} scope)", decode_cost["stages"])
+            result["decode_call_stages_us"] = stage_means
+            print_stages(f"the tuned decode call ({args.scope} scope)", stage_means)
     if decode_cost_uncopied is not None:
         result["decode_call_us_without_output_copies"] = decode_cost_uncopied
         print("the same with config.copy_cuda_graph_outputs = False")
@@ -301,6 +304,9 @@ def last_decode_call(model, wrapped, prompt, caller=None) -> tuple[tuple, dict, 
         generate(caller if caller is not None else model, prompt, 3, static=True)
     finally:
         type(dispatch).call = serve
+    if not calls:
+        raise RuntimeError(f"{wrapped!r}: generate never called the wrapper's dispatch (not tuned?), so there is no "
+                           "decode call to time")
     args, kwargs = calls[-1]
     cache = find_cache(kwargs, args)
     tokens = kwargs.get("input_ids")
@@ -309,12 +315,14 @@ def last_decode_call(model, wrapped, prompt, caller=None) -> tuple[tuple, dict, 
 
 
 def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: int, caller=None,
-                     profile: str | None = None, stage_calls: int = 0) -> dict:
+                     profile: str | None = None, stage_calls: int = 0, anchors: bool = True) -> dict:
     """Host and device µs of one decode call per path (see the module docstring), p50 over all calls; the paths
     alternate call by call, ``rounds * calls`` calls each. With the whole model wrapped (``caller``: the wrapper),
     transformers' own compiled call (``model._compiled_call``, made by the hf-compile variant) is a path too.
     ``profile``: a file to write a cProfile of ``calls`` tuned calls to (sorted by own time; after the timing).
-    ``stage_calls``: also the tuned call's mean host µs stage by stage over that many calls (key ``"stages"``)."""
+    ``stage_calls``: also the tuned call's mean host µs stage by stage over that many calls (key ``"stages"``).
+    ``anchors=False``: no path of transformers' recipe (``hf-compiled``, ``hand-model``), e.g. where only aitune's
+    setting changed between two runs."""
     args, kwargs, cache, cached = last_decode_call(model, wrapped, prompt, caller)
     dispatch = wrapped._self_dispatch
     graph = next(graph for graph in wrapped.graphs if getattr(graph, "phase", None) == "decode")
@@ -332,7 +340,7 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
         torch.compiler.cudagraph_mark_step_begin()
         return hand_decoder(*args, **kwargs)
 
-    hf_compiled = vars(model).get("_compiled_call") if caller is not None else None
+    hf_compiled = vars(model).get("_compiled_call") if caller is not None and anchors else None
 
     def hf_call():
         torch.compiler.cudagraph_mark_step_begin()
@@ -346,7 +354,7 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
         paths["hand-decoder"] = hand_call
     if hf_compiled is not None and cuda:
         paths["hf-compiled"] = hf_call
-    if caller is not None and not cuda and compiled is not None:
+    if caller is not None and not cuda and compiled is not None and anchors:
         # transformers does not auto-compile on the CPU by default: its recipe done by hand here, with the options of
         # the tuned decode graph's compile (the C++ wrapper's, where that variant was chosen)
         hand_model = torch.compile(model.__call__, fullgraph=True, dynamic=False,
@@ -377,7 +385,8 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
 
         with torch.no_grad(), cProfile.Profile() as profiler:
             for _ in range(calls):
-                rewind_cache(cache, cached)
+                rewind_cache(cache, cached)  # (in the profile too: rewind_cache's own rows)
+                sync("cuda" if cuda else "cpu")  # (the device idle before each call, as timed above)
                 paths["tuned"]()
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(45)
@@ -399,7 +408,7 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
                                                                        zip(times[name], times[base])), 1)
                                           for key, times in (("host_p50_us", host), ("done_p50_us", done))}
     if stage_means is not None:
-        result["stages"] = {label: round(value, 2) for label, value in stage_means.items()}
+        result["stages"] = {label: round(value, 2) for label, value in stage_means.items()}  # (popped by main)
     return result
 
 
