@@ -5,16 +5,19 @@ LLM phase read, the cache counter's copy for a rewind, the baked-state check, th
 the guard's counter, the backend's ``run``, the compiled callable, the CUDA-graph output copy) in timers, times
 ``calls`` calls of ``call`` and returns the mean host µs per call of each. A stage nested in another counts in
 both (``run`` includes the compiled callable and the copy); ``call - stages`` is what the dispatch does between
-them. Each timer adds
-~0.2 µs (two ``perf_counter_ns`` reads), so the total reads a little above the untimed call.
+them. Each timer adds ~0.2 µs (two ``perf_counter_ns`` reads), so the total reads a little above the untimed call.
+:func:`profile_calls` is the profiler's view of the same calls (cProfile, own time; distorted, but it names every
+function).
 
-Used by ``benchmarks/wrapper_cost.py --stages``, ``benchmarks/llm_decode_host.py --stages`` and
-``benchmarks/llm_generate.py --decode-calls N --stages M``.
+Used by ``benchmarks/wrapper_cost.py --stages/--profile``, ``benchmarks/llm_decode_host.py --stages`` and
+``benchmarks/llm_generate.py --decode-calls N --stages M/--profile-decode FILE``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import cProfile
+import pstats
 import time
 from typing import Callable
 
@@ -108,6 +111,24 @@ def stages(module, backend, call: Callable[[], object], calls: int = 2000, cuda:
     result = {label: total / 1e3 / calls for label, total in totals.items()}
     result["untimed loop (sync and before() included)"] = plain
     return result
+
+
+def profile_calls(call: Callable[[], object], calls: int, cuda: bool = False,
+                  before: Callable[[], object] | None = None) -> pstats.Stats:
+    """cProfile of ``calls`` calls of ``call``, the profiler on only around each call: ``before`` (e.g. rewinding a
+    key/value cache) and, on CUDA, a device synchronisation run first, unprofiled, so every call starts with the
+    device idle (as the timed calls do)."""
+    profiler = cProfile.Profile()
+    with torch.no_grad():
+        for _ in range(calls):
+            if before is not None:
+                before()
+            if cuda:
+                torch.cuda.synchronize()
+            profiler.enable()
+            call()
+            profiler.disable()
+    return pstats.Stats(profiler)
 
 
 def print_stages(title: str, result: dict[str, float]) -> None:

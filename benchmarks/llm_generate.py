@@ -47,12 +47,12 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import aitune.torch as ait
 from aitune.torch.record.llm import find_cache, rewind_cache
+from benchmarks.dispatch_stages import print_stages, profile_calls, stages
 
 MODELS = {
     # the tests' tiny model: 2 layers, hidden 64
@@ -214,13 +214,14 @@ def main(argv=None) -> int:
     stats = json.loads(json.dumps(wrapped.stats))  # (a copy, before the decode calls below replay calls of their own)
     caller = wrapped if args.scope == "model" else None
     hand = hand_decoder if "hand-decoder" in names and args.scope == "decoder" else None
-    decode_cost = decode_call_cost(model, wrapped, hand, measured, args.decode_calls, args.rounds,
-                                   caller, args.profile_decode, args.stages) if args.decode_calls else None
-    decode_cost_uncopied = None
+    decode_cost = stage_means = decode_cost_uncopied = None
+    if args.decode_calls:
+        decode_cost, stage_means = decode_call_cost(model, wrapped, hand, measured, args.decode_calls, args.rounds,
+                                                    caller, args.profile_decode, args.stages)
     if args.decode_calls and not args.no_output_copies and device.startswith("cuda"):  # the same without copies
         ait.config.copy_cuda_graph_outputs = False
-        decode_cost_uncopied = decode_call_cost(model, wrapped, None, measured, args.decode_calls, args.rounds,
-                                                caller, anchors=False)
+        decode_cost_uncopied, _ = decode_call_cost(model, wrapped, None, measured, args.decode_calls, args.rounds,
+                                                   caller, anchors=False)
         ait.config.copy_cuda_graph_outputs = True
     tokens = args.batch * args.new_tokens
     result = {"model": args.model, "scope": args.scope, "device": device, "dtype": args.dtype, "batch": args.batch,
@@ -249,22 +250,19 @@ def main(argv=None) -> int:
     for key in ("tuned_vs_hf_compile", "tuned_vs_hand_decoder"):
         if key in result:
             print(f"{key}: {result[key]} (median of per-round ratios of tokens/s)")
-    if decode_cost is not None:
-        stage_means = decode_cost.pop("stages", None)
-        result["decode_call_us"] = decode_cost
-        print("one decode call, µs (p50 over all rounds): host until it returns / until the device is done")
-        for name, entry in decode_cost.items():
-            print(f"  {name:24s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
-        if stage_means is not None:
-            from benchmarks.dispatch_stages import print_stages
-
-            result["decode_call_stages_us"] = stage_means
-            print_stages(f"the tuned decode call ({args.scope} scope)", stage_means)
-    if decode_cost_uncopied is not None:
-        result["decode_call_us_without_output_copies"] = decode_cost_uncopied
-        print("the same with config.copy_cuda_graph_outputs = False")
-        for name, entry in decode_cost_uncopied.items():
-            print(f"  {name:24s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
+    for key, cost, title in (
+            ("decode_call_us", decode_cost,
+             "one decode call, µs (p50 over all rounds): host until it returns / until the device is done"),
+            ("decode_call_us_without_output_copies", decode_cost_uncopied,
+             "the same with config.copy_cuda_graph_outputs = False")):
+        if cost is not None:
+            result[key] = cost
+            print(title)
+            for name, entry in cost.items():
+                print(f"  {name:24s} {entry['host_p50_us']:9.1f} / {entry['done_p50_us']:9.1f}")
+    if stage_means is not None:
+        result["decode_call_stages_us"] = stage_means
+        print_stages(f"the tuned decode call ({args.scope} scope)", stage_means)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)
@@ -315,12 +313,14 @@ def last_decode_call(model, wrapped, prompt, caller=None) -> tuple[tuple, dict, 
 
 
 def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: int, caller=None,
-                     profile: str | None = None, stage_calls: int = 0, anchors: bool = True) -> dict:
-    """Host and device µs of one decode call per path (see the module docstring), p50 over all calls; the paths
-    alternate call by call, ``rounds * calls`` calls each. With the whole model wrapped (``caller``: the wrapper),
+                     profile: str | None = None, stage_calls: int = 0,
+                     anchors: bool = True) -> tuple[dict, dict | None]:
+    """Host and device µs of one decode call per path (see the module docstring), p50 over all calls, and the tuned
+    call's mean host µs stage by stage (None without ``stage_calls``); the paths alternate call by call,
+    ``rounds * calls`` calls each. With the whole model wrapped (``caller``: the wrapper),
     transformers' own compiled call (``model._compiled_call``, made by the hf-compile variant) is a path too.
     ``profile``: a file to write a cProfile of ``calls`` tuned calls to (sorted by own time; after the timing).
-    ``stage_calls``: also the tuned call's mean host µs stage by stage over that many calls (key ``"stages"``).
+    ``stage_calls``: calls the stage-by-stage means are taken over.
     ``anchors=False``: no path of transformers' recipe (``hf-compiled``, ``hand-model``), e.g. where only aitune's
     setting changed between two runs."""
     args, kwargs, cache, cached = last_decode_call(model, wrapped, prompt, caller)
@@ -362,15 +362,19 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
         paths["hand-model"] = lambda: hand_model(*args, **kwargs)
     host, done = {name: [] for name in paths}, {name: [] for name in paths}
     clock = time.perf_counter_ns
+
+    def rewind():  # before every call: it writes where the recorded one did
+        rewind_cache(cache, cached)
+
     with torch.no_grad():
         for function in paths.values():  # warm-up
             for _ in range(20):
-                rewind_cache(cache, cached)
+                rewind()
                 function()
         names = list(paths)
         for call in range(rounds * calls):  # call by call, the order rotating: drift hits every path alike
             for name in names[call % len(names):] + names[:call % len(names)]:
-                rewind_cache(cache, cached)  # the call writes where the recorded one did
+                rewind()
                 sync("cuda" if cuda else "cpu")
                 started = clock()
                 paths[name]()
@@ -379,24 +383,12 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
                 host[name].append((returned - started) / 1e3)
                 done[name].append((clock() - started) / 1e3)
     if profile:
-        import cProfile
-        import io
-        import pstats
-
-        with torch.no_grad(), cProfile.Profile() as profiler:
-            for _ in range(calls):
-                rewind_cache(cache, cached)  # (in the profile too: rewind_cache's own rows)
-                sync("cuda" if cuda else "cpu")  # (the device idle before each call, as timed above)
-                paths["tuned"]()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(45)
-        Path(profile).write_text(f"{calls} tuned decode calls\n{text.getvalue()}")
-    stage_means = None
-    if stage_calls:
-        from benchmarks.dispatch_stages import stages
-
-        stage_means = stages(wrapped, backend, paths["tuned"], stage_calls, cuda,
-                             before=lambda: rewind_cache(cache, cached))
+        with open(profile, "w") as handle:
+            handle.write(f"{calls} tuned decode calls\n")
+            stats = profile_calls(paths["tuned"], calls, cuda, before=rewind)
+            stats.stream = handle
+            stats.sort_stats("tottime").print_stats(45)
+    stage_means = stages(wrapped, backend, paths["tuned"], stage_calls, cuda, before=rewind) if stage_calls else None
     base = "compiled" if "compiled" in paths else "backend_run"
     result = {name: {"host_p50_us": round(statistics.median(host[name]), 1),
                      "done_p50_us": round(statistics.median(done[name]), 1)} for name in paths}
@@ -407,9 +399,7 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
             result[f"{name} - {base}"] = {key: round(statistics.median(mine - other for mine, other in
                                                                        zip(times[name], times[base])), 1)
                                           for key, times in (("host_p50_us", host), ("done_p50_us", done))}
-    if stage_means is not None:
-        result["stages"] = {label: round(value, 2) for label, value in stage_means.items()}  # (popped by main)
-    return result
+    return result, {label: round(value, 2) for label, value in stage_means.items()} if stage_means else None
 
 
 if __name__ == "__main__":

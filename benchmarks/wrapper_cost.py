@@ -46,7 +46,7 @@ import aitune.torch as ait
 from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
 from aitune.torch.backend.compile_settings import parameter_freezing
 from aitune.torch.backend.inductor_jit import clone_output, uses_cuda_graphs
-from benchmarks.dispatch_stages import print_stages, stages
+from benchmarks.dispatch_stages import print_stages, profile_calls, stages
 
 
 def small_mlp(device: str):
@@ -169,19 +169,8 @@ def measure(label: str, config, model, x, args) -> list[dict]:
 
 
 def profile(tuned, x, cuda: bool, calls: int = 20000) -> None:
-    import cProfile
-    import pstats
-
-    profiler = cProfile.Profile()
-    with torch.no_grad():
-        for _ in range(calls):
-            if cuda:
-                torch.cuda.synchronize()
-            profiler.enable()
-            tuned(x)
-            profiler.disable()
+    stats = profile_calls(lambda: tuned(x), calls, cuda)
     print(f"## cProfile of {calls} tuned calls (own time)")
-    stats = pstats.Stats(profiler)
     stats.sort_stats("tottime").print_stats(25)
     print("## aitune's functions by cumulative time (where the dispatch's share goes)")
     stats.sort_stats("cumulative").print_stats("aitune", 30)
