@@ -37,6 +37,10 @@ aitune/torch/config.py). With it, ``--stages N`` adds the tuned call's host time
 ``--scope model`` wraps the whole causal LM instead of its decoder stack (``ait.Module(model, "model")``, then
 ``wrapped.generate(...)``: README, "Text generation"), head included; the gap between the two scopes is what
 running the head and the model's forward eagerly costs per token.
+``--loop-split ROUNDS`` times the decode calls where ``generate`` makes them, ROUNDS runs per path (tuned,
+hf-compile, eager-static): the loop's time per token split into the model call and the rest of the step, and on
+CUDA the device's span of the call (``benchmarks/generate_loop.py``): the isolated call of ``--decode-calls``
+starts with the device idle and the host's caches warm, the loop's does not.
 ``--skip`` leaves variants out (``eager-dynamic``, ``hf-compile``, ``hand-decoder``) where device time is short.
 """
 
@@ -53,6 +57,7 @@ import torch
 import aitune.torch as ait
 from aitune.torch.record.llm import find_cache, rewind_cache
 from benchmarks.dispatch_stages import print_stages, profile_calls, stages
+from benchmarks.generate_loop import loop_split, print_split
 
 MODELS = {
     # the tests' tiny model: 2 layers, hidden 64
@@ -129,6 +134,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-decode", metavar="FILE",
                         help="with --decode-calls: write a cProfile of that many tuned decode calls here (text, by "
                              "own time), to see where the dispatch's host time goes")
+    parser.add_argument("--loop-split", type=int, default=0, metavar="ROUNDS",
+                        help="also split a generate loop's step into the model call and the rest, per path, over "
+                             "ROUNDS runs each (benchmarks/generate_loop.py)")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     if (args.stages or args.profile_decode) and not args.decode_calls:
@@ -212,6 +220,13 @@ def main(argv=None) -> int:
                 first_token[name].append(time.perf_counter() - start)
     use(True)  # (the decoder scope's wrapper back in place)
     stats = json.loads(json.dumps(wrapped.stats))  # (a copy, before the decode calls below replay calls of their own)
+    loop = None
+    if args.loop_split:
+        split_paths = {name: (lambda name=name: variant(name)())  # (variant() sets the decoder scope's model.model)
+                       for name in ("tuned", "hf-compile", "eager-static") if name in names}
+        loop = loop_split(model, split_paths, args.loop_split, device.startswith("cuda"))
+        print_split(loop)
+        use(True)
     caller = wrapped if args.scope == "model" else None
     hand = hand_decoder if "hand-decoder" in names and args.scope == "decoder" else None
     decode_cost = stage_means = decode_cost_uncopied = None
@@ -263,6 +278,8 @@ def main(argv=None) -> int:
     if stage_means is not None:
         result["decode_call_stages_us"] = stage_means
         print_stages(f"the tuned decode call ({args.scope} scope)", stage_means)
+    if loop is not None:
+        result["generate_loop_step_us"] = loop
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)

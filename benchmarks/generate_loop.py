@@ -1,0 +1,131 @@
+"""Where a ``generate`` loop's time per token goes, path by path: the host time inside the model call, the rest of
+the step, and (CUDA) the device's span of the call.
+
+Each decode step of ``generate`` calls the model once. :func:`loop_split` times those calls where the loop makes
+them: ``tuned`` at ``ait.Module.__call__`` (the view's route to it and generate's own code fall outside),
+``hf-compile`` at transformers' compiled call (``get_compiled_call``), ``eager-static`` at the model's
+``__call__``. Per step (the prefill call and the last step left out):
+
+- ``period``: from one call's start to the next one's (host µs): the loop's time per token;
+- ``inside``: from the call's start until it returns (host µs);
+- ``outside``: ``period - inside``: generate's own work per step, its wait for the device included;
+- ``device_span`` (CUDA only, a second set of rounds with events around each call): from an event recorded
+  before the call to one recorded after it returns (µs on the device's clock): the device time the call takes in
+  the loop, idle gaps while the host prepares the launch included.
+
+A call timed in isolation (``llm_generate.py --decode-calls``) starts with the device idle and the host's caches
+warm; inside the loop the same host work runs between generate's steps, so the two can differ: this module
+measures the loop itself. Used by ``benchmarks/llm_generate.py --loop-split ROUNDS``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from aitune.torch.module import Module
+
+_CLOCK = time.perf_counter_ns
+
+
+class _CallTimes:
+    """Host start/return times (ns) of every timed call, and CUDA events around them when ``events``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.use_events = False
+
+    def timed(self, function: Callable) -> Callable:
+        def call(*args, **kwargs):
+            started = _CLOCK()
+            if self.use_events:
+                before = torch.cuda.Event(enable_timing=True)
+                before.record()
+            output = function(*args, **kwargs)
+            returned = _CLOCK()
+            if self.use_events:
+                after = torch.cuda.Event(enable_timing=True)
+                after.record()
+                self.events.append((before, after))
+            self.calls.append((started, returned))
+            return output
+        return call
+
+
+@contextlib.contextmanager
+def _patched(owner, name: str, replacement) -> None:
+    original = vars(owner).get(name, _ABSENT)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        if original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+
+
+_ABSENT = object()
+
+
+def _timing(path: str, model, times: _CallTimes):
+    """A context in which ``path``'s model calls inside generate are timed."""
+    if path == "tuned":
+        return _patched(Module, "__call__", times.timed(Module.__call__))
+    if path == "hf-compile":
+        make = type(model).get_compiled_call
+        return _patched(type(model), "get_compiled_call", lambda self, config: times.timed(make(self, config)))
+    return _patched(type(model), "__call__", times.timed(type(model).__call__))
+
+
+def loop_split(model, paths: dict[str, Callable[[], object]], rounds: int, cuda: bool) -> dict[str, dict]:
+    """Per path, the medians over ``rounds`` generate runs of each run's per-step medians (µs; see the module
+    docstring): ``period``, ``inside``, ``outside`` and, on CUDA, ``device_span`` (from as many rounds again, with
+    events). ``paths``: name (``tuned``, ``hf-compile``, ``eager-static``) -> a function running one ``generate``
+    of that path; the paths alternate round by round. ``model``: the causal LM (its class is patched for the
+    timing of the ``hf-compile`` and ``eager-static`` paths, only while they run)."""
+    per_run: dict[str, list[dict]] = {name: [] for name in paths}
+    for with_events in ((False, True) if cuda else (False,)):
+        for _ in range(rounds):
+            for name, run in paths.items():
+                times = _CallTimes()
+                times.use_events = with_events
+                with _timing(name, model, times), torch.no_grad():
+                    run()
+                if cuda:
+                    torch.cuda.synchronize()
+                per_run[name].append(_split(times, with_events))
+    result = {}
+    for name, runs in per_run.items():
+        keys = [key for key in ("period", "inside", "outside", "device_span") if any(key in run for run in runs)]
+        result[name] = {key: round(statistics.median(run[key] for run in runs if key in run), 1) for key in keys}
+        result[name]["steps"] = min(run["steps"] for run in runs)
+    return result
+
+
+def _split(times: _CallTimes, with_events: bool) -> dict:
+    calls = times.calls[1:]  # the prefill call left out
+    if len(calls) < 3:
+        raise RuntimeError(f"only {len(times.calls)} timed model calls in a generate run: too few decode steps to "
+                           "split (is the path's call patched where generate makes it?)")
+    if with_events:
+        spans = [before.elapsed_time(after) * 1e3 for before, after in times.events[1:]]
+        return {"device_span": statistics.median(spans), "steps": len(calls)}
+    inside = [(returned - started) / 1e3 for started, returned in calls[:-1]]
+    period = [(calls[index + 1][0] - calls[index][0]) / 1e3 for index in range(len(calls) - 1)]
+    return {"period": statistics.median(period), "inside": statistics.median(inside),
+            "outside": statistics.median(p - i for p, i in zip(period, inside)), "steps": len(calls)}
+
+
+def print_split(result: dict[str, dict]) -> None:
+    print("a generate loop's decode step, µs (median over rounds of per-step medians)")
+    print(f"  {'path':14s} {'period':>9s} {'inside':>9s} {'outside':>9s} {'device span':>12s}")
+    for name, values in result.items():
+        span = values.get("device_span")
+        print(f"  {name:14s} {values['period']:9.1f} {values['inside']:9.1f} {values['outside']:9.1f} "
+              f"{'' if span is None else f'{span:12.1f}'}")
