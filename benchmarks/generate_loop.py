@@ -9,6 +9,8 @@ them: ``tuned`` at ``ait.Module.__call__`` (the view's route to it and generate'
 - ``period``: from one call's start to the next one's (host µs): the loop's time per token;
 - ``inside``: from the call's start until it returns (host µs);
 - ``outside``: ``period - inside``: generate's own work per step, its wait for the device included;
+- ``tuned-bare``: the tuned path with its decode calls sent straight to the decode graph's compiled callable
+  (:func:`_bare`): ``tuned - tuned-bare`` is what aitune's dispatch costs per token in the loop;
 - ``device_span`` (CUDA only, a second set of rounds with events around each call): from an event recorded
   before the call to one recorded after it returns (µs on the device's clock): the device time the call takes in
   the loop, idle gaps while the host prepares the launch included.
@@ -73,29 +75,55 @@ def _patched(owner, name: str, replacement) -> None:
 _ABSENT = object()
 
 
-def _timing(path: str, model, times: _CallTimes):
+def _bare(wrapped) -> Callable:
+    """``ait.Module.__call__`` with ``wrapped``'s decode calls sent straight to its decode graph's compiled callable
+    (CUDA-graph step marker, normalising plan and output copy kept; no route, no check): the floor of what serving
+    them can cost, for the ``tuned-bare`` path. Every other call is served as usual."""
+    from aitune.torch.backend.inductor_jit import clone_output
+
+    dispatch = wrapped._self_dispatch
+    graph = next(graph for graph in wrapped.graphs if getattr(graph, "phase", None) == "decode")
+    compiled = wrapped.backends[graph.name]._compiled
+    serve = Module.__call__
+
+    def call(self, *args, **kwargs):
+        plan = dispatch._phase_plans.get(tuple(kwargs)) if not args else None
+        tokens = kwargs.get("input_ids")
+        if self is not wrapped or plan is None or tokens is None or tokens.shape[1] != 1:
+            return serve(self, *args, **kwargs)
+        torch.compiler.cudagraph_mark_step_begin()
+        normal_args, normal_kwargs = plan(args, kwargs)
+        return clone_output(compiled(*normal_args, **normal_kwargs))
+    return call
+
+
+def _timing(path: str, model, times: _CallTimes, wrapped=None):
     """A context in which ``path``'s model calls inside generate are timed."""
     if path == "tuned":
         return _patched(Module, "__call__", times.timed(Module.__call__))
+    if path == "tuned-bare":
+        return _patched(Module, "__call__", times.timed(_bare(wrapped)))
     if path == "hf-compile":
         make = type(model).get_compiled_call
         return _patched(type(model), "get_compiled_call", lambda self, config: times.timed(make(self, config)))
     return _patched(type(model), "__call__", times.timed(type(model).__call__))
 
 
-def loop_split(model, paths: dict[str, Callable[[], object]], rounds: int, cuda: bool) -> dict[str, dict]:
+def loop_split(model, paths: dict[str, Callable[[], object]], rounds: int, cuda: bool,
+               wrapped=None) -> dict[str, dict]:
     """Per path, the medians over ``rounds`` generate runs of each run's per-step medians (µs; see the module
     docstring): ``period``, ``inside``, ``outside`` and, on CUDA, ``device_span`` (from as many rounds again, with
-    events). ``paths``: name (``tuned``, ``hf-compile``, ``eager-static``) -> a function running one ``generate``
-    of that path; the paths alternate round by round. ``model``: the causal LM (its class is patched for the
-    timing of the ``hf-compile`` and ``eager-static`` paths, only while they run)."""
+    events). ``paths``: name (``tuned``, ``tuned-bare``, ``hf-compile``, ``eager-static``) -> a function running one
+    ``generate`` of that path (``tuned-bare``: the tuned path's, run with :func:`_bare`'s call); the paths alternate
+    round by round. ``model``: the causal LM (its class is patched for the timing of the ``hf-compile`` and
+    ``eager-static`` paths, only while they run); ``wrapped``: the tuned ``ait.Module`` (for ``tuned-bare``)."""
     per_run: dict[str, list[dict]] = {name: [] for name in paths}
     for with_events in ((False, True) if cuda else (False,)):
         for _ in range(rounds):
             for name, run in paths.items():
                 times = _CallTimes()
                 times.use_events = with_events
-                with _timing(name, model, times), torch.no_grad():
+                with _timing(name, model, times, wrapped), torch.no_grad():
                     run()
                 if cuda:
                     torch.cuda.synchronize()

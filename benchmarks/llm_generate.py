@@ -38,7 +38,7 @@ aitune/torch/config.py). With it, ``--stages N`` adds the tuned call's host time
 ``wrapped.generate(...)``: README, "Text generation"), head included; the gap between the two scopes is what
 running the head and the model's forward eagerly costs per token.
 ``--loop-split ROUNDS`` times the decode calls where ``generate`` makes them, ROUNDS runs per path (tuned,
-hf-compile, eager-static): the loop's time per token split into the model call and the rest of the step, and on
+tuned-bare: the decode calls sent straight to the compiled decode graph, hf-compile, eager-static): the loop's time per token split into the model call and the rest of the step, and on
 CUDA the device's span of the call (``benchmarks/generate_loop.py``): the isolated call of ``--decode-calls``
 starts with the device idle and the host's caches warm, the loop's does not.
 ``--skip`` leaves variants out (``eager-dynamic``, ``hf-compile``, ``hand-decoder``) where device time is short.
@@ -224,7 +224,8 @@ def main(argv=None) -> int:
     if args.loop_split:
         split_paths = {name: (lambda name=name: variant(name)())  # (variant() sets the decoder scope's model.model)
                        for name in ("tuned", "hf-compile", "eager-static") if name in names}
-        loop = loop_split(model, split_paths, args.loop_split, device.startswith("cuda"))
+        split_paths["tuned-bare"] = split_paths["tuned"]  # (run with the decode calls sent straight to the graph)
+        loop = loop_split(model, split_paths, args.loop_split, device.startswith("cuda"), wrapped)
         print_split(loop)
         use(True)
     caller = wrapped if args.scope == "model" else None

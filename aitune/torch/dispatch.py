@@ -111,7 +111,8 @@ class Dispatch:
         self.graphs: list[TunedGraph] = [TunedGraph(graph, backend) for graph, backend in entries]
         self._by_key = {tuned.graph.key: tuned for tuned in self.graphs}
         self.phases = any(tuned.graph.phase is not None for tuned in self.graphs)  # route by LLM phase too
-        self._phase_routes: dict = {}  # PhaseCall.route -> (TunedGraph, top-level leaf offsets, leaf count)
+        # PhaseCall.route -> (TunedGraph, top-level leaf offsets, leaf count, any top-level tensor on the CPU)
+        self._phase_routes: dict = {}
         self._phase_plans: dict = {}  # keyword names of a phase call -> CallSignature.plan (NOTE [phase fast path])
         self._by_id = {id(tuned.graph): tuned for tuned in self.graphs}
         self._by_flat_key = {}  # flat key of a graph's first sample -> TunedGraph (no flattening for such calls)
@@ -196,6 +197,7 @@ class Dispatch:
         # host work before the backend's launch is then a few µs, which counts in the GPU latency of every call
         # (the wrapped module should stay within 3 % of the backend called directly: benchmarks/gpu_wrapper_cost.py).
         phase = flat = None
+        host_values = True  # may the call hold CPU tensors the value gate reads (NOTE [value gate])?
         # NOTE [phase fast path]: a decoder inside generate is called with the same keywords at every step, and one
         # of them is a key/value cache, so the flat key above never applies. The keyword names of such a call
         # find the normalising plan made from the first one (no flat key tried, no binding); the phase and the
@@ -203,7 +205,7 @@ class Dispatch:
         plan = self._phase_plans.get(tuple(kwargs)) if self.phases and not args else None
         if plan is not None and (phase := phase_call(*(normal := plan(args, kwargs)), read_device=False)) is not None:
             args, kwargs = normal
-            tuned, leaves, checked, phase = self._phase_route(phase, args, kwargs)
+            tuned, leaves, checked, phase, host_values = self._phase_route(phase, args, kwargs)
         else:
             raw_key = flat_call_key(args, kwargs)
             route = self._routes.get(raw_key) if raw_key is not None else None
@@ -215,7 +217,7 @@ class Dispatch:
                 raw_args, raw_kwargs = args, kwargs
                 args, kwargs = self.signature.normalize(args, kwargs)
                 if self.phases and (phase := phase_call(args, kwargs, read_device=False)) is not None:
-                    tuned, leaves, checked, phase = self._phase_route(phase, args, kwargs)
+                    tuned, leaves, checked, phase, host_values = self._phase_route(phase, args, kwargs)
                     if not raw_args and tuple(raw_kwargs) not in self._phase_plans:
                         self._phase_plans[tuple(raw_kwargs)] = self.signature.plan(raw_args, raw_kwargs)
                 else:
@@ -269,7 +271,7 @@ class Dispatch:
             if rejection is not None:
                 return self.eager(*given, ("range", graph.name), f"{graph.name}: {rejection} ({backend.name}'s "
                                                                        "accepted inputs); such calls run eager")
-        if tuned.values is not None:
+        if tuned.values is not None and host_values:
             rejection = tuned.values.rejects(leaves, phase.capacity if phase is not None else None)
             if rejection is not None:
                 return self.eager(*given, ("values", graph.name), f"{graph.name}: {rejection}; such calls "
@@ -357,14 +359,15 @@ class Dispatch:
             self._routes[raw_key] = (tuned, plan)
         return tuned, [*args, *kwargs.values()]
 
-    def _phase_route(self, phase: PhaseCall, args, kwargs) -> tuple[TunedGraph | None, list, list, PhaseCall]:
+    def _phase_route(self, phase: PhaseCall, args, kwargs) -> tuple[TunedGraph | None, list, list, PhaseCall, bool]:
         """The graph of a decoder call with a key/value cache, found by :attr:`PhaseCall.route` (the cache is
         flattened once per route, not per call); the call's leaves with only its top-level tensors filled in
         (None elsewhere), which the value gate reads by index; those top-level tensors alone, which the
-        per-call checks walk; and the call's :class:`PhaseCall`, read from the device where the phase assumed
-        without reading it finds no graph (NOTE [decode without a device read] in aitune/torch/record/llm.py). The
-        cache's own tensors are the artifact's business and its fill is checked from :class:`PhaseCall` (NOTE
-        [caches as inputs])."""
+        per-call checks walk; the call's :class:`PhaseCall`, read from the device where the phase assumed
+        without reading it finds no graph (NOTE [decode without a device read] in aitune/torch/record/llm.py); and
+        whether any top-level tensor is on the CPU: the value gate reads only those, so a route with none (a
+        decode step on the GPU; the route's key holds each tensor's device) skips it. The cache's own tensors are
+        the artifact's business and its fill is checked from :class:`PhaseCall` (NOTE [caches as inputs])."""
         entry = self._phase_routes.get(phase.route)
         if entry is None:
             leaves, spec = tree_flatten((args, kwargs))
@@ -374,8 +377,9 @@ class Dispatch:
                 if child.kind == LEAF:
                     offsets[name] = offset
                 offset += child.num_leaves
-            entry = self._phase_routes[phase.route] = (tuned, offsets, offset)
-        tuned, offsets, count = entry
+            host = any(isinstance(kwargs[name], torch.Tensor) and kwargs[name].is_cpu for name in offsets)
+            entry = self._phase_routes[phase.route] = (tuned, offsets, offset, host)
+        tuned, offsets, count, host = entry
         if tuned is None and phase.assumed:  # no graph for the phase assumed: read it
             read = phase_call(args, kwargs)
             if read is not None and read.phase != phase.phase:
@@ -385,7 +389,7 @@ class Dispatch:
         for name, index in offsets.items():
             leaves[index] = value = kwargs[name]
             top.append(value)
-        return tuned, leaves, top, phase
+        return tuned, leaves, top, phase, host
 
     def _stale(self, args, kwargs, backend):
         return self.eager(args, kwargs, "stale", f"{self.watch.reason}: {backend.name} baked the old weights "
