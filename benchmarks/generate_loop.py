@@ -11,6 +11,10 @@ them: ``tuned`` at ``ait.Module.__call__`` (the view's route to it and generate'
 - ``outside``: ``period - inside``: generate's own work per step, its wait for the device included;
 - ``tuned-bare``: the tuned path with its decode calls sent straight to the decode graph's compiled callable
   (:func:`_bare`): ``tuned - tuned-bare`` is what aitune's dispatch costs per token in the loop;
+- ``tuned-via-hf`` (CUDA): the tuned path with its decode calls sent to transformers' compiled call instead, and
+  ``hf-loop-ours`` (CUDA): transformers' own loop (auto-compile on) calling aitune's compiled decode graph as
+  ``tuned-bare`` does: with ``tuned-bare`` and ``hf-compile``, which of the two — how the call is reached or
+  what is called — makes a difference;
 - ``device_span`` (CUDA only, a second set of rounds with events around each call): from an event recorded
   before the call to one recorded after it returns (µs on the device's clock): the device time the call takes in
   the loop, idle gaps while the host prepares the launch included.
@@ -97,12 +101,47 @@ def _bare(wrapped) -> Callable:
     return call
 
 
+def _compiled_decode(wrapped) -> Callable:
+    """The tuned decode graph's compiled callable as ``_bare`` calls it (step marker, plan, output copy), as a
+    function of the call as given."""
+    from aitune.torch.backend.inductor_jit import clone_output
+
+    dispatch = wrapped._self_dispatch
+    graph = next(graph for graph in wrapped.graphs if getattr(graph, "phase", None) == "decode")
+    compiled = wrapped.backends[graph.name]._compiled
+
+    def call(*args, **kwargs):
+        plan = dispatch._phase_plans.get(tuple(kwargs)) if not args else None
+        torch.compiler.cudagraph_mark_step_begin()
+        normal_args, normal_kwargs = plan(args, kwargs) if plan is not None else dispatch.signature.normalize(
+            args, kwargs)
+        return clone_output(compiled(*normal_args, **normal_kwargs))
+    return call
+
+
+def _via(wrapped, decode: Callable) -> Callable:
+    """``ait.Module.__call__`` with ``wrapped``'s one-token calls sent to ``decode`` (the call as given)."""
+    serve = Module.__call__
+
+    def call(self, *args, **kwargs):
+        tokens = kwargs.get("input_ids")
+        if self is not wrapped or args or tokens is None or tokens.shape[1] != 1:
+            return serve(self, *args, **kwargs)
+        return decode(**kwargs)
+    return call
+
+
 def _timing(path: str, model, times: _CallTimes, wrapped=None):
     """A context in which ``path``'s model calls inside generate are timed."""
     if path == "tuned":
         return _patched(Module, "__call__", times.timed(Module.__call__))
     if path == "tuned-bare":
         return _patched(Module, "__call__", times.timed(_bare(wrapped)))
+    if path == "tuned-via-hf":  # the wrapper's decode calls to transformers' compiled call (made by hf-compile)
+        return _patched(Module, "__call__", times.timed(_via(wrapped, vars(model)["_compiled_call"])))
+    if path == "hf-loop-ours":  # transformers' loop calling aitune's compiled decode graph
+        return _patched(type(model), "get_compiled_call",
+                        lambda self, config: times.timed(_compiled_decode(wrapped)))
     if path == "hf-compile":
         make = type(model).get_compiled_call
         return _patched(type(model), "get_compiled_call", lambda self, config: times.timed(make(self, config)))

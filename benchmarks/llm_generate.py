@@ -225,6 +225,9 @@ def main(argv=None) -> int:
         split_paths = {name: (lambda name=name: variant(name)())  # (variant() sets the decoder scope's model.model)
                        for name in ("tuned", "hf-compile", "eager-static") if name in names}
         split_paths["tuned-bare"] = split_paths["tuned"]  # (run with the decode calls sent straight to the graph)
+        if "hf-compile" in split_paths:  # (the same two runs, with the callables swapped: generate_loop.py)
+            split_paths["tuned-via-hf"] = split_paths["tuned"]
+            split_paths["hf-loop-ours"] = split_paths["hf-compile"]
         loop = loop_split(model, split_paths, args.loop_split, device.startswith("cuda"), wrapped)
         print_split(loop)
         use(True)
