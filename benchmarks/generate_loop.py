@@ -15,6 +15,8 @@ them: ``tuned`` at ``ait.Module.__call__`` (the view's route to it and generate'
   ``hf-loop-ours`` (CUDA): transformers' own loop (auto-compile on) calling aitune's compiled decode graph as
   ``tuned-bare`` does: with ``tuned-bare`` and ``hf-compile``, which of the two — how the call is reached or
   what is called — makes a difference;
+- ``graph_checks_per_call`` (CUDA): cudagraph trees' invariant checks per model call (the recorded graphs of the
+  called function tried before one runs), and ``cudagraph_roots``: recorded graphs per compiled function;
 - ``device_span`` (CUDA only, a second set of rounds with events around each call): from an event recorded
   before the call to one recorded after it returns (µs on the device's clock): the device time the call takes in
   the loop, idle gaps while the host prepares the launch included.
@@ -157,22 +159,58 @@ def loop_split(model, paths: dict[str, Callable[[], object]], rounds: int, cuda:
     round by round. ``model``: the causal LM (its class is patched for the timing of the ``hf-compile`` and
     ``eager-static`` paths, only while they run); ``wrapped``: the tuned ``ait.Module`` (for ``tuned-bare``)."""
     per_run: dict[str, list[dict]] = {name: [] for name in paths}
+    checks = {name: [0, 0] for name in paths}  # CUDA-graph tree nodes tried per path: (invariant checks, steps)
     for with_events in ((False, True) if cuda else (False,)):
         for _ in range(rounds):
             for name, run in paths.items():
                 times = _CallTimes()
                 times.use_events = with_events
-                with _timing(name, model, times, wrapped), torch.no_grad():
+                with _timing(name, model, times, wrapped), _counted_checks(cuda, checks[name]), torch.no_grad():
                     run()
                 if cuda:
                     torch.cuda.synchronize()
                 per_run[name].append(_split(times, with_events))
+                checks[name][1] += len(times.calls)
     result = {}
     for name, runs in per_run.items():
         keys = [key for key in ("period", "inside", "outside", "device_span") if any(key in run for run in runs)]
         result[name] = {key: round(statistics.median(run[key] for run in runs if key in run), 1) for key in keys}
         result[name]["steps"] = min(run["steps"] for run in runs)
+        if cuda:
+            result[name]["graph_checks_per_call"] = round(checks[name][0] / max(checks[name][1], 1), 2)
+    if cuda:
+        result["cudagraph_roots"] = _cudagraph_roots()
     return result
+
+
+def _counted_checks(cuda: bool, count: list):
+    """A context counting, into ``count[0]``, the recorded CUDA graphs (cudagraph trees' nodes) tried per call
+    before one runs: each call checks the candidates for its compiled function until one's invariants hold."""
+    if not cuda:
+        return contextlib.nullcontext()
+    from torch._inductor.cudagraph_trees import CUDAGraphNode
+
+    check = CUDAGraphNode.check_invariants
+
+    def counted(self, inputs):
+        count[0] += 1
+        return check(self, inputs)
+    return _patched(CUDAGraphNode, "check_invariants", counted)
+
+
+def _cudagraph_roots() -> dict:
+    """Recorded CUDA graphs per compiled function at the root of cudagraph trees on the current device (a function
+    with several was re-recorded, e.g. for other static input addresses: every call tries them in turn)."""
+    from torch._inductor.cudagraph_trees import get_manager
+
+    try:
+        manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        if manager is None:
+            return {}
+        return {f"{manager.get_func_name(function_id)}#{function_id.id}": len(nodes)
+                for function_id, nodes in manager.roots.items()}
+    except Exception as exc:  # noqa: BLE001 - torch internals of another version: say so, keep the figures
+        return {"unreadable": f"{type(exc).__name__}: {exc}"}
 
 
 def _split(times: _CallTimes, with_events: bool) -> dict:
@@ -191,8 +229,12 @@ def _split(times: _CallTimes, with_events: bool) -> dict:
 
 def print_split(result: dict[str, dict]) -> None:
     print("a generate loop's decode step, µs (median over rounds of per-step medians)")
-    print(f"  {'path':14s} {'period':>9s} {'inside':>9s} {'outside':>9s} {'device span':>12s}")
+    print(f"  {'path':14s} {'period':>9s} {'inside':>9s} {'outside':>9s} {'device span':>12s} {'graphs tried':>12s}")
     for name, values in result.items():
-        span = values.get("device_span")
+        if name == "cudagraph_roots":
+            continue
+        span, tried = values.get("device_span"), values.get("graph_checks_per_call")
         print(f"  {name:14s} {values['period']:9.1f} {values['inside']:9.1f} {values['outside']:9.1f} "
-              f"{'' if span is None else f'{span:12.1f}'}")
+              f"{'' if span is None else f'{span:12.1f}'} {'' if tried is None else f'{tried:12.2f}'}")
+    if result.get("cudagraph_roots"):
+        print("  recorded CUDA graphs at the trees' root, per compiled function:", result["cudagraph_roots"])
