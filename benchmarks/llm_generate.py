@@ -37,9 +37,10 @@ aitune/torch/config.py). With it, ``--stages N`` adds the tuned call's host time
 ``--scope model`` wraps the whole causal LM instead of its decoder stack (``ait.Module(model, "model")``, then
 ``wrapped.generate(...)``: README, "Text generation"), head included; the gap between the two scopes is what
 running the head and the model's forward eagerly costs per token.
-``--loop-split ROUNDS`` times the decode calls where ``generate`` makes them, ROUNDS runs per path (tuned,
-tuned-bare: the decode calls sent straight to the compiled decode graph, hf-compile, eager-static): the loop's time per token split into the model call and the rest of the step, and on
-CUDA the device's span of the call (``benchmarks/generate_loop.py``): the isolated call of ``--decode-calls``
+``--loop-split ROUNDS`` (with ``--scope model``) times the decode calls where ``generate`` makes them, ROUNDS runs
+per path (tuned, tuned-bare: its decode calls past the dispatch to the decode backend, hf-compile, eager-static,
+and on CUDA two crossed paths): the loop's time per token split into the model call and the rest of the step, and
+on CUDA the device's span of the call (``benchmarks/generate_loop.py``): the isolated call of ``--decode-calls``
 starts with the device idle and the host's caches warm, the loop's does not.
 ``--skip`` leaves variants out (``eager-dynamic``, ``hf-compile``, ``hand-decoder``) where device time is short.
 """
@@ -141,6 +142,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if (args.stages or args.profile_decode) and not args.decode_calls:
         parser.error("--stages and --profile-decode time the decode call of --decode-calls N: give N too")
+    if args.loop_split and args.scope != "model":
+        parser.error("--loop-split times the model's call in every path: give --scope model too")
     ait.config.copy_cuda_graph_outputs = not args.no_output_copies
     dtype = getattr(torch, args.dtype)
     device = args.device
@@ -221,16 +224,15 @@ def main(argv=None) -> int:
     use(True)  # (the decoder scope's wrapper back in place)
     stats = json.loads(json.dumps(wrapped.stats))  # (a copy, before the decode calls below replay calls of their own)
     loop = None
-    if args.loop_split:
-        split_paths = {name: (lambda name=name: variant(name)())  # (variant() sets the decoder scope's model.model)
-                       for name in ("tuned", "hf-compile", "eager-static") if name in names}
-        split_paths["tuned-bare"] = split_paths["tuned"]  # (run with the decode calls sent straight to the graph)
-        if "hf-compile" in split_paths:  # (the same two runs, with the callables swapped: generate_loop.py)
+    if args.loop_split:  # (the whole model is the tuned scope: checked with the arguments)
+        split_paths = {name: variant(name) for name in ("tuned", "hf-compile", "eager-static") if name in names}
+        split_paths["tuned-bare"] = split_paths["tuned"]  # (the same runs, their decode calls served otherwise)
+        if "hf-compile" in split_paths:
             split_paths["tuned-via-hf"] = split_paths["tuned"]
             split_paths["hf-loop-ours"] = split_paths["hf-compile"]
-        loop = loop_split(model, split_paths, args.loop_split, device.startswith("cuda"), wrapped)
-        print_split(loop)
-        use(True)
+        loop, roots = loop_split(model, wrapped, split_paths, args.loop_split, device.startswith("cuda"))
+        print_split(loop, roots)
+        loop["cudagraph_roots"] = roots
     caller = wrapped if args.scope == "model" else None
     hand = hand_decoder if "hand-decoder" in names and args.scope == "decoder" else None
     decode_cost = stage_means = decode_cost_uncopied = None

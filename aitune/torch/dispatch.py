@@ -366,7 +366,7 @@ class Dispatch:
         per-call checks walk; the call's :class:`PhaseCall`, read from the device where the phase assumed
         without reading it finds no graph (NOTE [decode without a device read] in aitune/torch/record/llm.py); and
         whether any top-level tensor is on the CPU: the value gate reads only those, so a route with none (a
-        decode step on the GPU; the route's key holds each tensor's device) skips it. The cache's own tensors are
+        decode step on the GPU; the route's key holds each tensor's device index) skips it. The cache's own tensors are
         the artifact's business and its fill is checked from :class:`PhaseCall` (NOTE [caches as inputs])."""
         entry = self._phase_routes.get(phase.route)
         if entry is None:
@@ -377,7 +377,8 @@ class Dispatch:
                 if child.kind == LEAF:
                     offsets[name] = offset
                 offset += child.num_leaves
-            host = any(isinstance(kwargs[name], torch.Tensor) and kwargs[name].is_cpu for name in offsets)
+            # (by get_device(), as the route's key: -1 for the CPU, and for meta tensors too, which then count)
+            host = any(isinstance(kwargs[name], torch.Tensor) and kwargs[name].get_device() < 0 for name in offsets)
             entry = self._phase_routes[phase.route] = (tuned, offsets, offset, host)
         tuned, offsets, count, host = entry
         if tuned is None and phase.assumed:  # no graph for the phase assumed: read it
