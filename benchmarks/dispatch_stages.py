@@ -19,7 +19,7 @@ import contextlib
 import cProfile
 import pstats
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -42,17 +42,33 @@ def _timed(totals: dict, label: str, function: Callable) -> Callable:
 
 
 @contextlib.contextmanager
+def patched(owner, name: str, replacement) -> Iterator[None]:
+    """``owner.name`` set to ``replacement`` for the ``with`` block, then put back as it was (removed where
+    ``owner`` did not hold it itself, e.g. a method its class gives it). Used here and by
+    ``benchmarks/generate_loop.py``."""
+    original = vars(owner).get(name, _ABSENT)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        if original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+
+
+_ABSENT = object()
+
+
+@contextlib.contextmanager
 def _patched(totals: dict, module, backend):
     """Timers around the stages of ``module``'s (an ``ait.Module``) calls served by ``backend``."""
-    saved = []  # (owner, name, its own attribute before, or _ABSENT)
-
-    def patch(owner, name, label):
-        saved.append((owner, name, vars(owner).get(name, _ABSENT)))
-        setattr(owner, name, _timed(totals, label, getattr(owner, name)))
-
     import aitune.torch.backend.inductor_jit as inductor_jit
 
-    try:
+    with contextlib.ExitStack() as stack:
+        def patch(owner, name, label):
+            stack.enter_context(patched(owner, name, _timed(totals, label, getattr(owner, name))))
+
         patch(dispatch_module.Dispatch, "call", "Dispatch.call (total)")
         patch(dispatch_module, "phase_call", "phase_call (phase, cache fill)")
         patch(dispatch_module.Dispatch, "_phase_route", "_phase_route")  # (a re-routing call counts twice)
@@ -67,15 +83,6 @@ def _patched(totals: dict, module, backend):
         patch(inductor_jit, "clone_output", "clone_output")  # (Inductor JIT's copies; TorchAO's are not timed)
         patch(torch.compiler, "cudagraph_mark_step_begin", "cudagraph_mark_step_begin")
         yield
-    finally:
-        for owner, name, original in reversed(saved):
-            if original is _ABSENT:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-
-
-_ABSENT = object()
 
 
 def stages(module, backend, call: Callable[[], object], calls: int = 2000, cuda: bool = False,

@@ -38,11 +38,12 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from aitune.torch.module import Module
+from benchmarks.dispatch_stages import patched as _patched
 
 _CLOCK = time.perf_counter_ns
 CROSSED = ("tuned-via-hf", "hf-loop-ours")  # run after the other paths (see the module docstring)
@@ -81,29 +82,23 @@ class _CallTimes:
         return call
 
 
-@contextlib.contextmanager
-def _patched(owner, name: str, replacement) -> Iterator[None]:
-    """``owner.name`` set to ``replacement`` for the ``with`` block, then put back as it was (or removed)."""
-    original = vars(owner).get(name, _ABSENT)
-    setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        if original is _ABSENT:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, original)
 
 
-_ABSENT = object()
+def decode_backend(wrapped):
+    """``(GraphSpec, Backend)`` of the decode graph of ``wrapped`` (a tuned ``ait.Module``).
+
+    Raises:
+        StopIteration: ``wrapped`` has no decode graph.
+    """
+    graph = next(graph for graph in wrapped.graphs if getattr(graph, "phase", None) == "decode")
+    return graph, wrapped.backends[graph.name]
 
 
 def _decode_backend(wrapped) -> Callable:
     """The tuned decode graph's backend as a function of a call as given: the dispatch's normalising plan, then
     ``Backend.run`` as the dispatch calls it (no route, no check)."""
     dispatch = wrapped._self_dispatch
-    graph = next(graph for graph in wrapped.graphs if getattr(graph, "phase", None) == "decode")
-    backend = wrapped.backends[graph.name]
+    _, backend = decode_backend(wrapped)
 
     def call(*args, **kwargs):
         plan = dispatch._phase_plans.get(tuple(kwargs)) if not args else None

@@ -58,7 +58,7 @@ import torch
 import aitune.torch as ait
 from aitune.torch.record.llm import find_cache, rewind_cache
 from benchmarks.dispatch_stages import print_stages, profile_calls, stages
-from benchmarks.generate_loop import loop_split, print_split
+from benchmarks.generate_loop import decode_backend, loop_split, print_split
 
 MODELS = {
     # the tests' tiny model: 2 layers, hidden 64
@@ -232,7 +232,6 @@ def main(argv=None) -> int:
             split_paths["hf-loop-ours"] = split_paths["hf-compile"]
         loop, roots = loop_split(model, wrapped, split_paths, args.loop_split, device.startswith("cuda"))
         print_split(loop, roots)
-        loop["cudagraph_roots"] = roots
     caller = wrapped if args.scope == "model" else None
     hand = hand_decoder if "hand-decoder" in names and args.scope == "decoder" else None
     decode_cost = stage_means = decode_cost_uncopied = None
@@ -286,6 +285,7 @@ def main(argv=None) -> int:
         print_stages(f"the tuned decode call ({args.scope} scope)", stage_means)
     if loop is not None:
         result["generate_loop_step_us"] = loop
+        result["generate_loop_cudagraph_roots"] = roots
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)
@@ -348,8 +348,7 @@ def decode_call_cost(model, wrapped, hand_decoder, prompt, calls: int, rounds: i
     setting changed between two runs."""
     args, kwargs, cache, cached = last_decode_call(model, wrapped, prompt, caller)
     dispatch = wrapped._self_dispatch
-    graph = next(graph for graph in wrapped.graphs if getattr(graph, "phase", None) == "decode")
-    backend = wrapped.backends[graph.name]
+    _, backend = decode_backend(wrapped)
     normal_args, normal_kwargs = dispatch.signature.normalize(args, kwargs)
     cuda = prompt.is_cuda
     compiled = getattr(backend, "_compiled", None)
