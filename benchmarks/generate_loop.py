@@ -137,7 +137,7 @@ def _timing(path: str, model, times: _CallTimes, wrapped):
 
 
 def loop_split(model, wrapped, paths: dict[str, Callable[[], object]], rounds: int,
-               cuda: bool) -> tuple[dict[str, dict], dict]:
+               cuda: bool, profile_dir: str | None = None) -> tuple[dict[str, dict], dict]:
     """``(per path, recorded CUDA graphs per compiled function)``: per path the figures of the module docstring
     (µs) over ``rounds`` generate runs (on CUDA as many again with events), the paths' order rotating round by
     round (the crossed paths after the others, in their own rotation).
@@ -150,6 +150,9 @@ def loop_split(model, wrapped, paths: dict[str, Callable[[], object]], rounds: i
             ``hf-loop-ours``) -> a function running one ``generate`` of the run that path times.
         rounds: generate runs per path (and per pass: a second pass with events on CUDA).
         cuda: the model runs on CUDA (events, CUDA-graph counts).
+        profile_dir: after the timed rounds, one more run per path under cProfile, written here as
+            ``loop_<path>.txt`` (by own time, then by cumulative time; the call counts per decode step tell
+            what each path does more, the times are inflated by the profiler itself).
 
     Raises:
         RuntimeError: a run with fewer than three timed decode calls.
@@ -169,6 +172,9 @@ def loop_split(model, wrapped, paths: dict[str, Callable[[], object]], rounds: i
                         torch.cuda.synchronize()
                     per_run[name].append(_split(times, with_events))
                     checks[name][1] += len(times.calls)
+    if profile_dir is not None:
+        for name in first + crossed:
+            _profiled(name, model, wrapped, paths[name], profile_dir)
     result = {}
     for name, runs in per_run.items():
         keys = [key for key in ("period", "inside", "outside", "device_span") if any(key in run for run in runs)]
@@ -177,6 +183,30 @@ def loop_split(model, wrapped, paths: dict[str, Callable[[], object]], rounds: i
         if cuda:
             result[name]["graph_checks_per_call"] = round(checks[name][0] / max(checks[name][1], 1), 2)
     return result, (_cudagraph_roots() if cuda else {})
+
+
+def _profiled(name: str, model, wrapped, run: Callable[[], object], directory: str) -> None:
+    """One generate run of path ``name`` under cProfile, its statistics to ``directory/loop_<name>.txt``."""
+    import cProfile
+    import os
+    import pstats
+
+    times = _CallTimes(False)
+    profile = cProfile.Profile()
+    os.makedirs(directory, exist_ok=True)
+    with _timing(name, model, times, wrapped), torch.no_grad():
+        profile.runcall(run)
+    steps = max(len(times.calls), 1)
+    rows = [(calls, own, total, f"{os.path.basename(file)}:{line}({function})")
+            for (file, line, function), (_, calls, own, total, _) in pstats.Stats(profile).stats.items()]
+    with open(os.path.join(directory, f"loop_{name}.txt"), "w") as handle:
+        print(f"# path {name}: one generate run under cProfile, {len(times.calls)} decode calls; per decode call: "
+              "calls, own µs, cumulative µs (the profiler's own cost included)", file=handle)
+        for title, column in (("by own time", 1), ("by cumulative time", 2)):
+            print(f"## {title}", file=handle)
+            for row in sorted(rows, key=lambda row: -row[column])[:50]:
+                print(f"{row[0] / steps:9.2f} {row[1] / steps * 1e6:10.1f} {row[2] / steps * 1e6:10.1f}  {row[3]}",
+                      file=handle)
 
 
 def _split(times: _CallTimes, with_events: bool) -> dict:

@@ -41,7 +41,8 @@ running the head and the model's forward eagerly costs per token.
 per path (tuned, tuned-bare: its decode calls past the dispatch to the decode backend, hf-compile, eager-static,
 and on CUDA two crossed paths): the loop's time per token split into the model call and the rest of the step, and
 on CUDA the device's span of the call (``benchmarks/generate_loop.py``): the isolated call of ``--decode-calls``
-starts with the device idle and the host's caches warm, the loop's does not.
+starts with the device idle and the host's caches warm, the loop's does not; ``--loop-profile DIR`` adds one
+generate run per path under cProfile (``DIR/loop_<path>.txt``).
 ``--skip`` leaves variants out (``eager-dynamic``, ``hf-compile``, ``hand-decoder``) where device time is short.
 """
 
@@ -138,10 +139,15 @@ def main(argv=None) -> int:
     parser.add_argument("--loop-split", type=int, default=0, metavar="ROUNDS",
                         help="also split a generate loop's step into the model call and the rest, per path, over "
                              "ROUNDS runs each (benchmarks/generate_loop.py)")
+    parser.add_argument("--loop-profile", metavar="DIR",
+                        help="with --loop-split: one more generate run per path under cProfile, written to "
+                             "DIR/loop_<path>.txt")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     if (args.stages or args.profile_decode) and not args.decode_calls:
         parser.error("--stages and --profile-decode time the decode call of --decode-calls N: give N too")
+    if args.loop_profile and not args.loop_split:
+        parser.error("--loop-profile profiles the paths of --loop-split ROUNDS: give ROUNDS too")
     if args.loop_split and args.scope != "model":
         parser.error("--loop-split times the model's call in every path: give --scope model too")
     ait.config.copy_cuda_graph_outputs = not args.no_output_copies
@@ -230,7 +236,8 @@ def main(argv=None) -> int:
         if "hf-compile" in split_paths:
             split_paths["tuned-via-hf"] = split_paths["tuned"]
             split_paths["hf-loop-ours"] = split_paths["hf-compile"]
-        loop, roots = loop_split(model, wrapped, split_paths, args.loop_split, device.startswith("cuda"))
+        loop, roots = loop_split(model, wrapped, split_paths, args.loop_split, device.startswith("cuda"),
+                                 args.loop_profile)
         print_split(loop, roots)
     caller = wrapped if args.scope == "model" else None
     hand = hand_decoder if "hand-decoder" in names and args.scope == "decoder" else None
