@@ -171,6 +171,23 @@ def test_cuda_modules_are_synchronised_before_and_after_each_call(monkeypatch):
     assert synchronised == ["cuda:1", "cuda:1"]
 
 
+def test_inspection_reads_no_tensor_value(monkeypatch):
+    """Describing a call records shapes, never values: a value read waits for the device (a CUDA caller's queued
+    kernels would be timed as bookkeeping, outside every module's time) and costs a reduction per input."""
+    model = Top().eval()
+    runtime.enable_inspection()
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(self.shape) or item(self))
+    with torch.no_grad():
+        model(torch.randn(2, 16))
+        model(torch.randn(3, 16), extra=torch.ones(1))
+    assert reads == []
+    nodes = _by_name()
+    assert nodes["Top"].calls == 2 and nodes["Top.head"].calls == 2
+    assert "float32[2..3b, 16]" in nodes["Top.head"].inputs.describe()[0]["text"]
+
+
 def test_exclusions_depth_and_a_module_called_on_its_own_first():
     model = Top().eval()
     runtime.enable_inspection(skip_modules=["Top.blocks.1"], max_depth_level=2)

@@ -77,8 +77,10 @@ class TypeSignatures:
                 return leaves, batch_size
             if spec is None:
                 spec = tree_flatten((args, kwargs))[1]
+            # shapes only: no value read, which would wait for the device inside the timed window's bookkeeping
+            # and move the caller's queued kernels out of its time (NOTE [inspection timing])
             graph = GraphSpec(len(self._entries), key, spec, leaves, max_samples=0,
-                              positional_names=self._positional_names)
+                              positional_names=self._positional_names, record_values=False)
             graph.constants = {}  # values are not kept (types are, below)
             entry = {"graph": graph, "calls": 0, "hook_calls": 0,
                      "kinds": [leaf.device.type if isinstance(leaf, torch.Tensor) else type(leaf).__qualname__
