@@ -58,27 +58,11 @@ def inductor_only():
 
 @pytest.fixture(scope="module")
 def tuned():
-    """(model with its decoder tuned on prompts of lengths 5 and 7, eager twin, report); the report's
-    ``decode_cache_addresses`` holds, per cache shape, the data pointers of the cache tensors each run of a decode
-    candidate brought while tuning (a spy around ``TorchInductorJitBackend._run``, calling it unchanged)."""
+    """(model with its decoder tuned on prompts of lengths 5 and 7, eager twin, report)."""
     model = tiny_llama()
     eager = copy.deepcopy(model)
     model.model = ait.Module(model.model, "decoder", strategy=inductor_only())
-    addresses: dict[tuple, set] = {}
-    run = TorchInductorJitBackend._run
-
-    def spy(self, args, kwargs, *rest, **options):
-        cache = next((value for value in kwargs.values() if isinstance(value, transformers.Cache)), None)
-        if cache is not None and cache.get_seq_length() > 0:
-            tensors = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
-            addresses.setdefault(tuple(tuple(t.shape) for t in tensors), set()).add(
-                tuple(t.data_ptr() for t in tensors))
-        return run(self, args, kwargs, *rest, **options)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(TorchInductorJitBackend, "_run", spy)
-        report = ait.tune(lambda ids: generate(model, ids, **STATIC), [prompt(5), prompt(7)], ready_batches=True)
-    report.decode_cache_addresses = addresses
+    report = ait.tune(lambda ids: generate(model, ids, **STATIC), [prompt(5), prompt(7)], ready_batches=True)
     return model, eager, report
 
 
@@ -272,18 +256,6 @@ def test_measuring_restores_the_recorded_cache_in_place_before_every_call(tuned)
     assert [tensor.data_ptr() for tensor in cache_tensors(working)] == addresses
     for tensor, reference in zip(cache_tensors(working), cache_tensors(call)):
         assert not torch.equal(tensor, reference)  # the call wrote its position after the reset
-
-
-def test_decode_candidates_run_on_one_working_copy_of_the_cache_per_cache_length(tuned):
-    """NOTE [one working copy of a cache]: the warm-up, checks and measurement of a decode candidate bring the same
-    cache tensors (addresses) for one cache length, so that CUDA-graph trees record one graph for tuning, not one
-    per clone; the copies are dropped when the search ends."""
-    model, eager, report = tuned
-    by_shape = report.decode_cache_addresses
-    assert len(by_shape) == 2  # prompts of 5 and 7 tokens and 32 new ones: two cache lengths
-    assert all(len(seen) == 1 for seen in by_shape.values()), {shape[0]: len(seen) for shape, seen in by_shape.items()}
-    assert all(graph.working_copies == {} for graph in model.model.graphs)
-    assert torch.equal(generate(model, prompt(6), **STATIC), generate(eager, prompt(6), **STATIC))
 
 
 def test_a_sliding_window_layer_does_not_bound_the_positions_a_call_may_write():

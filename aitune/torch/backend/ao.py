@@ -24,7 +24,6 @@ from aitune.torch.backend.base import (
 from aitune.torch.common.requirements import validate_flags
 from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.compile_settings import parameter_freezing
-from aitune.torch.record.llm import candidate_inputs
 from aitune.torch.backend.inductor_jit import (
     COMPILE_MODES,
     allow_many_variants,
@@ -416,7 +415,7 @@ class TorchAOBackend(Backend):
                 return
             breaks_before = graph_break_count()
             for sample in graph.samples:  # warm-up: quantize/compile every recorded shape now
-                sample = candidate_inputs(graph, sample)  # one working copy of a cache (see that function)
+                sample = sample.clone()
                 self._infer(sample.args, sample.kwargs)
             self.build_info["graph_breaks"] = graph_break_count() - breaks_before
         finally:

@@ -18,7 +18,7 @@ from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.common.environment import native_bf16
-from aitune.torch.record.llm import DECODE, PREFILL, candidate_inputs, find_cache, folds_state, is_kv_cache
+from aitune.torch.record.llm import DECODE, PREFILL, find_cache, folds_state, is_kv_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger(__name__)
@@ -354,7 +354,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
                                        fullgraph=self.config.fullgraph, dynamic=dynamic)
         breaks_before = graph_break_count()
         for sample in graph.samples:  # warm-up: compile every recorded shape now, not at first use
-            sample = candidate_inputs(graph, sample)  # one working copy of a cache (see that function)
+            sample = sample.clone()
             self._run(sample.args, sample.kwargs)
         self.build_info["graph_breaks"] = graph_break_count() - breaks_before
         logger.debug("inductor_jit: %d graph breaks during warm-up", self.build_info["graph_breaks"])

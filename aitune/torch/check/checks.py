@@ -18,7 +18,6 @@ from aitune.errors import CorrectnessError, ShapeMismatchError, ToleranceExceede
 from aitune.torch.check.context import EvaluationSettings, GraphContext
 from aitune.torch.check.correctness import ComparisonResult, OutputComparator, Tolerance, comparator_for
 from aitune.torch.check.probes import SCALED_KINDS, Probe, run_probes
-from aitune.torch.record.llm import candidate_inputs
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 from aitune.torch.record.samples import same_values
 from aitune.torch.check.references import leaf_magnitudes
@@ -49,7 +48,7 @@ def check_against_eager(backend: Backend, context: GraphContext, tolerance: Tole
     if context.restore_state is not None:
         context.restore_state()
     for index, sample in enumerate(graph.samples):
-        inputs = candidate_inputs(graph, sample)
+        inputs = sample.clone()
         with torch.no_grad(), context.rng():
             output = owned_outputs(backend.infer(*inputs.args, **inputs.kwargs))
         with _nondeterminism_named(context):
@@ -217,7 +216,7 @@ def verify_round_trip(backend: Backend, context: GraphContext, tolerance: Tolera
                                                  context.device)
         try:
             with torch.no_grad(), context.rng():
-                inputs = candidate_inputs(context.graph, sample)
+                inputs = sample.clone()
                 actual = owned_outputs(restored.infer(*inputs.args, **inputs.kwargs))
         finally:
             restored.deactivate()

@@ -28,7 +28,6 @@ from aitune.torch.check.references import (CHUNK_ELEMENTS, ReferenceStore, Store
                                            leaf_magnitudes, spill_bytes_from_env)
 from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.measure.profiling import Measurement, ProfilingConfig
-from aitune.torch.record.llm import release_working_copies
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
 logger = logging.getLogger(__name__)
@@ -246,9 +245,7 @@ class GraphContext:
         return {signature(s.leaves()) for s in self.graph.samples} | {signature(p.sample.leaves()) for p in probes}
 
     def release(self) -> None:
-        """Drop the references (probes', rule 5's), the candidates' working copies of a cache and remove spilled
-        files once the graph is tuned."""
-        release_working_copies(self.graph)
+        """Drop the references (probes', rule 5's) and remove spilled files once the graph is tuned."""
         self._probes.clear()
         self._fp32_outputs.clear()
         self._fp32_inputs_after.clear()

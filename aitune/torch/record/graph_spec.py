@@ -195,7 +195,6 @@ class GraphSpec:
         self.phase: str | None = None
         self.untunable: str | None = None
         self.cache_input: str | None = None  # the keyword argument holding a key/value cache (phase graphs)
-        self.working_copies: dict[tuple, Sample] = {}  # candidates' inputs while tuning (llm.candidate_inputs)
         self.signature: CallSignature | None = None  # set by the Recorder: normalises direct backend calls
         self._apply_dynamic_shapes(dynamic_shapes or {})
 

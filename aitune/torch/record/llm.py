@@ -32,8 +32,6 @@ from typing import Any, Hashable, NamedTuple
 
 import torch
 
-from aitune.torch.record.call_sample import Sample
-from aitune.torch.record.object_state import reset_state
 from aitune.torch.record.pytree import TreeSpec, is_transformers_cache
 
 PREFILL = "prefill"
@@ -80,40 +78,6 @@ def folds_state(config) -> bool:
 def cache_object_input(graph) -> bool:
     """Does a phase graph take a transformers cache object (not only ``cache_position``)?"""
     return getattr(graph, "cache_input", None) is not None  # set for phase graphs only
-
-
-# NOTE [one working copy of a cache]: every clone of a sample gives its cache new tensors at new addresses, and
-# transformers marks a static cache's tensors as static addresses. Inductor's CUDA-graph trees
-# (``mode="reduce-overhead"``) record one graph per set of static-input addresses and, on every later call, try
-# the recorded graphs in the order they were recorded until one matches those of the call. A candidate that ran
-# on a fresh clone in its warm-up, its checks and its measurement had recorded a graph for each, and a tuned
-# decode step then tried ~10 stale graphs before the one for the user's cache: +270 us of host time per token
-# against transformers' own compiled call on an H100 (benchmarks/RESULTS.md). Tuning therefore runs candidates
-# of a graph that takes a cache object on one working copy per shape (a cache of another length has other
-# shapes), put back in place from each sample (``reset_state``: no allocation): one recorded graph per cache
-# length for tuning, one for the user's cache.
-def candidate_inputs(graph, sample: Sample) -> Sample:
-    """The inputs a candidate (or eager, when measured beside one) runs on for ``sample`` of ``graph``:
-    ``sample.clone()``, except for a graph that takes a key/value cache object (``graph.cache_input``): there
-    the graph's working copy for ``sample``'s shapes, its tensors reset in place to ``sample``'s values, or a new
-    clone kept as that copy (NOTE [one working copy of a cache]). The copy is the caller's to change until the
-    next call; :func:`release_working_copies` drops them all."""
-    if getattr(graph, "cache_input", None) is None:
-        return sample.clone()
-    copies = getattr(graph, "working_copies", None)
-    if copies is None:
-        copies = graph.working_copies = {}
-    kept = copies.get(sample.shapes())
-    if kept is not None and reset_state((kept.args, kept.kwargs), (sample.args, sample.kwargs)):
-        return kept
-    copies[sample.shapes()] = kept = sample.clone()
-    return kept
-
-
-def release_working_copies(graph) -> None:
-    """Drop ``graph``'s working copies of a cache (:func:`candidate_inputs`), e.g. when its search ends."""
-    if getattr(graph, "working_copies", None):
-        graph.working_copies.clear()
 
 
 def is_kv_cache(value: Any) -> bool:

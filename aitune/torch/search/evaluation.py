@@ -27,7 +27,7 @@ from aitune.torch.check.context import EvaluationSettings, GraphContext
 from aitune.torch.check.correctness import comparator_for
 from aitune.torch.measure.profiling import Measurement, ProfilingConfig, measure, measure_pair, paired_speedup
 from aitune.torch.search.crashes import crash_signal
-from aitune.torch.record.llm import candidate_inputs
+from aitune.torch.record.object_state import reset_state
 from aitune.torch.report.rows import (
     FAILED,
     NO_OP,
@@ -453,12 +453,15 @@ def _samples(context: GraphContext) -> tuple[list, list[int]]:
 def _caller(backend: Backend, context: GraphContext):
     """``run(sample)`` calling ``backend`` on one recorded sample."""
     if getattr(context.graph, "cache_input", None) is not None:
-        # A key/value cache: the graph's one working copy, its recorded state put back in place before each call
-        # (no allocation, the same addresses for CUDA graphs), for every candidate alike (NOTE [one working copy
-        # of a cache] in aitune.torch.record.llm).
+        # A key/value cache: one working copy per sample, its recorded state put back in place before each call
+        # (object_state.reset_state: no allocation, the same addresses for CUDA graphs), for every candidate alike.
+        working: dict = {}
+
         def run(sample):
-            inputs = candidate_inputs(context.graph, sample)
-            return backend.infer(*inputs.args, **inputs.kwargs)
+            copy = working.get(id(sample))
+            if copy is None or not reset_state((copy.args, copy.kwargs), (sample.args, sample.kwargs)):
+                copy = working[id(sample)] = sample.clone()
+            return backend.infer(*copy.args, **copy.kwargs)
     elif context.graph.mutated_inputs:
         # The module changes its inputs in place: each call gets a fresh copy (for every candidate alike),
         # or thousands of warm-up calls would drift the inputs towards inf/denormals.
