@@ -442,6 +442,36 @@ def test_a_candidate_that_does_not_write_the_cache_is_rejected(tuned, tmp_path):
         context.release()
 
 
+def test_a_candidate_that_keeps_serving_the_cache_its_warm_up_saw_is_rejected(tuned, tmp_path):
+    """A CUDA graph replays on the tensors it recorded: a decode backend that keeps serving the cache object of its
+    first call (its build's warm-up) must fail its checks. So each check runs on a fresh clone of the sample, never
+    on tensors a warm-up already handed to the candidate (a change that shared one working copy of the cache between
+    warm-up and checks let such a backend pass, and generate then failed)."""
+    from aitune.errors import CorrectnessError
+    from aitune.torch.check.checks import check_against_eager
+    from aitune.torch.check.context import GraphContext
+    from aitune.torch.check.tolerance import Tolerance
+
+    class Pinned(TorchInductorJitBackend):
+        def _run(self, args, kwargs, copy=True):
+            name = next(key for key, value in kwargs.items() if isinstance(value, transformers.Cache))
+            length = kwargs[name].layers[0].keys.shape  # one pinned cache per length, as one graph per shape
+            pinned = self.__dict__.setdefault("pinned_caches", {}).setdefault(length, kwargs[name])
+            return super()._run(args, {**kwargs, name: pinned}, copy)
+
+    model, _, _ = tuned
+    module, decode = model.model.__wrapped__, model.model.graphs[1]
+    context = GraphContext.from_eager(module, "decoder", decode, torch.device("cpu"), tmp_path)
+    try:
+        pinned = Pinned(TorchInductorJitBackendConfig(options=dict(CPP_WRAPPER))).build(module, decode, "cpu",
+                                                                                        tmp_path / "pinned")
+        assert len(pinned.pinned_caches) == 2  # its warm-up ran, on both cache lengths
+        with pytest.raises(CorrectnessError):
+            check_against_eager(pinned, context, Tolerance())
+    finally:
+        context.release()
+
+
 def test_each_cache_object_is_checked_against_its_own_capacity(tuned):
     """The description of a cache's layers is kept for the last cache seen (NOTE [cache facts memo] in
     aitune/torch/record/llm.py): a call that brings another, smaller cache is checked against that cache's

@@ -80,7 +80,7 @@ class TypeSignatures:
             # shapes only: no value read, which would wait for the device inside the timed window's bookkeeping
             # and move the caller's queued kernels out of its time (NOTE [inspection timing])
             graph = GraphSpec(len(self._entries), key, spec, leaves, max_samples=0,
-                              positional_names=self._positional_names, record_values=False)
+                              positional_names=self._positional_names, keeps_value_ranges=False)
             graph.constants = {}  # values are not kept (types are, below)
             entry = {"graph": graph, "calls": 0, "hook_calls": 0,
                      "kinds": [leaf.device.type if isinstance(leaf, torch.Tensor) else type(leaf).__qualname__

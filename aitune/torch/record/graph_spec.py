@@ -157,14 +157,14 @@ class GraphSpec:
 
     def __init__(self, index: int, key: Hashable, input_spec: TreeSpec, leaves: list[Any], max_samples: int = 8,
                  dynamic_shapes: dict | None = None, positional_names: list[str] | None = None,
-                 record_values: bool = True):
+                 keeps_value_ranges: bool = True):
         self.index = index
         self.name = f"graph{index}"
         self.key = key
         self.input_spec = input_spec
         self.max_samples = max_samples
         # False: shapes only, no tensor value read (an inspection's records: a read waits for the device)
-        self.record_values = record_values
+        self.keeps_value_ranges = keeps_value_ranges
         raw_paths = leaf_paths(input_spec)
         # Paths start with 0 (args) or 1 (kwargs); drop that level for names.
         readable = [_readable_path(p, positional_names or []) for p in raw_paths]
@@ -225,7 +225,7 @@ class GraphSpec:
     def add(self, sample: Sample, leaves: list[Any]) -> None:
         """Merge one call's shapes into the specs and keep the sample if its shapes are new/extreme."""
         self.num_calls += 1
-        if self.record_values:
+        if self.keeps_value_ranges:
             recorded = sample.leaves()  # the call's values before forward ran (it may change its inputs in place)
             for spec in self.tensor_specs:
                 if not in_cache(spec.path, self.cache_input):  # a cache's values are never gated (accepted.py)
