@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -174,7 +175,10 @@ def loop_split(model, wrapped, paths: dict[str, Callable[[], object]], rounds: i
                     checks[name][1] += len(times.calls)
     if profile_dir is not None:
         for name in first + crossed:
-            _profiled(name, model, wrapped, paths[name], profile_dir)
+            try:
+                _profiled(name, model, wrapped, paths[name], profile_dir)
+            except Exception as exc:  # noqa: BLE001 - a failed profile must not lose the timed figures
+                print(f"profile of path {name} failed: {type(exc).__name__}: {exc}")
     result = {}
     for name, runs in per_run.items():
         keys = [key for key in ("period", "inside", "outside", "device_span") if any(key in run for run in runs)]
@@ -197,11 +201,12 @@ def _profiled(name: str, model, wrapped, run: Callable[[], object], directory: s
     with _timing(name, model, times, wrapped), torch.no_grad():
         profile.runcall(run)
     steps = max(len(times.calls), 1)
-    rows = [(calls, own, total, f"{os.path.basename(file)}:{line}({function})")
+    rows = [(calls, own, total, f"{os.path.join(*Path(file).parts[-2:])}:{line}({function})")
             for (file, line, function), (_, calls, own, total, _) in pstats.Stats(profile).stats.items()]
     with open(os.path.join(directory, f"loop_{name}.txt"), "w") as handle:
-        print(f"# path {name}: one generate run under cProfile, {len(times.calls)} decode calls; per decode call: "
-              "calls, own µs, cumulative µs (the profiler's own cost included)", file=handle)
+        print(f"# path {name}: one generate run under cProfile, {len(times.calls)} decode calls; the whole run's "
+              "calls, own µs and cumulative µs divided by its decode calls (the prefill and set-up included: rows "
+              "called once per step are per step; the profiler's own cost included)", file=handle)
         for title, column in (("by own time", 1), ("by cumulative time", 2)):
             print(f"## {title}", file=handle)
             for row in sorted(rows, key=lambda row: -row[column])[:50]:

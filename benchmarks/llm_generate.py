@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -150,6 +151,11 @@ def main(argv=None) -> int:
         parser.error("--loop-profile profiles the paths of --loop-split ROUNDS: give ROUNDS too")
     if args.loop_split and args.scope != "model":
         parser.error("--loop-split times the model's call in every path: give --scope model too")
+    if args.loop_profile:  # before the tune: a directory that cannot be made must not cost a whole run
+        try:
+            os.makedirs(args.loop_profile, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--loop-profile {args.loop_profile}: {exc}")
     ait.config.copy_cuda_graph_outputs = not args.no_output_copies
     dtype = getattr(torch, args.dtype)
     device = args.device

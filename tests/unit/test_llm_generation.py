@@ -463,10 +463,12 @@ def test_a_candidate_that_keeps_serving_the_cache_its_warm_up_saw_is_rejected(tu
     module, decode = model.model.__wrapped__, model.model.graphs[1]
     context = GraphContext.from_eager(module, "decoder", decode, torch.device("cpu"), tmp_path)
     try:
-        pinned = Pinned(TorchInductorJitBackendConfig(options=dict(CPP_WRAPPER))).build(module, decode, "cpu",
-                                                                                        tmp_path / "pinned")
+        config = TorchInductorJitBackendConfig(options=dict(CPP_WRAPPER))
+        honest = TorchInductorJitBackend(config).build(module, decode, "cpu", tmp_path / "honest")
+        check_against_eager(honest, context, Tolerance())  # the same build, serving the caller's cache, passes
+        pinned = Pinned(config).build(module, decode, "cpu", tmp_path / "pinned")
         assert len(pinned.pinned_caches) == 2  # its warm-up ran, on both cache lengths
-        with pytest.raises(CorrectnessError):
+        with pytest.raises(CorrectnessError, match="output cache|input mutation not preserved"):
             check_against_eager(pinned, context, Tolerance())
     finally:
         context.release()

@@ -20,13 +20,15 @@ type), the axes that varied in step with the batch size (batch axes; visible onc
 seen), parameters and their dtypes, and where it sits in the hierarchy.
 
 NOTE [inspection timing]: ``time.perf_counter`` around the call; when the module's parameters or any input
-tensor are on CUDA, ``torch.cuda.synchronize`` first (so the caller's queued kernels stay the caller's
-time) and again after (so the module's own kernels are its time). Recording a call's types happens outside
-that window; self times leave this bookkeeping out, total times include that of the modules inside (the
-report states how much it was). The discovering call (a top-level module's first) is timed by the discovery
-hooks themselves: it counts, but the hook sees only its positional arguments — a signature seen only on
-that call is marked so. Module calls that do not go through ``module(...)`` (``child.forward(x)``, modules
-held outside the registered children) count as their caller's self time.
+tensor are on CUDA, ``torch.cuda.synchronize`` first (so the caller's queued kernels stay the caller's time)
+and again after (so the module's own kernels are its time). Recording a call's types happens outside that
+window and reads no tensor value (shapes, dtypes and devices only: a value read would wait for the device
+there, and the caller's queued kernels would count as bookkeeping); self times leave this bookkeeping out,
+total times include that of the modules inside (the report states how much it was). The discovering call (a
+top-level module's first) is timed by the discovery hooks themselves: it counts, but the hook sees only its
+positional arguments — a signature seen only on that call is marked so. Module calls that do not go through
+``module(...)`` (``child.forward(x)``, modules held outside the registered children) count as their caller's
+self time.
 
 States (the reference's ``InspectModule`` states): ``INIT`` tracked, no call yet; ``INSPECT`` its calls are
 timed (the tuning mode's RECORDING, without recording samples); ``SKIPPED`` excluded by a rule, the reason

@@ -1,5 +1,6 @@
 """Inspect mode's records: one :class:`InspectModule` per tracked module, its input/output
-:class:`TypeSignatures`, and the timing of its calls (NOTE [inspection timing] in :mod:`aitune.torch.jit.inspection`)."""
+:class:`TypeSignatures`, and the timing of its calls (NOTE [inspection timing] in
+:mod:`aitune.torch.jit.inspection`)."""
 
 from __future__ import annotations
 
