@@ -24,6 +24,7 @@ from aitune.torch.backend.base import (
 from aitune.torch.common.requirements import validate_flags
 from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.compile_settings import parameter_freezing
+from aitune.utils.logging import import_notices_to_debug
 from aitune.torch.backend.inductor_jit import (
     COMPILE_MODES,
     allow_many_variants,
@@ -92,21 +93,29 @@ def _all_linear_bf16(module: torch.nn.Module) -> bool:
     return all(sub.weight.dtype == torch.bfloat16 for sub in module.modules() if isinstance(sub, torch.nn.Linear))
 
 
+def torchao_import():
+    """A context for importing torchao: its import-time notices (kernels built for another Python or GPU, torch's
+    deprecation notes on its registrations) go to aitune's debug log, not the user's console
+    (:func:`aitune.utils.logging.import_notices_to_debug`); errors still show."""
+    return import_notices_to_debug("torchao", "torch.utils._pytree")
+
+
 def preset_config(preset: str):
     """The torchao 0.18 config object of a preset (imports torchao).
 
     ``set_inductor_config=False`` everywhere: torchao would otherwise change process-wide Inductor
     settings (coordinate-descent tuning, ...) for every later compile of any backend.
     """
-    from torchao.quantization import (
-        Float8DynamicActivationFloat8WeightConfig,
-        Float8WeightOnlyConfig,
-        Int4WeightOnlyConfig,
-        Int8DynamicActivationInt8WeightConfig,
-        Int8WeightOnlyConfig,
-        PerRow,
-        PerTensor,
-    )
+    with torchao_import():
+        from torchao.quantization import (
+            Float8DynamicActivationFloat8WeightConfig,
+            Float8WeightOnlyConfig,
+            Int4WeightOnlyConfig,
+            Int8DynamicActivationInt8WeightConfig,
+            Int8WeightOnlyConfig,
+            PerRow,
+            PerTensor,
+        )
 
     if preset == "int8wo":
         return Int8WeightOnlyConfig(set_inductor_config=False)
@@ -122,12 +131,14 @@ def preset_config(preset: str):
     if preset == "fp8dq_row":
         return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
     if preset == "mxfp8dq":
-        from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
+        with torchao_import():
+            from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
 
         return MXDynamicActivationMXWeightConfig(activation_dtype=torch.float8_e4m3fn,
                                                  weight_dtype=torch.float8_e4m3fn)
     if preset == "nvfp4dq":
-        from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
+        with torchao_import():
+            from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
 
         return NVFP4DynamicActivationNVFP4WeightConfig(use_dynamic_per_tensor_scale=True)
     raise ConfigError(f"unknown TorchAO preset {preset!r}; presets: {', '.join(PRESETS)}")
@@ -145,11 +156,12 @@ def _block_preset_refusal(preset: str, capability: tuple[int, int] | None, selec
         if weight is None:
             continue
         if weight.dtype != torch.bfloat16:
-            return f"{preset} needs bfloat16 weights; {name or 'the module'} has {str(weight.dtype).removeprefix('torch.')}"
+            return (f"{preset} needs bfloat16 weights; {name or 'the module'} has "
+                    f"{str(weight.dtype).removeprefix('torch.')}")
         dims = weight.shape[-2:] if preset == "nvfp4dq" else weight.shape[-1:]
         if any(size % block for size in dims):
-            return (f"{preset} needs weight dimension(s) {tuple(dims)} of {name or 'the module'} divisible by its block "
-                    f"size {block}")
+            return (f"{preset} needs weight dimension(s) {tuple(dims)} of {name or 'the module'} divisible by its "
+                    f"block size {block}")
     return None
 
 
@@ -214,7 +226,8 @@ class TorchAOBackendConfig(BackendConfig):
             self.quantization_config = self._config_from_data(self.quantization_config)
         if self.quantization_config is not None:
             try:
-                from torchao.core.config import AOBaseConfig
+                with torchao_import():
+                    from torchao.core.config import AOBaseConfig
             except ImportError as exc:
                 raise ConfigError("quantization_config needs torchao — pip install 'aitune[torchao]'") from exc
             if not isinstance(self.quantization_config, AOBaseConfig):
@@ -237,7 +250,8 @@ class TorchAOBackendConfig(BackendConfig):
                               "name only (torchao could not serialise it) and cannot be rebuilt; pass the config "
                               "object again: TorchAOBackendConfig(quantization_config=...)")
         try:
-            from torchao.core.config import config_from_dict
+            with torchao_import():
+                from torchao.core.config import config_from_dict
         except ImportError as exc:
             raise ConfigError("rebuilding a torchao quantization_config needs torchao — "
                               "pip install 'aitune[torchao]'") from exc
@@ -252,7 +266,8 @@ class TorchAOBackendConfig(BackendConfig):
         values["quantization_config"] = None
         if self.quantization_config is not None:
             try:
-                from torchao.core.config import config_to_dict
+                with torchao_import():
+                    from torchao.core.config import config_to_dict
 
                 values["quantization_config"] = config_to_dict(self.quantization_config)
             except Exception:  # noqa: BLE001 - recorded by name, refused on load
@@ -377,7 +392,8 @@ class TorchAOBackend(Backend):
         return True if graph is not None and graph.is_dynamic else None
 
     def _build(self, module, graph, device, workdir: Path) -> None:
-        from torchao.quantization import quantize_
+        with torchao_import():
+            from torchao.quantization import quantize_
 
         torchao_config, preset = self._torchao_config(device, module)
         self.build_info["preset"] = preset
