@@ -16,11 +16,10 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["DEFAULT_FORMAT", "console_output_enabled", "control_output", "import_notices_to_debug",
-           "libraries_logging", "set_module_level", "setup_logging"]
+__all__ = ["DEFAULT_FORMAT", "console_output_enabled", "control_output", "libraries_logging", "set_module_level",
+           "setup_logging"]
 
 DEFAULT_FORMAT = "%(asctime)s - %(levelname)s - %(message)s"
-_logger = logging.getLogger(__name__)
 
 
 def setup_logging(level: int | str | None = None, format_string: str = DEFAULT_FORMAT,
@@ -54,35 +53,6 @@ def setup_logging(level: int | str | None = None, format_string: str = DEFAULT_F
     root.setLevel(logging.INFO if level is None else level)
     logging.captureWarnings(capture_warnings)
     return root
-
-
-@contextlib.contextmanager
-def import_notices_to_debug(*names: str) -> Iterator[None]:
-    """While active, records below ERROR logged by the loggers ``names`` go to aitune's debug log
-    (``aitune.utils.logging``) instead of their handlers; ERROR and above pass as usual.
-
-    For optional packages aitune imports itself, whose import-time notices the user did not ask for: torchao 0.18
-    warns that kernels built for another Python version (``_C_mxfp8.cpython-310...``) or another GPU
-    (``_C_cutlass_90a``) do not load, and torch 2.13 warns about torchao's ``register_constant`` on Enum classes.
-    A logger's filter sees only the records logged on that logger, not its children's.
-    """
-
-    class _ToDebug(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            if record.levelno >= logging.ERROR:
-                return True
-            _logger.debug("import-time notice from %s: %s", record.name, record.getMessage())
-            return False
-
-    loggers = [logging.getLogger(name) for name in names]
-    notices = _ToDebug()
-    for logger in loggers:
-        logger.addFilter(notices)
-    try:
-        yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(notices)
 
 
 def set_module_level(name: str, level: int | str) -> None:

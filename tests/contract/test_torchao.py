@@ -254,25 +254,3 @@ def test_a_quantizer_that_quantizes_nothing_is_not_compiled(fast_profiling):
     assert row.status == "no-op"
     assert counters["stats"]["unique_graphs"] == graphs_before  # nothing was traced or compiled
     assert tuned.backends["graph0"].name == "eager"
-
-
-NOTICES = ("Failed to load", "register_constant")  # torchao 0.18's import-time notices on this project's machines
-
-
-def _run(code: str) -> str:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
-
-
-def test_torchaos_import_time_notices_go_to_aitunes_debug_log_not_the_console():
-    """torchao imported by aitune (a preset's config) prints nothing of its import-time notices (kernels built for
-    another Python or GPU, torch's note on its Enum registrations); aitune's debug log keeps each of them."""
-    raw = [line for line in _run("import torchao.quantization").splitlines() if any(n in line for n in NOTICES)]
-    if not raw:
-        pytest.skip("torchao imports silently here: no notice to route")
-    quiet = _run("from aitune.torch.backend.ao import preset_config; preset_config('int8dq')")
-    assert not any(notice in quiet for notice in NOTICES), quiet
-    debug = _run("import logging; logging.basicConfig(level=logging.DEBUG, format='%(name)s|%(message)s'); "
-                 "from aitune.torch.backend.ao import preset_config; preset_config('int8dq')")
-    routed = [line.split(": ", 1)[1] for line in debug.splitlines()
-              if line.startswith("aitune.utils.logging|import-time notice from ")]
-    assert all(any(line.endswith(message) for message in routed) for line in raw), (raw, routed)

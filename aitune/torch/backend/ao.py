@@ -24,7 +24,6 @@ from aitune.torch.backend.base import (
 from aitune.torch.common.requirements import validate_flags
 from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.compile_settings import parameter_freezing
-from aitune.utils.logging import import_notices_to_debug
 from aitune.torch.backend.inductor_jit import (
     COMPILE_MODES,
     allow_many_variants,
@@ -93,29 +92,21 @@ def _all_linear_bf16(module: torch.nn.Module) -> bool:
     return all(sub.weight.dtype == torch.bfloat16 for sub in module.modules() if isinstance(sub, torch.nn.Linear))
 
 
-def torchao_import():
-    """A context for importing torchao: its import-time notices (kernels built for another Python or GPU, torch's
-    deprecation notes on its registrations) go to aitune's debug log, not the user's console
-    (:func:`aitune.utils.logging.import_notices_to_debug`); errors still show."""
-    return import_notices_to_debug("torchao", "torch.utils._pytree")
-
-
 def preset_config(preset: str):
     """The torchao 0.18 config object of a preset (imports torchao).
 
     ``set_inductor_config=False`` everywhere: torchao would otherwise change process-wide Inductor
     settings (coordinate-descent tuning, ...) for every later compile of any backend.
     """
-    with torchao_import():
-        from torchao.quantization import (
-            Float8DynamicActivationFloat8WeightConfig,
-            Float8WeightOnlyConfig,
-            Int4WeightOnlyConfig,
-            Int8DynamicActivationInt8WeightConfig,
-            Int8WeightOnlyConfig,
-            PerRow,
-            PerTensor,
-        )
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Float8WeightOnlyConfig,
+        Int4WeightOnlyConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        PerRow,
+        PerTensor,
+    )
 
     if preset == "int8wo":
         return Int8WeightOnlyConfig(set_inductor_config=False)
@@ -131,14 +122,12 @@ def preset_config(preset: str):
     if preset == "fp8dq_row":
         return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
     if preset == "mxfp8dq":
-        with torchao_import():
-            from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
+        from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
 
         return MXDynamicActivationMXWeightConfig(activation_dtype=torch.float8_e4m3fn,
                                                  weight_dtype=torch.float8_e4m3fn)
     if preset == "nvfp4dq":
-        with torchao_import():
-            from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
+        from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
 
         return NVFP4DynamicActivationNVFP4WeightConfig(use_dynamic_per_tensor_scale=True)
     raise ConfigError(f"unknown TorchAO preset {preset!r}; presets: {', '.join(PRESETS)}")
@@ -226,8 +215,7 @@ class TorchAOBackendConfig(BackendConfig):
             self.quantization_config = self._config_from_data(self.quantization_config)
         if self.quantization_config is not None:
             try:
-                with torchao_import():
-                    from torchao.core.config import AOBaseConfig
+                from torchao.core.config import AOBaseConfig
             except ImportError as exc:
                 raise ConfigError("quantization_config needs torchao — pip install 'aitune[torchao]'") from exc
             if not isinstance(self.quantization_config, AOBaseConfig):
@@ -250,8 +238,7 @@ class TorchAOBackendConfig(BackendConfig):
                               "name only (torchao could not serialise it) and cannot be rebuilt; pass the config "
                               "object again: TorchAOBackendConfig(quantization_config=...)")
         try:
-            with torchao_import():
-                from torchao.core.config import config_from_dict
+            from torchao.core.config import config_from_dict
         except ImportError as exc:
             raise ConfigError("rebuilding a torchao quantization_config needs torchao — "
                               "pip install 'aitune[torchao]'") from exc
@@ -266,8 +253,7 @@ class TorchAOBackendConfig(BackendConfig):
         values["quantization_config"] = None
         if self.quantization_config is not None:
             try:
-                with torchao_import():
-                    from torchao.core.config import config_to_dict
+                from torchao.core.config import config_to_dict
 
                 values["quantization_config"] = config_to_dict(self.quantization_config)
             except Exception:  # noqa: BLE001 - recorded by name, refused on load
@@ -392,8 +378,7 @@ class TorchAOBackend(Backend):
         return True if graph is not None and graph.is_dynamic else None
 
     def _build(self, module, graph, device, workdir: Path) -> None:
-        with torchao_import():
-            from torchao.quantization import quantize_
+        from torchao.quantization import quantize_
 
         torchao_config, preset = self._torchao_config(device, module)
         self.build_info["preset"] = preset
