@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 
 from aitune.torch.module import Module
-from benchmarks.dispatch_stages import patched as _patched
+from benchmarks.dispatch_stages import patched as _patched, profile_calls
 
 _CLOCK = time.perf_counter_ns
 CROSSED = ("tuned-via-hf", "hf-loop-ours")  # run after the other paths (see the module docstring)
@@ -191,19 +191,14 @@ def loop_split(model, wrapped, paths: dict[str, Callable[[], object]], rounds: i
 
 def _profiled(name: str, model, wrapped, run: Callable[[], object], directory: str) -> None:
     """One generate run of path ``name`` under cProfile, its statistics to ``directory/loop_<name>.txt``."""
-    import cProfile
-    import os
-    import pstats
-
     times = _CallTimes(False)
-    profile = cProfile.Profile()
-    os.makedirs(directory, exist_ok=True)
-    with _timing(name, model, times, wrapped), torch.no_grad():
-        profile.runcall(run)
+    with _timing(name, model, times, wrapped):
+        stats = profile_calls(run, 1)
     steps = max(len(times.calls), 1)
-    rows = [(calls, own, total, f"{os.path.join(*Path(file).parts[-2:])}:{line}({function})")
-            for (file, line, function), (_, calls, own, total, _) in pstats.Stats(profile).stats.items()]
-    with open(os.path.join(directory, f"loop_{name}.txt"), "w") as handle:
+    rows = [(calls, own, total, f"{'/'.join(Path(file).parts[-2:])}:{line}({function})")
+            for (file, line, function), (_, calls, own, total, _) in stats.stats.items()]
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with open(Path(directory) / f"loop_{name}.txt", "w") as handle:
         print(f"# path {name}: one generate run under cProfile, {len(times.calls)} decode calls; the whole run's "
               "calls, own µs and cumulative µs divided by its decode calls (the prefill and set-up included: rows "
               "called once per step are per step; the profiler's own cost included)", file=handle)
