@@ -26,7 +26,13 @@ Paths that swap what serves a decode call (the rest of the run as in the path th
   ``hf-loop-ours`` (CUDA): transformers' own loop (auto-compile on) calling aitune's decode backend as
   ``tuned-bare`` does. With ``tuned-bare`` and ``hf-compile`` they cross how the call is reached with what is
   called. They run after the other paths: a compiled function called with another cache (other static addresses)
-  records its CUDA graphs again.
+  records its CUDA graphs again;
+- ``hf-loop-callable`` and ``hf-loop-marker`` (CUDA, crossed too): transformers' loop calling the decode backend's
+  compiled callable with the layers of ``Backend.run`` peeled off: the callable alone (the normalising plan and
+  the freezing flag kept, no CUDA-graph step marker, no output copy: transformers' loop copies the logits it keeps
+  before the next step), and the callable after the step marker. Against ``hf-loop-ours`` (the whole ``run``:
+  marker, contexts, copy) and ``hf-compile`` (transformers' own compiled call) they tell which layer costs what
+  inside the loop.
 
 A call timed in isolation (``llm_generate.py --decode-calls``) starts with the device idle and the host's caches
 warm; inside the loop the same host work runs between generate's steps, so the two can differ: this module
@@ -47,7 +53,7 @@ from aitune.torch.module import Module
 from benchmarks.dispatch_stages import patched as _patched, profile_calls
 
 _CLOCK = time.perf_counter_ns
-CROSSED = ("tuned-via-hf", "hf-loop-ours")  # run after the other paths (see the module docstring)
+CROSSED = ("tuned-via-hf", "hf-loop-ours", "hf-loop-callable", "hf-loop-marker")  # run after the other paths (see the module docstring)
 
 
 def _one_token(kwargs: dict) -> bool:
@@ -109,6 +115,31 @@ def _decode_backend(wrapped) -> Callable:
     return call
 
 
+def _decode_callable(wrapped, marker: bool) -> Callable:
+    """The tuned decode graph's compiled callable as a function of a call as given: the dispatch's normalising
+    plan, the freezing flag the backend calls it under, and (``marker``) the CUDA-graph step marker first; no
+    output copy, no other context (the loop runs under ``no_grad`` without autocast).
+
+    Raises:
+        TypeError: the decode graph's backend is not a ``torch.compile`` one (no compiled callable to call).
+    """
+    dispatch = wrapped._self_dispatch
+    _, backend = decode_backend(wrapped)
+    compiled, freezing = getattr(backend, "_compiled", None), getattr(backend, "_freezing", None)
+    if compiled is None or freezing is None:
+        raise TypeError(f"the decode graph's backend {backend!r} has no compiled callable to call directly")
+
+    def call(*args, **kwargs):
+        plan = dispatch._phase_plans.get(tuple(kwargs)) if not args else None
+        normal_args, normal_kwargs = (plan(args, kwargs) if plan is not None
+                                      else dispatch.signature.normalize(args, kwargs))
+        if marker:
+            torch.compiler.cudagraph_mark_step_begin()
+        with freezing:
+            return compiled(*normal_args, **normal_kwargs)
+    return call
+
+
 def _via(wrapped, decode: Callable) -> Callable:
     """``ait.Module.__call__`` with ``wrapped``'s one-token calls sent to ``decode`` (the call as given)."""
     serve = Module.__call__
@@ -131,6 +162,9 @@ def _timing(path: str, model, times: _CallTimes, wrapped):
         return _patched(Module, "__call__", times.timed(_via(wrapped, vars(model)["_compiled_call"])))
     if path == "hf-loop-ours":
         return _patched(type(model), "get_compiled_call", lambda self, config: times.timed(_decode_backend(wrapped)))
+    if path in ("hf-loop-callable", "hf-loop-marker"):
+        decode = _decode_callable(wrapped, path == "hf-loop-marker")
+        return _patched(type(model), "get_compiled_call", lambda self, config: times.timed(decode))
     if path == "hf-compile":
         make = type(model).get_compiled_call
         return _patched(type(model), "get_compiled_call", lambda self, config: times.timed(make(self, config)))
@@ -148,7 +182,8 @@ def loop_split(model, wrapped, paths: dict[str, Callable[[], object]], rounds: i
             ``eager-static`` paths, only while they run).
         wrapped: the tuned ``ait.Module`` of ``model``, with a decode graph.
         paths: name (``tuned``, ``tuned-bare``, ``hf-compile``, ``eager-static``, ``tuned-via-hf``,
-            ``hf-loop-ours``) -> a function running one ``generate`` of the run that path times.
+            ``hf-loop-ours``, ``hf-loop-callable``, ``hf-loop-marker``) -> a function running one ``generate`` of
+            the run that path times.
         rounds: generate runs per path (and per pass: a second pass with events on CUDA).
         cuda: the model runs on CUDA (events, CUDA-graph counts).
         profile_dir: after the timed rounds, one more run per path under cProfile, written here as
@@ -186,7 +221,26 @@ def loop_split(model, wrapped, paths: dict[str, Callable[[], object]], rounds: i
         result[name]["steps"] = min(run["steps"] for run in runs)
         if cuda:
             result[name]["graph_checks_per_call"] = round(checks[name][0] / max(checks[name][1], 1), 2)
-    return result, (_cudagraph_roots() if cuda else {})
+    return result, {**(_cudagraph_roots() if cuda else {}), **_dynamo_entries(model)}
+
+
+def _dynamo_entries(model) -> dict:
+    """Dynamo's cache entries on the code of ``model``'s ``forward`` and each function it wraps (every
+    ``torch.compile`` of the model — aitune's candidates of both phases, transformers' own — adds its compiled
+    variants there, and a call tries them until one's guards hold): ``{"dynamo entries <function>": count}``."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    found, function = {}, type(model).forward
+    while function is not None and hasattr(function, "__code__"):
+        try:
+            count = len(_debug_get_cache_entry_list(function.__code__))
+        except Exception:  # noqa: BLE001 - torch internals of another version
+            count = 0
+        if count:
+            code = function.__code__
+            found[f"dynamo entries {Path(code.co_filename).name}:{code.co_firstlineno}({code.co_name})"] = count
+        function = getattr(function, "__wrapped__", None)
+    return found
 
 
 def _profiled(name: str, model, wrapped, run: Callable[[], object], directory: str) -> None:
@@ -257,10 +311,10 @@ def _cudagraph_roots() -> dict:
 def print_split(result: dict[str, dict], roots: dict) -> None:
     """The table of :func:`loop_split`'s figures."""
     print("a generate loop's decode step, µs (median over rounds of per-step medians)")
-    print(f"  {'path':14s} {'period':>9s} {'inside':>9s} {'outside':>9s} {'device span':>12s} {'graphs tried':>12s}")
+    print(f"  {'path':16s} {'period':>9s} {'inside':>9s} {'outside':>9s} {'device span':>12s} {'graphs tried':>12s}")
     for name, values in result.items():
         span, tried = values.get("device_span"), values.get("graph_checks_per_call")
-        print(f"  {name:14s} {values['period']:9.1f} {values['inside']:9.1f} {values['outside']:9.1f} "
+        print(f"  {name:16s} {values['period']:9.1f} {values['inside']:9.1f} {values['outside']:9.1f} "
               f"{'' if span is None else f'{span:12.1f}'} {'' if tried is None else f'{tried:12.2f}'}")
     if roots:
-        print("  recorded CUDA graphs at the trees' root, per compiled function:", roots)
+        print("  recorded CUDA graphs at the trees' root, per compiled function, and Dynamo's cache entries:", roots)

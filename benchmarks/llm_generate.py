@@ -39,7 +39,7 @@ aitune/torch/config.py). With it, ``--stages N`` adds the tuned call's host time
 running the head and the model's forward eagerly costs per token.
 ``--loop-split ROUNDS`` (with ``--scope model``) times the decode calls where ``generate`` makes them, ROUNDS runs
 per path (tuned, tuned-bare: its decode calls past the dispatch to the decode backend, hf-compile, eager-static,
-and on CUDA two crossed paths): the loop's time per token split into the model call and the rest of the step, and
+and on CUDA four crossed paths): the loop's time per token split into the model call and the rest of the step, and
 on CUDA the device's span of the call (``benchmarks/generate_loop.py``): the isolated call of ``--decode-calls``
 starts with the device idle and the host's caches warm, the loop's does not; ``--loop-profile DIR`` adds one
 generate run per path under cProfile (``DIR/loop_<path>.txt``).
@@ -241,7 +241,8 @@ def main(argv=None) -> int:
         split_paths["tuned-bare"] = split_paths["tuned"]  # (the same runs, their decode calls served otherwise)
         if "hf-compile" in split_paths:
             split_paths["tuned-via-hf"] = split_paths["tuned"]
-            split_paths["hf-loop-ours"] = split_paths["hf-compile"]
+            for name in ("hf-loop-ours", "hf-loop-callable", "hf-loop-marker"):
+                split_paths[name] = split_paths["hf-compile"]
         loop, roots = loop_split(model, wrapped, split_paths, args.loop_split, device.startswith("cuda"),
                                  args.loop_profile)
         print_split(loop, roots)
