@@ -192,6 +192,7 @@ class ValueGate:
     # (leaf index, path, recorded bound) per position into a key/value cache: [0, the call's cache capacity)
     positions: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
     leaf_indices: list[int] = dataclasses.field(default_factory=list)  # the leaves any check reads
+    finite_only: bool = False  # the finite check is the only one (a float model's gate: its per-call fast path)
 
     @classmethod
     def for_graph(cls, graph, quantizing: bool) -> "ValueGate | None":
@@ -230,6 +231,7 @@ class ValueGate:
                 gate.finite.append((spec.leaf_index, spec.path))
         gate.leaf_indices = sorted({entry[0] for entry in (*gate.integers, *gate.finite, *gate.magnitudes,
                                                            *gate.positions)})
+        gate.finite_only = not (gate.integers or gate.magnitudes or gate.positions)
         return gate if gate.leaf_indices else None
 
     def rejects(self, leaves: list[Any], capacity: int | None = None) -> str | None:
@@ -241,6 +243,12 @@ class ValueGate:
             capacity: positions the call's key/value cache holds (``max_cache_len``), for a phase graph's
                 position inputs; None: the smallest capacity recorded.
         """
+        if self.finite_only:  # (the loops below, for this gate alone: ~1 µs less per call on this project's CPU)
+            for index, path in self.finite:
+                tensor = leaves[index]
+                if tensor is not None and tensor.is_cpu and _non_finite(tensor):
+                    return f"input '{path}' holds nan/inf, which no recorded call had"
+            return None
         for index in self.leaf_indices:  # (Tensor.is_cpu: no torch.device built per access)
             leaf = leaves[index]
             if leaf is not None and not leaf.is_cpu:  # only the indices read below, not every leaf of a cache
@@ -266,14 +274,8 @@ class ValueGate:
                         f"accepted [{low}, {high}] (the recorded ids, or the embedding table they index)")
         for index, path in self.finite:
             tensor = leaves[index]
-            if tensor is None:
-                continue
-            # one reduction and one read: a finite sum means every element is finite (nan and inf propagate);
-            # a sum that overflowed is told apart by the full check
-            total = tensor.sum() if tensor.dtype in _SUM_AS_IS else tensor.sum(dtype=torch.float32)
-            if not math.isfinite(total.item()):
-                if not bool(torch.isfinite(tensor).all()):
-                    return f"input '{path}' holds nan/inf, which no recorded call had"
+            if tensor is not None and _non_finite(tensor):
+                return f"input '{path}' holds nan/inf, which no recorded call had"
         for index, path, limit in self.magnitudes:
             tensor = leaves[index]
             if tensor is None:
@@ -284,6 +286,13 @@ class ValueGate:
                         f"recorded largest ({limit / QUANTIZED_RANGE_FACTOR:.4g}) the quantized candidate was "
                         "checked on")
         return None
+
+
+def _non_finite(tensor: torch.Tensor) -> bool:
+    """Does a floating tensor hold nan or inf? One reduction and one read: a finite sum means every element is
+    finite (nan and inf propagate); a sum that overflowed is told apart by the full check."""
+    total = tensor.sum() if tensor.dtype in _SUM_AS_IS else tensor.sum(dtype=torch.float32)
+    return not math.isfinite(total.item()) and not bool(torch.isfinite(tensor).all())
 
 
 def _rolls(graph) -> bool:

@@ -215,6 +215,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
 
     _channels_last = False
     _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
+    _bare = False  # NOTE [a bare served call]
 
     name = "inductor_jit"
     config_class = TorchInductorJitBackendConfig
@@ -349,6 +350,8 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
                 # (a later re-tune's build may then reuse folded old weights; the check against eager rejects it)
                 self.build_info["frozen_copy_failed"] = f"{type(exc).__name__}: {exc}"
         self._freezing = parameter_freezing(frozen)
+        self._bare = not (self._clone_outputs or self._channels_last or frozen or self.config.autocast_enabled
+                          or self._restore_dtypes is not None)
         allow_many_variants()
         self._compiled = torch.compile(module, backend="inductor", mode=mode, options=options,
                                        fullgraph=self.config.fullgraph, dynamic=dynamic)
@@ -360,6 +363,12 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         logger.debug("inductor_jit: %d graph breaks during warm-up", self.build_info["graph_breaks"])
 
     def _run(self, args, kwargs, copy: bool = True):
+        # NOTE [a bare served call]: without CUDA graphs, autocast, freezing, a channels-last copy or outputs cast
+        # back, and with grad mode already off (as ait.Module's calls mostly are), a call is the compiled callable
+        # alone: the contexts below, even as no-op ones, cost ~1-3 µs of host time per call on this project's CPU
+        # (benchmarks/wrapper_cost.py)
+        if self._bare and not torch.is_grad_enabled():
+            return self._compiled(*args, **kwargs)
         if self._clone_outputs:
             torch.compiler.cudagraph_mark_step_begin()
         # (a caller already under no_grad, as ait.Module's calls mostly are, does not pay for entering it again)

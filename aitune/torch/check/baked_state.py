@@ -262,8 +262,10 @@ class BakedState:
             return "stale", self.stale
         self.calls += 1
         every = self.calls % VALUES_CHECK_EVERY == 0
-        if (list(map(len, self.sized)) != self.sizes or not _same(self._fast_attributes(), self.fast_attributes)
-                or sum(map(VERSION, self.tensor_values)) != self.tensor_versions
+        # (each check only where it has something to read: a module of torch.nn's layers alone has none of them)
+        if ((self.sized and list(map(len, self.sized)) != self.sizes)
+                or (self.fast_getters and not _same(self._fast_attributes(), self.fast_attributes))
+                or (self.tensor_values and sum(map(VERSION, self.tensor_values)) != self.tensor_versions)
                 or (every and (not _same(self._attributes(), self.attributes)
                                or list(map(len, self.sized_built_in)) != self.sizes_built_in))):
             self.calls -= 1  # checked in full again on the next call

@@ -342,7 +342,9 @@ class StateWatch:
         self.registrations = _REGISTRATIONS[0]
         self.submodules = list(map(id, self.module.modules()))  # a submodule swapped for another (no new weights)
         self.first = self.tensors[0] if self.tensors else None
-        self.first_facts = (self.pointers[0], self.dtypes[0]) if self.tensors else None
+        # (Tensor.get_device(): an int, no torch.device built per call; -1 off CUDA, where .to() also moves data)
+        self.first_facts = (self.pointers[0], self.tensors[0].dtype, self.tensors[0].get_device()) \
+            if self.tensors else None
         self.calls = 0
 
     def changed(self) -> str | None:
@@ -354,7 +356,7 @@ class StateWatch:
         self.calls += 1
         first = self.first
         if (sum(map(VERSION, tensors)) == self.version_sum and _REGISTRATIONS[0] == self.registrations
-                and (first is None or (first.data_ptr(), (first.dtype, first.device)) == self.first_facts)
+                and (first is None or (first.data_ptr(), first.dtype, first.get_device()) == self.first_facts)
                 and (self.calls % FULL_SCAN_EVERY or sum(map(_DATA_PTR, tensors)) == self.pointer_sum)):
             return None
         self.reason = self._what_changed()
