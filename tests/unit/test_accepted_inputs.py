@@ -97,6 +97,12 @@ def test_the_value_gate_reads_only_cpu_tensors():
     assert "nan/inf" in gate.rejects([torch.tensor([0, 3, 5]), torch.tensor([1.0, float("nan"), 1.0])])
     assert gate.rejects([torch.tensor([0, 9, 5], device="meta"), torch.ones(3, device="meta")]) is None
     assert "nan/inf" in gate.rejects([torch.tensor([0, 3, 5], device="meta"), torch.tensor([1.0, float("inf"), 1.0])])
+    assert not gate.finite_only  # (an integer input: the general loops)
+    floats = Recorder(torch.nn.Linear(3, 2))
+    floats.record(torch.nn.Linear(3, 2), (torch.ones(2, 3),), {}, None)
+    float_gate = ValueGate.for_graph(next(iter(floats.graphs.values())), quantizing=False)
+    assert float_gate.finite_only and float_gate.rejects([torch.ones(2, 3)]) is None
+    assert "nan/inf" in float_gate.rejects([torch.tensor([[1.0, float("nan"), 0.0]] * 2)])
 
 
 def test_the_value_gate_lets_through_every_valid_id_of_an_embedding_table():
@@ -131,19 +137,25 @@ def test_the_value_gate_lets_through_every_valid_id_of_an_embedding_table():
 def test_the_value_gate_tells_nan_and_inf_from_a_sum_that_overflows():
     """The finite check sums each floating input once: a sum that is not finite while every value is (an
     overflow) is served, nan and inf anywhere (also +inf and -inf together, whose sum is nan) run eager, in
-    every floating dtype, for strided views and for tensors that require grad."""
+    every floating dtype, for strided views and for tensors that require grad; a tensor off the CPU is not read.
+    Both ways through ``rejects``: the general loops, and a float model's fast path (``finite_only``, as
+    ``ValueGate.for_graph`` sets it when the finite check is the only one)."""
     from aitune.torch.backend.accepted import ValueGate
 
-    gate = ValueGate(finite=[(0, "x")], leaf_indices=[0])
-    for dtype, huge in ((torch.float32, 3e38), (torch.float64, 1e308), (torch.float16, 6e4), (torch.bfloat16, 3e38)):
-        assert gate.rejects([torch.full((16,), huge, dtype=dtype)]) is None, dtype
-        assert gate.rejects([torch.tensor([1.0, -2.0], dtype=dtype)]) is None, dtype
-        for bad in ([1.0, float("nan")], [float("inf"), 1.0], [float("inf"), float("-inf")], [float("-inf"), 0.0]):
-            assert "nan/inf" in gate.rejects([torch.tensor(bad, dtype=dtype)]), (dtype, bad)
-    strided = torch.ones(4, 6)[:, ::2]
-    assert gate.rejects([strided]) is None
-    strided[1, 1] = float("nan")
-    assert "nan/inf" in gate.rejects([strided])
-    with torch.no_grad():
-        assert gate.rejects([torch.ones(3, requires_grad=True)]) is None
-    assert "nan/inf" in gate.rejects([torch.tensor([float("nan")], requires_grad=True)])
+    for gate in (ValueGate(finite=[(0, "x")], leaf_indices=[0]),
+                 ValueGate(finite=[(0, "x")], leaf_indices=[0], finite_only=True)):
+        for dtype, huge in ((torch.float32, 3e38), (torch.float64, 1e308), (torch.float16, 6e4),
+                            (torch.bfloat16, 3e38)):
+            assert gate.rejects([torch.full((16,), huge, dtype=dtype)]) is None, dtype
+            assert gate.rejects([torch.tensor([1.0, -2.0], dtype=dtype)]) is None, dtype
+            for bad in ([1.0, float("nan")], [float("inf"), 1.0], [float("inf"), float("-inf")], [float("-inf"), 0.0]):
+                assert "nan/inf" in gate.rejects([torch.tensor(bad, dtype=dtype)]), (dtype, bad)
+        strided = torch.ones(4, 6)[:, ::2]
+        assert gate.rejects([strided]) is None
+        strided[1, 1] = float("nan")
+        assert "nan/inf" in gate.rejects([strided])
+        with torch.no_grad():
+            assert gate.rejects([torch.ones(3, requires_grad=True)]) is None
+        assert "nan/inf" in gate.rejects([torch.tensor([float("nan")], requires_grad=True)])
+        assert gate.rejects([torch.tensor([float("nan")], device="meta")]) is None
+        assert gate.rejects([None]) is None  # (a leaf a phase route leaves out)
