@@ -53,7 +53,8 @@ from aitune.torch.module import Module
 from benchmarks.dispatch_stages import patched as _patched, profile_calls
 
 _CLOCK = time.perf_counter_ns
-CROSSED = ("tuned-via-hf", "hf-loop-ours", "hf-loop-callable", "hf-loop-marker")  # run after the other paths (see the module docstring)
+# run after the other paths (see the module docstring)
+CROSSED = ("tuned-via-hf", "hf-loop-ours", "hf-loop-callable", "hf-loop-marker")
 
 
 def _one_token(kwargs: dict) -> bool:
@@ -104,15 +105,23 @@ def decode_backend(wrapped):
 def _decode_backend(wrapped) -> Callable:
     """The tuned decode graph's backend as a function of a call as given: the dispatch's normalising plan, then
     ``Backend.run`` as the dispatch calls it (no route, no check)."""
-    dispatch = wrapped._self_dispatch
+    normalise = _normaliser(wrapped)
     _, backend = decode_backend(wrapped)
 
     def call(*args, **kwargs):
-        plan = dispatch._phase_plans.get(tuple(kwargs)) if not args else None
-        normal_args, normal_kwargs = (plan(args, kwargs) if plan is not None
-                                      else dispatch.signature.normalize(args, kwargs))
-        return backend.run(normal_args, normal_kwargs, accepted=True)
+        return backend.run(*normalise(args, kwargs), accepted=True)
     return call
+
+
+def _normaliser(wrapped) -> Callable:
+    """The dispatch's normalising step for a call as given: the plan its phase fast path keeps for the call's
+    keyword names, else the signature's general normalisation."""
+    dispatch = wrapped._self_dispatch
+
+    def normalise(args, kwargs):
+        plan = dispatch._phase_plans.get(tuple(kwargs)) if not args else None
+        return plan(args, kwargs) if plan is not None else dispatch.signature.normalize(args, kwargs)
+    return normalise
 
 
 def _decode_callable(wrapped, marker: bool) -> Callable:
@@ -123,16 +132,14 @@ def _decode_callable(wrapped, marker: bool) -> Callable:
     Raises:
         TypeError: the decode graph's backend is not a ``torch.compile`` one (no compiled callable to call).
     """
-    dispatch = wrapped._self_dispatch
+    normalise = _normaliser(wrapped)
     _, backend = decode_backend(wrapped)
     compiled, freezing = getattr(backend, "_compiled", None), getattr(backend, "_freezing", None)
     if compiled is None or freezing is None:
         raise TypeError(f"the decode graph's backend {backend!r} has no compiled callable to call directly")
 
     def call(*args, **kwargs):
-        plan = dispatch._phase_plans.get(tuple(kwargs)) if not args else None
-        normal_args, normal_kwargs = (plan(args, kwargs) if plan is not None
-                                      else dispatch.signature.normalize(args, kwargs))
+        normal_args, normal_kwargs = normalise(args, kwargs)
         if marker:
             torch.compiler.cudagraph_mark_step_begin()
         with freezing:
@@ -173,9 +180,11 @@ def _timing(path: str, model, times: _CallTimes, wrapped):
 
 def loop_split(model, wrapped, paths: dict[str, Callable[[], object]], rounds: int,
                cuda: bool, profile_dir: str | None = None) -> tuple[dict[str, dict], dict]:
-    """``(per path, recorded CUDA graphs per compiled function)``: per path the figures of the module docstring
+    """``(per path, compiled entries)``: per path the figures of the module docstring
     (µs) over ``rounds`` generate runs (on CUDA as many again with events), the paths' order rotating round by
-    round (the crossed paths after the others, in their own rotation).
+    round (the crossed paths after the others, in their own rotation); compiled entries: on CUDA the recorded
+    CUDA graphs per compiled function (:func:`_cudagraph_roots`), and Dynamo's cache entries on the model's
+    forward (:func:`_dynamo_entries`).
 
     Args:
         model: the causal LM (its class is patched for the timing of the ``hf-compile``, ``hf-loop-ours`` and
@@ -232,13 +241,15 @@ def _dynamo_entries(model) -> dict:
 
     found, function = {}, type(model).forward
     while function is not None and hasattr(function, "__code__"):
+        code = function.__code__
+        name = f"dynamo entries {Path(code.co_filename).name}:{code.co_firstlineno}({code.co_name})"
         try:
-            count = len(_debug_get_cache_entry_list(function.__code__))
-        except Exception:  # noqa: BLE001 - torch internals of another version
+            count = len(_debug_get_cache_entry_list(code))
+        except Exception as exc:  # noqa: BLE001 - torch internals of another version: say so, keep the figures
+            found[name] = f"unreadable: {type(exc).__name__}: {exc}"
             count = 0
         if count:
-            code = function.__code__
-            found[f"dynamo entries {Path(code.co_filename).name}:{code.co_firstlineno}({code.co_name})"] = count
+            found[name] = count
         function = getattr(function, "__wrapped__", None)
     return found
 

@@ -299,7 +299,7 @@ def main(argv=None) -> int:
         print_stages(f"the tuned decode call ({args.scope} scope)", stage_means)
     if loop is not None:
         result["generate_loop_step_us"] = loop
-        result["generate_loop_cudagraph_roots"] = roots
+        result["generate_loop_compiled_entries"] = roots  # (CUDA graphs per compiled function, Dynamo entries)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)

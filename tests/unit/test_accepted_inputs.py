@@ -138,24 +138,29 @@ def test_the_value_gate_tells_nan_and_inf_from_a_sum_that_overflows():
     """The finite check sums each floating input once: a sum that is not finite while every value is (an
     overflow) is served, nan and inf anywhere (also +inf and -inf together, whose sum is nan) run eager, in
     every floating dtype, for strided views and for tensors that require grad; a tensor off the CPU is not read.
-    Both ways through ``rejects``: the general loops, and a float model's fast path (``finite_only``, as
-    ``ValueGate.for_graph`` sets it when the finite check is the only one)."""
+    Both ways through ``rejects``: a float model's fast path (``finite_only``: the finite check is the only one),
+    and the general loops (a gate that also checks an integer input, here one the calls never hold)."""
     from aitune.torch.backend.accepted import ValueGate
 
-    for gate in (ValueGate(finite=[(0, "x")], leaf_indices=[0]),
-                 ValueGate(finite=[(0, "x")], leaf_indices=[0], finite_only=True)):
+    general = ValueGate(finite=[(0, "x")], integers=[(5, "ids", 0, 9)])
+    fast = ValueGate(finite=[(0, "x")])
+    assert fast.finite_only and not general.finite_only and general.leaf_indices == [0, 5]
+    for gate in (fast, general):
+        def check(tensor, gate=gate):
+            return gate.rejects([tensor, *[None] * 5])  # (the general gate's integer input: absent)
+
         for dtype, huge in ((torch.float32, 3e38), (torch.float64, 1e308), (torch.float16, 6e4),
                             (torch.bfloat16, 3e38)):
-            assert gate.rejects([torch.full((16,), huge, dtype=dtype)]) is None, dtype
-            assert gate.rejects([torch.tensor([1.0, -2.0], dtype=dtype)]) is None, dtype
+            assert check(torch.full((16,), huge, dtype=dtype)) is None, dtype
+            assert check(torch.tensor([1.0, -2.0], dtype=dtype)) is None, dtype
             for bad in ([1.0, float("nan")], [float("inf"), 1.0], [float("inf"), float("-inf")], [float("-inf"), 0.0]):
-                assert "nan/inf" in gate.rejects([torch.tensor(bad, dtype=dtype)]), (dtype, bad)
+                assert "nan/inf" in check(torch.tensor(bad, dtype=dtype)), (dtype, bad)
         strided = torch.ones(4, 6)[:, ::2]
-        assert gate.rejects([strided]) is None
+        assert check(strided) is None
         strided[1, 1] = float("nan")
-        assert "nan/inf" in gate.rejects([strided])
+        assert "nan/inf" in check(strided)
         with torch.no_grad():
-            assert gate.rejects([torch.ones(3, requires_grad=True)]) is None
-        assert "nan/inf" in gate.rejects([torch.tensor([float("nan")], requires_grad=True)])
-        assert gate.rejects([torch.tensor([float("nan")], device="meta")]) is None
-        assert gate.rejects([None]) is None  # (a leaf a phase route leaves out)
+            assert check(torch.ones(3, requires_grad=True)) is None
+        assert "nan/inf" in check(torch.tensor([float("nan")], requires_grad=True))
+        assert check(torch.tensor([float("nan")], device="meta")) is None
+        assert gate.rejects([None] * 6) is None  # (leaves a phase route leaves out)

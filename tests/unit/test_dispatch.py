@@ -226,3 +226,40 @@ def test_the_wrapper_never_imports_the_orchestrator():
     # pyproject.toml [tool.importlinter]: tuning sits above module and dispatch; Module.tune gets it handed in
     for path in (PACKAGE / "module.py", PACKAGE / "dispatch.py"):
         assert "aitune.torch.tuning" not in _imported_modules(path), path.name
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_served_inductor_call_keeps_what_its_build_runs_under(autocast, fast_profiling):
+    """NOTE [a bare served call]: with grad mode off, a plain Inductor build answers through its compiled callable
+    alone (no contexts entered), and gives eager's values; a bf16-autocast build never takes that path: its served
+    calls still run under autocast (bf16 results, cast back to eager's fp32), also under ``no_grad``."""
+    from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    config = TorchInductorJitBackendConfig(autocast_enabled=autocast,
+                                           autocast_dtype=torch.bfloat16 if autocast else None)
+    strategy = ait.OneBackendStrategy(TorchInductorJitBackend(config), profiling_config=fast_profiling)
+    tuned = ait.Module(model, "bare", strategy=strategy.enable_performance_validation(False),
+                       guard=ait.GuardConfig(enabled=False))
+    x = torch.randn(4, 32)
+    ait.tune(tuned, [x], ready_batches=True, ignore_failing_modules=False)
+    backend = tuned.backends["graph0"]
+    entered = []
+    real_autocast = backend._autocast
+    backend._autocast = lambda: entered.append(1) or real_autocast()
+    with torch.no_grad():
+        served = tuned(x)
+        exact = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            in_bf16 = model(x).float()
+    assert tuned.backend_calls == 1 and served.dtype == torch.float32
+    if autocast:
+        assert entered == [1]  # under autocast, as at build
+        torch.testing.assert_close(served, in_bf16, rtol=2e-2, atol=2e-2)
+        assert float((served - exact).abs().max()) > 1e-4  # not an fp32 run
+    else:
+        assert entered == []  # the compiled callable alone
+        torch.testing.assert_close(served, exact, rtol=1e-5, atol=1e-5)
+        backend.run(*tuned._self_dispatch.signature.normalize((x,), {}))  # grad mode on: the contexts again
+        assert entered == [1]
