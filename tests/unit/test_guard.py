@@ -154,6 +154,26 @@ def test_the_interval_widens_so_costly_checks_stay_within_the_overhead():
         assert kept.interval == before
 
 
+def test_a_tune_timed_under_load_does_not_make_the_guard_check_every_call():
+    """A tune measured while the machine was loaded can report the backend's p50 far above its real time and a
+    speed-up far below 1 (seen: a small MLP at 11 ms against ~0.1 ms, speed-up ~0.01): N starts at 1, and with
+    that p50 every check looked free beside a served call, so N stayed 1 and every call re-ran eager. The
+    backend's own run inside a check bounds the serving time (NOTE [guard cost]): N widens as for a true one."""
+    clock, backend, x = _Clock(), TorchEagerBackend(), torch.ones(2)
+    config, seen = GuardConfig(max_overhead=0.25, max_check_every=100), {(torch.Size([2]),)}
+
+    def compare(expected, actual, chosen):
+        clock.spend(10.0)
+
+    guard = RuntimeGuard("graph0", config, compare, seen, speedup=0.01, serving_s=1000.0, clock=clock)
+    assert guard.interval == 1
+    for _ in range(6):  # the backend runs 1 s, eager 2 s, the comparison 10 s
+        guard.check(backend, lambda chosen: clock.spend(1.0, x), lambda: clock.spend(2.0, x), [x])
+    assert guard.backend_s == 1.0 and guard.check_s == 12.0
+    assert guard.interval == 48  # 1, 2, 4, ... then 12 s <= 0.25 * N * 1 s: as with serving_s=1.0
+    assert [guard.due([x]) for _ in range(96)].count(True) == 2
+
+
 def test_the_guard_takes_the_served_calls_time_from_the_tune_row():
     from aitune.torch.check.correctness import Tolerance
     from aitune.torch.check.guard import guard_for

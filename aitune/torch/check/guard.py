@@ -17,7 +17,10 @@ Two mechanisms protect a tuned module once it serves calls:
     output) can cost more than the eager call on a small module, several times a served call
     (``benchmarks/wrapper_cost.py`` prints the checks' share of the mean), so each check's time is measured
     and ``N`` widens, at most doubling per check, until the cheapest check seen, beyond one served call (the
-    row's measured p50), costs at most 2 % of ``N`` served calls, never past ``max_check_every``. ``s`` is the
+    row's measured p50, or the least time the backend's own run took inside a check where that is less: a
+    tune timed on a loaded machine reported a small MLP's p50 at 11 ms against ~0.1 ms, and a speed-up of
+    ~0.01, which made ``N`` 1 and re-ran eager at every call), costs at most 2 % of ``N`` served calls, never
+    past ``max_check_every``. ``s`` is the
     tune row's paired speed-up (the median of per-round ratios, NOTE [paired speed-up] in
     :mod:`aitune.torch.measure.profiling`), or its lower quartile when that figure is marked noisy.
     Signatures are remembered up to ``max_signatures``; the per-call cost of an unchecked call is building
@@ -166,9 +169,10 @@ class RuntimeGuard:
         self.calls = 0
         self.checks = 0
         self.events: list[GuardEvent] = []
-        # NOTE [guard cost]: the seconds a call of the chosen backend takes (its measured p50), and the least a
-        # check cost beyond such a call (s; None until one ran)
+        # NOTE [guard cost]: the seconds a call of the chosen backend takes (its measured p50), the least its own
+        # run took inside a check (s; None until one ran), and the least a check cost beyond such a call
         self.serving_s = serving_s if serving_s is not None and serving_s > 0 else None
+        self.backend_s: float | None = None
         self.check_s: float | None = None
         self._clock = clock
 
@@ -210,13 +214,21 @@ class RuntimeGuard:
         """
         if self.config.check_every is not None or self.serving_s is None or not self.interval:
             return
-        extra = max(0.0, elapsed_s - self.serving_s)  # the checked call stands in for one served call
+        # a tune measured while the machine was loaded can report a p50 many times the backend's real time (and
+        # a speed-up far below 1: a base interval of 1); the backend's own run in a check bounds it (noise only
+        # adds), so such a guard does not go on re-running eager at every call
+        serving = self.serving_s if self.backend_s is None else min(self.serving_s, self.backend_s)
+        extra = max(0.0, elapsed_s - serving)  # the checked call stands in for one served call
         self.check_s = extra if self.check_s is None else min(self.check_s, extra)  # noise only adds
-        needed = math.ceil(self.check_s / (self.config.max_overhead * self.serving_s))
+        needed = math.ceil(self.check_s / (self.config.max_overhead * serving))
         self.interval = min(self.config.max_check_every, max(self._base_interval, min(needed, 2 * self.interval)))
 
     def _check(self, backend, run_backend, run_eager, leaves):
-        output = clone_tree(run_backend(backend))
+        started = self._clock()
+        output = run_backend(backend)
+        ran = self._clock() - started
+        self.backend_s = ran if self.backend_s is None else min(self.backend_s, ran)
+        output = clone_tree(output)
         expected = run_eager()
         try:
             self.compare(expected, output, backend)
