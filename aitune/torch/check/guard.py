@@ -17,10 +17,10 @@ Two mechanisms protect a tuned module once it serves calls:
     output) can cost more than the eager call on a small module, several times a served call
     (``benchmarks/wrapper_cost.py`` prints the checks' share of the mean), so each check's time is measured
     and ``N`` widens, at most doubling per check, until the cheapest check seen, beyond one served call (the
-    row's measured p50, or the least time the backend's own run took inside a check where that is less: a
-    tune timed on a loaded machine reported a small MLP's p50 at 11 ms against ~0.1 ms, and a speed-up of
-    ~0.01, which made ``N`` 1 and re-ran eager at every call), costs at most 2 % of ``N`` served calls, never
-    past ``max_check_every``. ``s`` is the
+    row's measured p50; where a whole check took less than that p50, the least time the backend's own run took
+    inside a check, synchronised on CUDA: a tune timed on a loaded machine reported a small MLP's p50 at 8-18
+    ms against ~0.1 ms and a speed-up far below 1, which made ``N`` 1 and re-ran eager at every call), costs at
+    most 2 % of ``N`` served calls, never past ``max_check_every``. ``s`` is the
     tune row's paired speed-up (the median of per-round ratios, NOTE [paired speed-up] in
     :mod:`aitune.torch.measure.profiling`), or its lower quartile when that figure is marked noisy.
     Signatures are remembered up to ``max_signatures``; the per-call cost of an unchecked call is building
@@ -214,18 +214,26 @@ class RuntimeGuard:
         """
         if self.config.check_every is not None or self.serving_s is None or not self.interval:
             return
-        # a tune measured while the machine was loaded can report a p50 many times the backend's real time (and
-        # a speed-up far below 1: a base interval of 1); the backend's own run in a check bounds it (noise only
-        # adds), so such a guard does not go on re-running eager at every call
-        serving = self.serving_s if self.backend_s is None else min(self.serving_s, self.backend_s)
+        serving = self.serving_s
+        if elapsed_s < serving and self.backend_s is not None:
+            # a whole check (a backend run, an eager run, the comparison) took less than one served call by the
+            # tune's p50: that p50 was timed on a loaded machine (and its speed-up, far below 1, gave a base
+            # interval of 1); the backend's own runs in checks stand in, so the guard does not go on re-running
+            # eager at every call
+            serving = self.backend_s
         extra = max(0.0, elapsed_s - serving)  # the checked call stands in for one served call
         self.check_s = extra if self.check_s is None else min(self.check_s, extra)  # noise only adds
         needed = math.ceil(self.check_s / (self.config.max_overhead * serving))
         self.interval = min(self.config.max_check_every, max(self._base_interval, min(needed, 2 * self.interval)))
 
     def _check(self, backend, run_backend, run_eager, leaves):
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # (device time, as the tune's p50)
+        if cuda:
+            torch.cuda.synchronize()
         started = self._clock()
         output = run_backend(backend)
+        if cuda:
+            torch.cuda.synchronize()
         ran = self._clock() - started
         self.backend_s = ran if self.backend_s is None else min(self.backend_s, ran)
         output = clone_tree(output)
@@ -245,6 +253,7 @@ class RuntimeGuard:
                 continue
             replacement = candidate
             break
+        self.backend_s = self.check_s = None  # (the retired backend's times: the next check measures afresh)
         shapes = [list(shape) for shape in signature(leaves)]
         self.events.append(GuardEvent(self.graph_name, backend.name, reason, shapes,
                                       replacement.name if replacement is not None else "eager"))
