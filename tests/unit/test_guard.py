@@ -156,30 +156,45 @@ def test_the_interval_widens_so_costly_checks_stay_within_the_overhead():
 
 def test_a_tune_timed_under_load_does_not_make_the_guard_check_every_call():
     """A tune measured while the machine was loaded can report the backend's p50 far above its real time and a
-    speed-up far below 1 (seen: a small MLP at 11 ms against ~0.1 ms, speed-up ~0.01): N starts at 1, and with
-    that p50 every check looked free beside a served call, so N stayed 1 and every call re-ran eager. The
-    backend's own run inside a check stands in where a whole check took less than that p50 (NOTE [guard cost]): N
-    widens as for a true one. Where the p50 is plausible it is kept (a shorter run in a check does not widen N)."""
+    speed-up far below 1 (seen: a small MLP at 8-18 ms against ~0.1 ms): N starts at 1, and with that p50 every
+    check looked free beside a served call, so N stayed 1 and every call re-ran eager. Where the tune marked the
+    figure noisy and a whole check takes less than that p50, the backend's own run in a check stands in for it
+    (NOTE [guard cost]): N widens as for a true one. A plausible p50 is kept, and so is any p50 not marked noisy;
+    a backend the guard retires takes its times with it."""
     clock, backend, x = _Clock(), TorchEagerBackend(), torch.ones(2)
-    config, seen = GuardConfig(max_overhead=0.25, max_check_every=100), {(torch.Size([2]),)}
+    config, seen, verdict = GuardConfig(max_overhead=0.25, max_check_every=100), {(torch.Size([2]),)}, {}
 
     def compare(expected, actual, chosen):
         clock.spend(10.0)
+        if verdict.get("wrong"):
+            raise AssertionError("differs")
 
-    guard = RuntimeGuard("graph0", config, compare, seen, speedup=0.01, serving_s=1000.0, clock=clock)
+    def checks(guard, count, run_s=1.0):
+        for _ in range(count):  # eager 2 s, the comparison 10 s
+            guard.check(backend, lambda chosen: clock.spend(run_s, x), lambda: clock.spend(2.0, x), [x])
+
+    guard = RuntimeGuard("graph0", config, compare, seen, speedup=0.01, serving_s=1000.0, clock=clock,
+                         serving_noisy=True)
     assert guard.interval == 1
-    for _ in range(6):  # the backend runs 1 s, eager 2 s, the comparison 10 s
-        guard.check(backend, lambda chosen: clock.spend(1.0, x), lambda: clock.spend(2.0, x), [x])
-    assert guard.backend_s == 1.0 and guard.check_s == 12.0
+    checks(guard, 6)
+    assert guard.backend_s == 1.0 and guard.least_s == 13.0 and guard.check_s == 12.0
     assert guard.interval == 48  # 1, 2, 4, ... then 12 s <= 0.25 * N * 1 s: as with serving_s=1.0
     assert [guard.due([x]) for _ in range(96)].count(True) == 2
+    verdict["wrong"] = True  # the backend is retired (no fallback: eager serves): its times go with it
+    checks(guard, 1)
+    assert guard.backend_s is None and guard.least_s is None
     # a plausible p50 is kept although the backend's run in a check was shorter (an asynchronous launch, a warm
-    # cache, a smaller shape): a check of 12.1 s is longer than the 1 s served call, so N is 0.25 * N * 1 s >= 11.1 s
-    guard = RuntimeGuard("graph0", config, compare, seen, speedup=2.0, serving_s=1.0, clock=clock)
-    for _ in range(4):
-        guard.check(backend, lambda chosen: clock.spend(0.1, x), lambda: clock.spend(2.0, x), [x])
+    # cache): a check of 12.1 s is longer than the 1 s served call, so 0.25 * N * 1 s >= 11.1 s
+    verdict["wrong"] = False
+    guard = RuntimeGuard("graph0", config, compare, seen, speedup=2.0, serving_s=1.0, clock=clock,
+                         serving_noisy=True)
+    checks(guard, 4, run_s=0.1)
     assert guard.backend_s == pytest.approx(0.1) and guard.check_s == pytest.approx(11.1)
-    assert guard.interval == 45  # ceil(11.1 / 0.25), as before this rule; 111 with the 0.1 s run as the served call
+    assert guard.interval == 45  # 8, 16, 32, then ceil(11.1 / 0.25); the 0.1 s run as the served call: 100
+    # a p50 the tune did not mark noisy is taken as it is (and the backend's run is not timed)
+    guard = RuntimeGuard("graph0", config, compare, seen, speedup=0.01, serving_s=1000.0, clock=clock)
+    checks(guard, 6)
+    assert guard.backend_s is None and guard.interval == 1
 
 
 def test_the_guard_takes_the_served_calls_time_from_the_tune_row():
@@ -190,7 +205,9 @@ def test_the_guard_takes_the_served_calls_time_from_the_tune_row():
     backend = types.SimpleNamespace(passthrough=False)
     row = {"speedup": 2.0, "measurement": {"p50_ms": 0.5}}
     guard = guard_for(GuardConfig(), graph, backend, Tolerance(), row, set())
-    assert guard.serving_s == pytest.approx(0.0005) and guard.interval == 100
+    assert guard.serving_s == pytest.approx(0.0005) and guard.interval == 100 and not guard.serving_noisy
+    for noisy in ({"speedup_spread": {"noisy": True, "q25": 1.5}}, {"measurement": {"p50_ms": 0.5, "noise": 0.4}}):
+        assert guard_for(GuardConfig(), graph, backend, Tolerance(), {**row, **noisy}, set()).serving_noisy
     assert guard_for(GuardConfig(), graph, backend, Tolerance(), {"speedup": 2.0}, set()).serving_s is None
 
 

@@ -17,10 +17,11 @@ Two mechanisms protect a tuned module once it serves calls:
     output) can cost more than the eager call on a small module, several times a served call
     (``benchmarks/wrapper_cost.py`` prints the checks' share of the mean), so each check's time is measured
     and ``N`` widens, at most doubling per check, until the cheapest check seen, beyond one served call (the
-    row's measured p50; where a whole check took less than that p50, the least time the backend's own run took
-    inside a check, synchronised on CUDA: a tune timed on a loaded machine reported a small MLP's p50 at 8-18
-    ms against ~0.1 ms and a speed-up far below 1, which made ``N`` 1 and re-ran eager at every call), costs at
-    most 2 % of ``N`` served calls, never past ``max_check_every``. ``s`` is the
+    row's measured p50; where the tune marked that p50 or its speed-up noisy and even the quickest whole check
+    took less than it, the least time the backend's own run took in a check, until its output was ready: a
+    tune timed on a loaded machine reported a small MLP's p50 at 8-18 ms against ~0.1 ms and a speed-up far
+    below 1, which made ``N`` 1 and re-ran eager at every call), costs at most 2 % of ``N`` served calls,
+    never past ``max_check_every``. A check whose run raised is not counted. ``s`` is the
     tune row's paired speed-up (the median of per-round ratios, NOTE [paired speed-up] in
     :mod:`aitune.torch.measure.profiling`), or its lower quartile when that figure is marked noisy.
     Signatures are remembered up to ``max_signatures``; the per-call cost of an unchecked call is building
@@ -53,6 +54,8 @@ import torch
 from aitune.errors import ConfigError
 from aitune.torch.common.arguments import KnownFields
 from aitune.torch.check.correctness import comparator_for
+from aitune.torch.measure.profiling import NOISY_SPREAD
+from aitune.torch.record.pytree import tree_flatten
 from aitune.torch.record.samples import clone_tree
 
 logger = logging.getLogger(__name__)
@@ -158,7 +161,7 @@ class RuntimeGuard:
 
     def __init__(self, graph_name: str, config: GuardConfig, compare: Callable[[Any, Any], None], seen: set,
                  speedup: float | None, fallbacks: list | None = None, serving_s: float | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, serving_noisy: bool = False):
         self.graph_name = graph_name
         self.config = config
         self.compare = compare
@@ -169,11 +172,14 @@ class RuntimeGuard:
         self.calls = 0
         self.checks = 0
         self.events: list[GuardEvent] = []
-        # NOTE [guard cost]: the seconds a call of the chosen backend takes (its measured p50), the least its own
-        # run took inside a check (s; None until one ran), and the least a check cost beyond such a call
+        # NOTE [guard cost]: the seconds a call of the chosen backend takes (its measured p50) and the least a
+        # check cost beyond such a call (s; None until one ran); for a p50 the tune marked noisy also the least
+        # time a whole check took and the least the backend's own run in a check took
         self.serving_s = serving_s if serving_s is not None and serving_s > 0 else None
-        self.backend_s: float | None = None
+        self.serving_noisy = serving_noisy
         self.check_s: float | None = None
+        self.least_s: float | None = None
+        self.backend_s: float | None = None
         self._clock = clock
 
     def due(self, leaves: list) -> bool:
@@ -200,10 +206,11 @@ class RuntimeGuard:
         """
         self.checks += 1
         started = self._clock()
-        try:
-            return self._check(backend, run_backend, run_eager, leaves)
-        finally:
-            self._count_cost(self._clock() - started)
+        output, replacement = self._check(backend, run_backend, run_eager, leaves)  # (a check that raised: not
+        self._count_cost(self._clock() - started)  # counted, its short time says nothing of a check's cost)
+        if replacement is not backend:  # the retired backend's own times go with it
+            self.least_s = self.backend_s = None
+        return output, replacement
 
     def _count_cost(self, elapsed_s: float) -> None:
         """Widen the derived interval so that checks costing ``elapsed_s`` stay within ``max_overhead`` of the
@@ -215,27 +222,30 @@ class RuntimeGuard:
         if self.config.check_every is not None or self.serving_s is None or not self.interval:
             return
         serving = self.serving_s
-        if elapsed_s < serving and self.backend_s is not None:
-            # a whole check (a backend run, an eager run, the comparison) took less than one served call by the
-            # tune's p50: that p50 was timed on a loaded machine (and its speed-up, far below 1, gave a base
-            # interval of 1); the backend's own runs in checks stand in, so the guard does not go on re-running
-            # eager at every call
-            serving = self.backend_s
-        extra = max(0.0, elapsed_s - serving)  # the checked call stands in for one served call
-        self.check_s = extra if self.check_s is None else min(self.check_s, extra)  # noise only adds
+        if self.serving_noisy:
+            self.least_s = elapsed_s if self.least_s is None else min(self.least_s, elapsed_s)
+            if self.backend_s is not None and self.least_s < serving:
+                # a whole check (a backend run, an eager run, the comparison) took less than one served call by a
+                # p50 the tune marked noisy: timed on a loaded machine (its speed-up, far below 1, may have made
+                # the base interval 1); the backend's own runs in checks stand in, so the guard does not go on
+                # re-running eager at every call
+                serving = self.backend_s
+            self.check_s = max(0.0, self.least_s - serving)  # (one reference for every check: the least)
+        else:
+            extra = max(0.0, elapsed_s - serving)  # the checked call stands in for one served call
+            self.check_s = extra if self.check_s is None else min(self.check_s, extra)  # noise only adds
         needed = math.ceil(self.check_s / (self.config.max_overhead * serving))
         self.interval = min(self.config.max_check_every, max(self._base_interval, min(needed, 2 * self.interval)))
 
     def _check(self, backend, run_backend, run_eager, leaves):
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # (device time, as the tune's p50)
-        if cuda:
-            torch.cuda.synchronize()
-        started = self._clock()
-        output = run_backend(backend)
-        if cuda:
-            torch.cuda.synchronize()
-        ran = self._clock() - started
-        self.backend_s = ran if self.backend_s is None else min(self.backend_s, ran)
+        if self.serving_noisy:  # (NOTE [guard cost]: the backend's own run, until its output is ready)
+            started = self._clock()
+            output = run_backend(backend)
+            _wait_for(output)
+            ran = self._clock() - started
+            self.backend_s = ran if self.backend_s is None else min(self.backend_s, ran)
+        else:
+            output = run_backend(backend)
         output = clone_tree(output)
         expected = run_eager()
         try:
@@ -253,7 +263,6 @@ class RuntimeGuard:
                 continue
             replacement = candidate
             break
-        self.backend_s = self.check_s = None  # (the retired backend's times: the next check measures afresh)
         shapes = [list(shape) for shape in signature(leaves)]
         self.events.append(GuardEvent(self.graph_name, backend.name, reason, shapes,
                                       replacement.name if replacement is not None else "eager"))
@@ -262,6 +271,15 @@ class RuntimeGuard:
     def stats(self) -> dict:
         return {"calls": self.calls, "checks": self.checks, "check_every": self.interval,
                 "events": [event.to_dict() for event in self.events]}
+
+
+def _wait_for(output: Any) -> None:
+    """Wait until ``output``'s first CUDA tensor is computed (its device's current stream): a run's host time is
+    then its device time too, as the tune's p50 (CUDA events); nothing on the CPU."""
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+            torch.cuda.current_stream(leaf.device).synchronize()
+            return
 
 
 def guard_for(config: GuardConfig, graph, backend, tolerance, row: dict | None, checked: set,
@@ -295,9 +313,11 @@ def guard_for(config: GuardConfig, graph, backend, tolerance, row: dict | None, 
     def compare(expected, actual, chosen) -> None:
         comparator_for(chosen, tolerance).compare(expected, actual)
 
-    p50_ms = (row.get("measurement") or {}).get("p50_ms")
+    measurement = row.get("measurement") or {}
+    p50_ms = measurement.get("p50_ms")
+    noisy = bool((row.get("speedup_spread") or {}).get("noisy")) or (measurement.get("noise") or 0) > NOISY_SPREAD
     return RuntimeGuard(graph.name, config, compare, checked, guard_speedup(row), fallbacks,
-                        serving_s=float(p50_ms) / 1000 if p50_ms else None)
+                        serving_s=float(p50_ms) / 1000 if p50_ms else None, serving_noisy=noisy)
 
 
 # ------------------------------------------------------------------------------------------ stale weights
