@@ -1,7 +1,8 @@
 """The served call's fast paths against the general ones, side by side in one process (small MLP, this CPU).
 
 A plain Inductor JIT build of a small MLP (batch 4, fp32) is tuned once; then, interleaved in rounds (the order
-rotating, 300 timed calls per path per round, grad mode off):
+rotating, 300 timed calls per path per round, grad mode off; ``benchmarks.wrapper_cost.timed_rounds``, its
+warm-up first):
 
 - ``direct``: the backend's compiled callable, called with the canonical call it was warmed up on;
 - ``tuned``: the tuned module as users call it (NOTE [a bare served call] in aitune/torch/backend/inductor_jit.py,
@@ -17,15 +18,15 @@ Usage (repo root): ``PYTHONPATH=. python -m benchmarks.served_call_ab``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
-import time
 
 import torch
 
 import aitune.torch as ait
 from aitune.torch.backend import TorchInductorJitBackend, TorchInductorJitBackendConfig
-from benchmarks.wrapper_cost import small_mlp
+from benchmarks.wrapper_cost import small_mlp, timed_rounds
 
 
 def main(argv=None) -> int:
@@ -43,34 +44,26 @@ def main(argv=None) -> int:
     canonical_args, canonical_kwargs = dispatch.signature.normalize((x,), {})
     fast = (backend._bare, gate.finite_only if gate is not None else None)
 
-    def general(on: bool) -> None:
-        backend._bare = fast[0] and not on
+    @contextlib.contextmanager
+    def general_paths():
+        backend._bare = False
         if gate is not None:
-            gate.finite_only = fast[1] and not on
+            gate.finite_only = False
+        try:
+            yield
+        finally:
+            backend._bare = fast[0]
+            if gate is not None:
+                gate.finite_only = fast[1]
 
-    paths = {"direct": (False, lambda: backend._compiled(*canonical_args, **canonical_kwargs)),
-             "tuned": (False, lambda: tuned(x)), "general": (True, lambda: tuned(x))}
-    medians = {name: [] for name in paths}
-    clock = time.perf_counter_ns
+    paths = {"direct": lambda: backend._compiled(*canonical_args, **canonical_kwargs),
+             "tuned": lambda: tuned(x), "general": lambda: tuned(x)}
     print(f"# fast paths: bare served call {fast[0]}, finite-only value gate {fast[1]}; torch {torch.__version__}")
     with torch.no_grad():
-        for round_ in range(args.rounds):
-            names = list(paths)[round_ % len(paths):] + list(paths)[:round_ % len(paths)]
-            for name in names:
-                switched, call = paths[name]
-                general(switched)
-                try:
-                    for _ in range(30):  # warm-up
-                        call()
-                    times = []
-                    for _ in range(args.calls):
-                        started = clock()
-                        call()
-                        times.append(clock() - started)
-                finally:
-                    general(False)
-                medians[name].append(statistics.median(times) / 1e3)
-    saved = [general - tuned for general, tuned in zip(medians["general"], medians["tuned"])]
+        samples = timed_rounds(paths, args.rounds, args.calls, cuda=False, contexts={"general": general_paths})
+    medians = {name: [statistics.median(values[start:start + args.calls])
+                      for start in range(0, len(values), args.calls)] for name, values in samples.items()}
+    saved = [slow - fast_ for slow, fast_ in zip(medians["general"], medians["tuned"])]
     quartiles = statistics.quantiles(saved, n=4)
     print(f"the fast paths save {statistics.median(saved):.2f} µs per call (median of the per-round differences "
           f"general - tuned; quartiles {quartiles[0]:.2f} / {quartiles[2]:.2f}; {sum(d > 0 for d in saved)} of "

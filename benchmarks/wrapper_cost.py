@@ -35,6 +35,7 @@ Usage (repo root)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -79,24 +80,30 @@ def configs(device: str) -> dict[str, TorchInductorJitBackendConfig]:
     return {"default": TorchInductorJitBackendConfig(), "freezing": TorchInductorJitBackendConfig(freezing=True)}
 
 
-def timed_rounds(paths: dict, rounds: int, calls: int, cuda: bool) -> dict[str, list[float]]:
-    """Per-call host µs of every path, interleaved: each round times ``calls`` calls of each path in turn."""
+def timed_rounds(paths: dict, rounds: int, calls: int, cuda: bool,
+                 contexts: dict | None = None) -> dict[str, list[float]]:
+    """Per-call host µs of every path, interleaved: each round times ``calls`` calls of each path in turn (round
+    ``r``'s are ``samples[label][r * calls:(r + 1) * calls]``). ``contexts``: label -> a function giving a context
+    entered around that path's calls (its warm-up and each round's), outside the timed calls."""
     samples = {label: [] for label in paths}
     labels = list(paths)
-    for function in paths.values():  # warm-up
-        for _ in range(50):
-            function()
+    contexts = contexts or {}
+    for label, function in paths.items():  # warm-up
+        with contexts.get(label, contextlib.nullcontext)():
+            for _ in range(50):
+                function()
     clock = time.perf_counter_ns
     for round_ in range(rounds):
         order = labels[round_ % len(labels):] + labels[:round_ % len(labels)]
         for label in order:
             function, times = paths[label], samples[label]
-            for _ in range(calls):
-                if cuda:
-                    torch.cuda.synchronize()
-                started = clock()
-                function()
-                times.append((clock() - started) / 1000)
+            with contexts.get(label, contextlib.nullcontext)():
+                for _ in range(calls):
+                    if cuda:
+                        torch.cuda.synchronize()
+                    started = clock()
+                    function()
+                    times.append((clock() - started) / 1000)
     if cuda:
         torch.cuda.synchronize()
     return samples
@@ -212,7 +219,6 @@ def main(argv=None) -> int:
             continue
         if uses_cuda_graphs(config.mode, config.options) and args.device != "cuda":
             continue
-        started = time.perf_counter()
         measured = measure(label, config, model, x, args)
         rows.extend(measured)
         if args.json:

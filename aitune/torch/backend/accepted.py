@@ -209,7 +209,7 @@ class ValueGate:
             graph: a :class:`~aitune.torch.record.samples.GraphSpec`.
             quantizing: the backend quantizes activations or weights (``Backend.is_quantizing``).
         """
-        gate = cls()  # (filled below, then made again: __post_init__ derives what rejects reads per call)
+        integers, finite, magnitudes, positions = [], [], [], []
         for spec in graph.tensor_specs:
             value_range = getattr(spec, "value_range", None)
             if spec.dtype == torch.bool or spec.dtype.is_complex:
@@ -219,7 +219,7 @@ class ValueGate:
             if not spec.dtype.is_floating_point:
                 rows = getattr(spec, "table_rows", None)
                 if getattr(graph, "phase", None) is not None and spec.path in POSITION_INPUTS and rows is not None:
-                    gate.positions.append((spec.leaf_index, spec.path, int(rows)))
+                    positions.append((spec.leaf_index, spec.path, int(rows)))
                     continue
                 if getattr(graph, "phase", None) is not None and spec.path in POSITION_INPUTS and _rolls(graph):
                     continue  # every position is one the model takes, as in eager: not only the recorded range
@@ -227,14 +227,14 @@ class ValueGate:
                     low, high = int(value_range[0]), int(value_range[1])
                     if rows is not None and 0 <= low and high < rows:
                         low, high = 0, rows - 1
-                    gate.integers.append((spec.leaf_index, spec.path, low, high))
+                    integers.append((spec.leaf_index, spec.path, low, high))
                 continue
             if quantizing and value_range is not None:
                 limit = QUANTIZED_RANGE_FACTOR * max(abs(value_range[0]), abs(value_range[1]))
-                gate.magnitudes.append((spec.leaf_index, spec.path, limit))
+                magnitudes.append((spec.leaf_index, spec.path, limit))
             elif getattr(spec, "finite", True):
-                gate.finite.append((spec.leaf_index, spec.path))
-        gate = dataclasses.replace(gate)
+                finite.append((spec.leaf_index, spec.path))
+        gate = cls(integers=integers, finite=finite, magnitudes=magnitudes, positions=positions)
         return gate if gate.leaf_indices else None
 
     def rejects(self, leaves: list[Any], capacity: int | None = None) -> str | None:
