@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -11,6 +12,7 @@ from aitune.torch.measure.profiling import ProfilingConfig
 
 
 _SESSION_CACHE: list[str] = []
+_EXIT_STATUS = pytest.StashKey[int]()
 
 
 def pytest_configure(config):
@@ -21,9 +23,24 @@ def pytest_configure(config):
     os.environ["AITUNE_CACHE_DIR"] = _SESSION_CACHE[0]
 
 
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
+    """Remove the session's cache, then end the process with pytest's exit status without tearing the interpreter
+    down: one of five fresh-clone runs of the suite (2026-12-06) printed "1100 passed" and then died of a
+    segmentation fault during interpreter shutdown (native libraries' threads and finalizers: Inductor's compile
+    workers, OpenMP, ONNX Runtime), which turned a passing run into exit status 139. Every result is reported
+    before this point; the cause is not found yet, so the crash is sidestepped here, not fixed."""
     for path in _SESSION_CACHE:
         shutil.rmtree(path, ignore_errors=True)
+    status = config.stash.get(_EXIT_STATUS, None)
+    if status is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 @pytest.fixture(autouse=True)
