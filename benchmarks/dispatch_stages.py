@@ -74,6 +74,7 @@ def _patched(totals: dict, module, backend):
         patch(dispatch_module.Dispatch, "_phase_route", "_phase_route")  # (a re-routing call counts twice)
         patch(dispatch_module, "counter_snapshot", "counter_snapshot (rewind copy)")
         patch(BakedState, "differs", "BakedState.differs")
+        patch(BakedState, "module_differs", "BakedState.module_differs (after the launch)")
         patch(StateWatch, "changed", "StateWatch.changed")
         patch(ValueGate, "rejects", "ValueGate.rejects")
         patch(RuntimeGuard, "due", "RuntimeGuard.due")
@@ -147,5 +148,6 @@ def print_stages(title: str, result: dict[str, float]) -> None:
         inner = sum(result.get(label, 0.0) for label in ("phase_call (phase, cache fill)", "_phase_route",
                                                           "counter_snapshot (rewind copy)",
                                                           "BakedState.differs", "StateWatch.changed",
+                                                          "BakedState.module_differs (after the launch)",
                                                           "ValueGate.rejects", "RuntimeGuard.due", "backend.run"))
         print(f"  {'Dispatch.call outside the stages above':44s} {total - inner:9.2f}")

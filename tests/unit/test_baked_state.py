@@ -224,6 +224,37 @@ def test_attributes_read_by_forward_are_obeyed(net):
         assert fallbacks(tuned, "module") == before + 3
 
 
+def test_a_changed_module_costs_one_wasted_backend_run_then_is_checked_before_the_launch(net):
+    """NOTE [module check after launch] in aitune/torch/dispatch.py: a baked backend's module check follows its
+    launch; the first call that finds the module changed discards the backend's output, later calls check first
+    (no backend run) until the module is put back, and then the backend serves again."""
+    name, model, tuned = net
+    if name not in BAKED:
+        pytest.skip("this backend reads the module at every call: no module check")
+    backend = tuned.backends["graph0"]
+    runs = []
+    serve = backend.run
+    backend.run = lambda *args, **kwargs: runs.append(1) or serve(*args, **kwargs)  # a spy: counts, then serves
+    x = torch.randn(4, 16)
+    before = fallbacks(tuned, "module")
+    try:
+        with torch.no_grad():
+            first = tuned(x)
+            assert len(runs) == 1
+            model.scale = 3.0
+            for _ in range(3):
+                torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
+            assert len(runs) == 2 and fallbacks(tuned, "module") == before + 3
+            model.scale = 1.0
+            served = tuned.backend_calls
+            for _ in range(2):  # the backend's own answer again (a quantized one is not eager's)
+                torch.testing.assert_close(tuned(x), first, rtol=0, atol=0)
+            assert len(runs) == 4 and tuned.backend_calls == served + 2
+    finally:
+        del backend.run
+        model.scale = 1.0
+
+
 def test_weights_edited_through_data_are_noticed(net):
     name, model, tuned = net
     x = torch.randn(4, 16)

@@ -147,6 +147,7 @@ class BakedState:
         self.parameters = [p for p in module.parameters() if p is not None]
         self.policies: dict[int, tuple[Any, Policy]] = {}
         self.stale: str | None = None
+        self.differing = False  # the last module-state check found a difference (see found)
         self.calls = 0
         self._capture_hooks()
         self._capture_attributes()
@@ -230,7 +231,8 @@ class BakedState:
         return entry[1]
 
     # ---- per call
-    def differs(self, backend: Any, args: tuple, kwargs: dict, leaves: list | None = None) -> tuple[str, str] | None:
+    def differs(self, backend: Any, args: tuple, kwargs: dict, leaves: list | None = None,
+                module: bool = True) -> tuple[str, str] | None:
         """Why this call cannot run on ``backend``, as ``(kind, message)`` (kinds: ``grad``, ``autocast``,
         ``hooks``, ``module``, ``stale``), or None when what the backend baked in still holds.
 
@@ -239,6 +241,9 @@ class BakedState:
             args: the call's positional arguments (any nesting).
             kwargs: the call's keyword arguments.
             leaves: every leaf of ``args`` and ``kwargs`` when the caller has them flat already (None: found here).
+            module: also check the module's own state (kinds ``module`` and ``stale``); False: the caller asks
+                :meth:`module_differs` itself, after the backend was launched (NOTE [module check after launch]
+                in aitune/torch/dispatch.py).
         """
         if torch.is_grad_enabled():
             reason = self._needs_grad(args, kwargs, leaves)
@@ -256,8 +261,24 @@ class BakedState:
             reason = self._hooks_differ(policy)
             if reason is not None:
                 return "hooks", reason
-        if not policy.module:
+        if not policy.module or not module:
             return None
+        return self._module_differs(backend)
+
+    @property
+    def found(self) -> bool:
+        """Did the last check of the module's own state find a difference (or a ``.data`` edit)? While it did,
+        the dispatch checks before the launch again (NOTE [module check after launch])."""
+        return self.stale is not None or self.differing
+
+    def module_differs(self, backend: Any) -> tuple[str, str] | None:
+        """The module-state part of :meth:`differs` alone (kinds ``module`` and ``stale``; None for a backend
+        that reads the module at every call)."""
+        entry = self.policies.get(id(backend))
+        policy = entry[1] if entry is not None and entry[0] is backend else self.policy(backend)
+        return self._module_differs(backend) if policy.module else None
+
+    def _module_differs(self, backend: Any) -> tuple[str, str] | None:
         if self.stale is not None:
             return "stale", self.stale
         self.calls += 1
@@ -269,8 +290,10 @@ class BakedState:
                 or (every and (not _same(self._attributes(), self.attributes)
                                or list(map(len, self.sized_built_in)) != self.sizes_built_in))):
             self.calls -= 1  # checked in full again on the next call
+            self.differing = True
             return "module", (f"{self._what_attribute_changed()}; {backend.name} baked the module in as it was at "
                               "tuning, so calls run eager while it differs")
+        self.differing = False
         if every:
             reason = self.values_changed()
             if reason is not None:
