@@ -7,7 +7,10 @@ without its watch and the compiled callable against the backend's ``run`` altern
 quote on a machine whose speed drifts: the median per-pair ratio): the wrapped module (guard on), the
 wrapped module with the guard off, the same with its stale-weight watch detached, the backend's ``run`` and
 the compiled callable; the host time of each call until it returns (GPU idle before each call); and the host cost of
-one stale-weight check (``StateWatch.changed``) and of the freezing flag set/restore, with perf_counter.
+one stale-weight check (``StateWatch.changed``) and of the freezing flag set/restore, with perf_counter. Also
+``module_early_state``: the wrapped module with its module-state check moved back before the launch (NOTE [module
+check after launch] in aitune/torch/dispatch.py switched off per call; the switch's ~0.3 µs counts against it),
+paired call by call against the wrapped module as it is.
 
 Usage (device tool, repo root)::
 
@@ -88,7 +91,18 @@ def main(argv=None) -> int:
         finally:
             no_watch._self_dispatch.watch = watch
 
-    calls = {"module": lambda: modules["module"](**inputs),
+    early = modules["module"]._self_dispatch.graphs
+
+    def module_early_state():  # the module check before the launch (NOTE [module check after launch] switched off)
+        for tuned in early:
+            tuned.late_state = False
+        try:
+            return modules["module"](**inputs)
+        finally:
+            for tuned in early:
+                tuned.late_state = True
+
+    calls = {"module": lambda: modules["module"](**inputs), "module_early_state": module_early_state,
              "module_guard_off": lambda: no_watch(**inputs),
              "module_no_watch": module_no_watch,
              "backend_run": lambda: backend.run((), kwargs), "compiled_raw": raw}
@@ -100,6 +114,8 @@ def main(argv=None) -> int:
         first, second, ratio = paired_p50_ms(calls[label], calls["backend_run"])
         result[f"paired_{label}_vs_backend_run"] = {"p50_ms": first, "backend_run_p50_ms": second,
                                                     "ratio_p50": ratio}
+    first, second, ratio = paired_p50_ms(calls["module_early_state"], calls["module"])
+    result["paired_module_early_state_vs_module"] = {"p50_ms": first, "module_p50_ms": second, "ratio_p50": ratio}
     for label, call in calls.items():  # host time from the call to its return, the GPU idle before each call
         result[f"{label}_host_launch_us"] = host_launch_us(call)
     watch = StateWatch(model)
