@@ -20,7 +20,7 @@ from aitune.errors import BackendRuntimeError
 from aitune.torch.backend.accepted import ValueGate
 from aitune.torch.backend.base import Backend
 from aitune.torch.backend.eager import TorchEagerBackend
-from aitune.torch.check.baked_state import BakedState
+from aitune.torch.check.baked_state import BakedState, Policy
 from aitune.torch.check.guard import StateWatch
 from aitune.torch.record.llm import (
     REWINDABLE_LAYERS,
@@ -64,8 +64,9 @@ class TunedGraph:
         self.bakes_weights = bool(backend.bakes_weights)
         # a copy of the module (an exported graph, a frozen compile) would drop the state forward updates
         self.drops_state = bool(self.graph.stateful) and bool(getattr(backend, "bakes_module_state", False))
-        # NOTE [module check after launch]: may the module's own state be checked after the backend ran?
-        self.late_state = not self.graph.mutated_inputs and not self.graph.stateful
+        # NOTE [module check after launch]: is the module's own state watched for this backend, and may it be
+        # checked after the backend ran?
+        self.late_state = Policy(backend).module and not self.graph.mutated_inputs and not self.graph.stateful
         # Backend.rejects accepts everything; only a backend that overrides it is asked per call.
         self.checks_inputs = getattr(backend.rejects, "__func__", None) is not Backend.rejects
         # values the recorded calls never had (NOTE [value gate] in aitune/torch/backend/accepted.py)
