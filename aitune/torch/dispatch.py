@@ -125,7 +125,8 @@ class Dispatch:
                 key = flat_call_key(sample.args, sample.kwargs)
                 if key is not None:
                     self._by_flat_key[key] = tuned
-        self._routes: dict = {}  # raw call key -> (TunedGraph, CallSignature.plan) (NOTE [dispatch fast path])
+        # raw call key -> (TunedGraph, CallSignature.plan, any CPU tensor) (NOTE [dispatch fast path])
+        self._routes: dict = {}
         self.watch: StateWatch | None = None  # set by watch_state when a backend bakes the weights in
         self.baked: BakedState | None = None  # what the backends took for granted (set by watch_state)
         self.fallbacks: dict[str, int] = {}  # reason kind -> calls that ran eager for it
@@ -213,7 +214,7 @@ class Dispatch:
             raw_key = flat_call_key(args, kwargs)
             route = self._routes.get(raw_key) if raw_key is not None else None
             if route is not None:
-                tuned, normalize = route
+                tuned, normalize, host_values = route
                 args, kwargs = normalize(args, kwargs)
                 leaves = checked = flat = [*args, *kwargs.values()]  # every leaf (tensors and plain constants)
             else:
@@ -372,7 +373,10 @@ class Dispatch:
                 leaves
         plan = self.signature.plan(raw_args, raw_kwargs) if raw_key is not None else None
         if plan is not None:  # (None: positional-only parameters or *args: such calls take the general path)
-            self._routes[raw_key] = (tuned, plan)
+            # (the value gate reads CPU tensors only: a route whose tensors are all on a device skips it; by
+            # get_device(), as the key: -1 for the CPU and for meta tensors, which then count)
+            host = any(isinstance(leaf, torch.Tensor) and leaf.get_device() < 0 for leaf in (*args, *kwargs.values()))
+            self._routes[raw_key] = (tuned, plan, host)
         return tuned, [*args, *kwargs.values()]
 
     def _phase_route(self, phase: PhaseCall, args, kwargs) -> tuple[TunedGraph | None, list, list, PhaseCall, bool]:

@@ -131,3 +131,26 @@ def test_1x1_convolutions_as_matrix_multiplies_under_cuda_graphs_match_eager():
     with torch.no_grad():
         torch.testing.assert_close(out_x, model(x), atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(out_y, model(y), atol=1e-2, rtol=1e-2)
+
+
+def test_a_call_with_every_tensor_on_the_gpu_skips_the_value_gate(monkeypatch):
+    """The value gate reads CPU tensors only (NOTE [value gate]): a flat route whose tensors are all on the GPU does
+    not call it (NOTE [dispatch fast path]); the calls stay right."""
+    from aitune.torch.backend.accepted import ValueGate
+
+    model = Gram().cuda().eval()
+    backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="reduce-overhead"))
+    tuned = ait.Module(model, "gram-gate", strategy=ait.OneBackendStrategy(backend, profiling_config=ProfilingConfig(
+        time_budget_s=0.2)).enable_performance_validation(False), guard=ait.GuardConfig(enabled=False))
+    a = torch.randn(64, 64, device="cuda")
+    ait.tune(tuned, [a], ignore_failing_modules=False, ready_batches=True)
+    assert tuned._self_dispatch.graphs[0].values is not None  # a gate exists (finite inputs recorded)
+    asked = []
+    rejects = ValueGate.rejects
+    monkeypatch.setattr(ValueGate, "rejects", lambda self, *args, **kwargs: asked.append(1) or rejects(
+        self, *args, **kwargs))  # a spy: counts, then checks
+    with torch.no_grad():
+        for _ in range(4):
+            b = torch.randn(64, 64, device="cuda")
+            torch.testing.assert_close(tuned(b), model(b))
+    assert len(asked) <= 1 and tuned.backend_calls >= 3  # (the first call may take the general path once)
