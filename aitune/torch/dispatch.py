@@ -66,7 +66,8 @@ class TunedGraph:
         self.drops_state = bool(self.graph.stateful) and bool(getattr(backend, "bakes_module_state", False))
         # NOTE [module check after launch]: is the module's own state watched for this backend, and may it be
         # checked after the backend ran?
-        self.late_state = Policy(backend).module and not self.graph.mutated_inputs and not self.graph.stateful
+        self.late_state = (Policy(backend).module and bool(getattr(backend, "runs_own_copy", False))
+                           and not self.graph.mutated_inputs and not self.graph.stateful)
         # Backend.rejects accepts everything; only a backend that overrides it is asked per call.
         self.checks_inputs = getattr(backend.rejects, "__func__", None) is not Backend.rejects
         # values the recorded calls never had (NOTE [value gate] in aitune/torch/backend/accepted.py)
@@ -236,12 +237,14 @@ class Dispatch:
         # NOTE [what a backend follows] in aitune/torch/check/baked_state.py: grad mode, the caller's autocast,
         # hooks, submodules' flags and attributes, weights edited through .data.
         # NOTE [module check after launch]: for a graph that changes neither its inputs nor the module, the module's
-        # own state (the attributes and flags a baked copy took in: BakedState's kinds `module` and `stale`, ~15 µs
-        # on a ResNet-50 on the GPU machine's host) is checked after the backend was launched, as the stale-weight
-        # watch is (NOTE [stale check after launch]): on a GPU that host work overlaps the kernels. A call found
-        # differing discards the backend's output and returns eager's; while the module differs, the next calls
-        # check before the launch again (no backend run wasted per call).
-        late = tuned.late_state and self.baked is not None and not self.baked.found
+        # own state (BakedState's kinds `module` and `stale`) is checked after the backend was launched, as the
+        # weights are (NOTE [stale check after launch]): on a GPU that overlaps the kernels (1.0-1.2 % of a ResNet-50
+        # b1 call on the H200). Only for a backend that runs its own artifact or copy (Backend.runs_own_copy: a
+        # CUDA-graph capture or a compile of the live module would keep what it saw), and not where eager may not
+        # run. A call found differing discards the backend's output and returns eager's; while the module
+        # differs, calls check before the launch again (no backend run wasted per call).
+        late = (tuned.late_state and self.baked is not None and not self.baked.found
+                and self.eager_fallback_error is None)
         differs = self.baked.differs(backend, args, kwargs, flat, not late) if self.baked is not None else None
         if differs is not None:
             if differs[0] == "grad" and self.eager_fallback_error is not None:
@@ -308,6 +311,7 @@ class Dispatch:
                 if watch is not None and watch.changed() is not None:
                     return self._stale(*given, backend)
                 if late and (differs := self.baked.module_differs(backend)) is not None:
+                    guard.undo_due(leaves)  # (no check ran: a shape new to the guard stays new)
                     return self.eager(*given, *differs)  # (eager's module is not the one the backend baked)
                 return self._guarded_call(tuned, guard, args, kwargs, leaves)
             output = backend.run(args, kwargs, accepted=True)

@@ -250,9 +250,65 @@ def test_a_changed_module_costs_one_wasted_backend_run_then_is_checked_before_th
             for _ in range(2):  # the backend's own answer again (a quantized one is not eager's)
                 torch.testing.assert_close(tuned(x), first, rtol=0, atol=0)
             assert len(runs) == 4 and tuned.backend_calls == served + 2
+            model.scale = 2.0  # a second change: again one wasted run, then none
+            for _ in range(2):
+                torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
+            assert len(runs) == 5 and fallbacks(tuned, "module") == before + 5
     finally:
         del backend.run
         model.scale = 1.0
+
+
+def test_a_backend_that_may_run_the_live_module_is_never_run_on_a_changed_one(net):
+    """A frozen build whose copy of the module failed compiles the user's module itself (a call could recompile
+    it as it is now): its module check stays before the launch (``Backend.runs_own_copy``)."""
+    name, model, tuned = net
+    if name != "inductor_jit_frozen":
+        pytest.skip("the frozen Inductor build stands for backends that may run the live module")
+    backend, entry = tuned.backends["graph0"], tuned._self_dispatch.graphs[0]
+    assert backend.runs_own_copy and entry.late_state
+    runs = []
+    serve = backend.run
+    backend.run = lambda *args, **kwargs: runs.append(1) or serve(*args, **kwargs)  # a spy: counts, then serves
+    backend._own_copy = False  # as after a failed copy (build_info["frozen_copy_failed"])
+    entry.set_backend(backend)
+    x = torch.randn(4, 16)
+    try:
+        assert not entry.late_state
+        with torch.no_grad():
+            model.scale = 3.0
+            torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
+            assert runs == []
+            model.scale = 1.0
+            tuned(x)
+            assert len(runs) == 1
+    finally:
+        del backend.run
+        model.scale = 1.0
+        backend._own_copy = True
+        entry.set_backend(backend)
+
+
+def test_a_new_shape_is_checked_by_the_guard_once_the_module_is_put_back():
+    """A call of a shape new to the guard that runs eager because the module differs was not checked: the first
+    call of that shape the backend serves later is (``RuntimeGuard.undo_due``)."""
+    torch.manual_seed(0)
+    model = Net().eval()
+    strategy = ait.OneBackendStrategy(BACKENDS["inductor_jit_frozen"](), profiling_config=PROFILING,
+                                      probe_config=ait.ProbeConfig(enabled=False))
+    tuned = ait.Module(model, "guarded", strategy=strategy.enable_performance_validation(False))
+    ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
+    guard = tuned._self_dispatch.graphs[0].guard
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        model.scale = 3.0
+        try:
+            torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
+        finally:
+            model.scale = 1.0
+        checks = guard.checks
+        torch.testing.assert_close(tuned(x), model(x), rtol=1e-5, atol=1e-5)
+    assert guard.checks == checks + 1
 
 
 def test_weights_edited_through_data_are_noticed(net):

@@ -313,6 +313,11 @@ class TorchAOBackend(Backend):
         """The quantized copy holds the weights as they were at tuning."""
         return True
 
+    @property
+    def runs_own_copy(self) -> bool:
+        """Calls run the compiled quantized copy, never the user's module."""
+        return True
+
     def preset_for(self, device: torch.device | str, module: torch.nn.Module | None = None) -> str | None:
         """The preset this backend uses on ``device`` for ``module`` (None: a custom ``quantization_config``)."""
         if self.config.quantization_config is not None:

@@ -25,11 +25,7 @@ import torch
 from aitune.errors import BackendBuildError, BackendStateError, BackendUnavailableError, CheckpointError  # noqa: F401
 from aitune.errors import ConfigError, one_line  # noqa: F401 - one_line: re-exported
 from aitune.torch.backend.backend_config import (  # noqa: F401 - re-exported for backends written against base
-    CONFIG_FORMAT_VERSION,
-    BackendConfig,
-    _to_jsonable,
-    parse_dtype,
-)
+    CONFIG_FORMAT_VERSION, BackendConfig, _to_jsonable, parse_dtype)
 from aitune.torch.backend.build_log import into_build_log
 from aitune.torch.record.llm import cache_object_input, cache_refusal
 from aitune.torch.record.onnx_module import onnx_file_refusal
@@ -37,13 +33,7 @@ from aitune.torch.common.files import checkpoint_path
 from aitune.torch.backend.registry import get_backend_class, register_backend_class  # noqa: F401 - re-exported
 from aitune.torch.backend.registry import register_subclass_hook, registered_backends  # noqa: F401 - re-exported
 from aitune.torch.common.requirements import (  # noqa: F401 - re-exported for backends written against base
-    Check,
-    Requirement,
-    check_requirements,
-    probe_requirement,
-    torch_version_at_least,
-    validate_flags,
-)
+    Check, Requirement, check_requirements, probe_requirement, torch_version_at_least, validate_flags)
 from aitune.utils.logging import control_output
 from aitune.utils.monitoring import annotate
 
@@ -344,6 +334,15 @@ class Backend:
         (:class:`aitune.torch.check.baked_state.BakedState`). Default: :attr:`bakes_weights` (every artifact that
         copies the weights copies the module)."""
         return self.bakes_weights
+
+    @property
+    def runs_own_copy(self) -> bool:
+        """True when a served call runs only what the build made (an artifact, an engine, a copy of the module),
+        never the user's module: a call made while the module differs from tuning then changes nothing, so its
+        module check may follow the launch (NOTE [module check after launch] in aitune/torch/dispatch.py). A
+        backend that may trace or capture the live module at a call (a compile, a CUDA-graph capture) is not.
+        Default: AOT artifacts."""
+        return self.build_mode is BuildMode.AOT
 
     def accepts(self, leaves: list) -> bool:
         """Can this built backend take a call with these flattened canonical input leaves? See :meth:`rejects`."""

@@ -216,6 +216,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     _channels_last = False
     _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
     _bare = False  # NOTE [a bare served call]
+    _own_copy = False  # the compile took a copy of the module (runs_own_copy)
 
     name = "inductor_jit"
     config_class = TorchInductorJitBackendConfig
@@ -228,6 +229,12 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         """Inductor reads the parameters at every call, except with ``freezing`` (weights folded in) or a
         channels-last copy of the module."""
         return folds_state(self.config) or bool(self.config.memory_format)
+
+    @property
+    def runs_own_copy(self) -> bool:
+        """A channels-last or frozen build compiles a copy of the module (a frozen build whose copy failed compiles
+        the user's module itself, and a call that recompiles would trace it)."""
+        return self._own_copy
 
     def search_space(self, module, graph, device) -> list["Backend"]:
         """The configurations worth trying. On CPU: plain and with ``freezing``, and for models
@@ -339,13 +346,16 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         self._channels_last = self.config.memory_format == "channels_last"
         mode, options = self.config.compile_arguments()
         frozen = bool((options or {}).get("freezing"))
+        self._own_copy = False
         if self._channels_last:  # NOTE: a copy; the user's module keeps its memory format
             import copy
 
             module = copy.deepcopy(module).to(memory_format=torch.channels_last)
+            self._own_copy = True
         elif frozen:
             try:
                 module = fresh_state_copy(module)
+                self._own_copy = True
             except Exception as exc:  # noqa: BLE001 - a module deepcopy refuses: compile it as it is
                 # (a later re-tune's build may then reuse folded old weights; the check against eager rejects it)
                 self.build_info["frozen_copy_failed"] = f"{type(exc).__name__}: {exc}"

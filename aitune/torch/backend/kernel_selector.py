@@ -209,6 +209,11 @@ class KernelSelectorBackend(Backend):
         """The delegate's answer (the delegate runs the module)."""
         return self.delegate.bakes_weights
 
+    @property
+    def runs_own_copy(self) -> bool:
+        """The delegate's answer."""
+        return self.delegate.runs_own_copy
+
     def rejects(self, leaves: list) -> str | None:
         """The delegate's answer (the delegate runs the call)."""
         return self.delegate.rejects(leaves)

@@ -263,22 +263,18 @@ class BakedState:
                 return "hooks", reason
         if not policy.module or not module:
             return None
-        return self._module_differs(backend)
+        return self.module_differs(backend)
 
     @property
     def found(self) -> bool:
-        """Did the last check of the module's own state find a difference (or a ``.data`` edit)? While it did,
-        the dispatch checks before the launch again (NOTE [module check after launch])."""
+        """Did the last check of the module's own state find a difference, or any check a ``.data`` edit (which
+        stays found)? While it did, the dispatch checks before the launch again (NOTE [module check after
+        launch])."""
         return self.stale is not None or self.differing
 
     def module_differs(self, backend: Any) -> tuple[str, str] | None:
-        """The module-state part of :meth:`differs` alone (kinds ``module`` and ``stale``; None for a backend
-        that reads the module at every call)."""
-        entry = self.policies.get(id(backend))
-        policy = entry[1] if entry is not None and entry[0] is backend else self.policy(backend)
-        return self._module_differs(backend) if policy.module else None
-
-    def _module_differs(self, backend: Any) -> tuple[str, str] | None:
+        """The module-state part of :meth:`differs` alone (kinds ``module`` and ``stale``), for a backend whose
+        policy watches the module (:attr:`Policy.module`: the caller knows it)."""
         if self.stale is not None:
             return "stale", self.stale
         self.calls += 1
