@@ -47,11 +47,12 @@ BACKENDS = _backends()
 BAKED = {"inductor_jit_frozen", "inductor_aot", "torchao", "onnxruntime"}  # artifacts that copy the module
 
 
-def tune(model, name, backend):
+def tune(model, name, backend, guard=ait.GuardConfig(enabled=False)):
+    """``model`` tuned with ``backend`` alone; by default without the guard (the watch alone: no eager re-runs to
+    hide behind)."""
     strategy = ait.OneBackendStrategy(backend, profiling_config=PROFILING,
                                       probe_config=ait.ProbeConfig(enabled=False))
-    tuned = ait.Module(model, name, strategy=strategy.enable_performance_validation(False),
-                       guard=ait.GuardConfig(enabled=False))  # the watch alone: no eager re-runs to hide behind
+    tuned = ait.Module(model, name, strategy=strategy.enable_performance_validation(False), guard=guard)
     report = ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
     assert not report.module_errors and tuned.backends["graph0"].name == backend.name
     return tuned
@@ -294,18 +295,14 @@ def test_a_new_shape_is_checked_by_the_guard_once_the_module_is_put_back():
     call of that shape the backend serves later is (``RuntimeGuard.undo_due``)."""
     torch.manual_seed(0)
     model = Net().eval()
-    strategy = ait.OneBackendStrategy(BACKENDS["inductor_jit_frozen"](), profiling_config=PROFILING,
-                                      probe_config=ait.ProbeConfig(enabled=False))
-    tuned = ait.Module(model, "guarded", strategy=strategy.enable_performance_validation(False))
-    ait.tune(tuned, [torch.randn(b, 16) for b in (2, 4)], ready_batches=True)
+    tuned = tune(model, "inductor_jit_frozen", BACKENDS["inductor_jit_frozen"](), guard=None)  # the default guard
     guard = tuned._self_dispatch.graphs[0].guard
     x = torch.randn(3, 16)
     with torch.no_grad():
         model.scale = 3.0
-        try:
-            torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
-        finally:
-            model.scale = 1.0
+        eager = model(x)
+        torch.testing.assert_close(tuned(x), eager, rtol=0, atol=0)
+        model.scale = 1.0
         checks = guard.checks
         torch.testing.assert_close(tuned(x), model(x), rtol=1e-5, atol=1e-5)
     assert guard.checks == checks + 1
