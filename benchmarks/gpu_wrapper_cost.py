@@ -93,14 +93,16 @@ def main(argv=None) -> int:
 
     early = modules["module"]._self_dispatch.graphs
 
+    late = [tuned.late_state for tuned in early]
+
     def module_early_state():  # the module check before the launch (NOTE [module check after launch] switched off)
         for tuned in early:
             tuned.late_state = False
         try:
             return modules["module"](**inputs)
         finally:
-            for tuned in early:
-                tuned.late_state = True
+            for tuned, value in zip(early, late):
+                tuned.late_state = value
 
     calls = {"module": lambda: modules["module"](**inputs), "module_early_state": module_early_state,
              "module_guard_off": lambda: no_watch(**inputs),

@@ -238,7 +238,7 @@ class Dispatch:
         # hooks, submodules' flags and attributes, weights edited through .data.
         # NOTE [module check after launch]: for a graph that changes neither its inputs nor the module, the module's
         # own state (BakedState's kinds `module` and `stale`) is checked after the backend was launched, as the
-        # weights are (NOTE [stale check after launch]): on a GPU that overlaps the kernels (1.0-1.2 % of a ResNet-50
+        # weights are (NOTE [stale check after launch]): on a GPU that overlaps the kernels (~1-1.25 % of a ResNet-50
         # b1 call on the H200). Only for a backend that runs its own artifact or copy (Backend.runs_own_copy: a
         # CUDA-graph capture or a compile of the live module would keep what it saw), and not where eager may not
         # run. A call found differing discards the backend's output and returns eager's; while the module

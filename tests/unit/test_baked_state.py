@@ -5,11 +5,14 @@ training flag (dropout), a float attribute and a plain tensor attribute. Every t
 compares the tuned module with eager under the same state, and puts the state back.
 """
 
+import threading
+
 import pytest
 import torch
 import torch.nn as nn
 
 import aitune.torch as ait
+from aitune.errors import BackendRuntimeError
 from aitune.torch.backend import (TorchAOBackend, TorchEagerBackend, TorchInductorAotBackend, TorchInductorJitBackend,
                                   TorchInductorJitBackendConfig)
 from aitune.torch.check.baked_state import VALUES_CHECK_EVERY
@@ -260,34 +263,62 @@ def test_a_changed_module_costs_one_wasted_backend_run_then_is_checked_before_th
         model.scale = 1.0
 
 
-def test_a_backend_that_may_run_the_live_module_is_never_run_on_a_changed_one(net):
+class Locked(Net):
+    """A module ``copy.deepcopy`` refuses (it holds a lock): a frozen Inductor build compiles it as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+def test_a_backend_that_may_run_the_live_module_is_never_run_on_a_changed_one():
     """A frozen build whose copy of the module failed compiles the user's module itself (a call could recompile
-    it as it is now): its module check stays before the launch (``Backend.runs_own_copy``)."""
-    name, model, tuned = net
-    if name != "inductor_jit_frozen":
-        pytest.skip("the frozen Inductor build stands for backends that may run the live module")
+    it as it is now): its module check stays before the launch (``Backend.runs_own_copy``). So do eager's
+    CUDA-graph runner (it captures the live module) and Torch-TensorRT JIT (it compiles the live module)."""
+    from aitune.torch.backend import TorchEagerBackendConfig, TorchTensorRTJitBackend
+
+    assert not TorchEagerBackend(TorchEagerBackendConfig(use_cuda_graphs=True)).runs_own_copy
+    assert not TorchTensorRTJitBackend().runs_own_copy
+    torch.manual_seed(0)
+    model = Locked().eval()
+    tuned = tune(model, "inductor_jit_frozen", BACKENDS["inductor_jit_frozen"]())
     backend, entry = tuned.backends["graph0"], tuned._self_dispatch.graphs[0]
-    assert backend.runs_own_copy and entry.late_state
+    assert "frozen_copy_failed" in backend.build_info and not backend.runs_own_copy and not entry.late_state
     runs = []
     serve = backend.run
     backend.run = lambda *args, **kwargs: runs.append(1) or serve(*args, **kwargs)  # a spy: counts, then serves
-    backend._own_copy = False  # as after a failed copy (build_info["frozen_copy_failed"])
-    entry.set_backend(backend)
     x = torch.randn(4, 16)
+    with torch.no_grad():
+        model.scale = 3.0
+        torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
+        assert runs == []
+        model.scale = 1.0
+        torch.testing.assert_close(tuned(x), model(x), rtol=1e-5, atol=1e-5)
+        assert len(runs) == 1
+
+
+def test_where_eager_may_not_run_a_changed_module_is_refused_before_the_launch(net):
+    """Where eager may not run (``ait.load`` found other weights than the artifacts'), a call on a changed module
+    raises without running the backend first (NOTE [module check after launch])."""
+    name, model, tuned = net
+    if name not in BAKED:
+        pytest.skip("this backend reads the module at every call: no module check")
+    dispatch, backend = tuned._self_dispatch, tuned.backends["graph0"]
+    runs = []
+    serve = backend.run
+    backend.run = lambda *args, **kwargs: runs.append(1) or serve(*args, **kwargs)  # a spy: counts, then serves
+    dispatch.eager_fallback_error = "the module's weights are not the artifacts'"  # as ait.load sets it
+    model.scale = 3.0
     try:
-        assert not entry.late_state
-        with torch.no_grad():
-            model.scale = 3.0
-            torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
-            assert runs == []
-            model.scale = 1.0
-            tuned(x)
-            assert len(runs) == 1
+        with torch.no_grad(), pytest.raises(BackendRuntimeError, match="scale"):
+            tuned(torch.randn(4, 16))
+        assert runs == []
     finally:
         del backend.run
+        dispatch.eager_fallback_error = None
         model.scale = 1.0
-        backend._own_copy = True
-        entry.set_backend(backend)
+    with torch.no_grad():
+        tuned(torch.randn(4, 16))  # (the module as tuned: its check clean again)
 
 
 def test_a_new_shape_is_checked_by_the_guard_once_the_module_is_put_back():
