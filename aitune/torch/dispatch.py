@@ -126,8 +126,7 @@ class Dispatch:
                 key = flat_call_key(sample.args, sample.kwargs)
                 if key is not None:
                     self._by_flat_key[key] = tuned
-        # raw call key -> (TunedGraph, CallSignature.plan, any CPU tensor) (NOTE [dispatch fast path])
-        self._routes: dict = {}
+        self._routes: dict = {}  # raw call key -> (TunedGraph, plan, _on_host) (NOTE [dispatch fast path])
         self.watch: StateWatch | None = None  # set by watch_state when a backend bakes the weights in
         self.baked: BakedState | None = None  # what the backends took for granted (set by watch_state)
         self.fallbacks: dict[str, int] = {}  # reason kind -> calls that ran eager for it
@@ -377,10 +376,7 @@ class Dispatch:
                 leaves
         plan = self.signature.plan(raw_args, raw_kwargs) if raw_key is not None else None
         if plan is not None:  # (None: positional-only parameters or *args: such calls take the general path)
-            # (the value gate reads CPU tensors only: a route whose tensors are all on a device skips it; by
-            # get_device(), as the key: -1 for the CPU and for meta tensors, which then count)
-            host = any(isinstance(leaf, torch.Tensor) and leaf.get_device() < 0 for leaf in (*args, *kwargs.values()))
-            self._routes[raw_key] = (tuned, plan, host)
+            self._routes[raw_key] = (tuned, plan, _on_host((*args, *kwargs.values())))
         return tuned, [*args, *kwargs.values()]
 
     def _phase_route(self, phase: PhaseCall, args, kwargs) -> tuple[TunedGraph | None, list, list, PhaseCall, bool]:
@@ -401,9 +397,7 @@ class Dispatch:
                 if child.kind == LEAF:
                     offsets[name] = offset
                 offset += child.num_leaves
-            # (by get_device(), as the route's key: -1 for the CPU, and for meta tensors too, which then count)
-            host = any(isinstance(kwargs[name], torch.Tensor) and kwargs[name].get_device() < 0 for name in offsets)
-            entry = self._phase_routes[phase.route] = (tuned, offsets, offset, host)
+            entry = self._phase_routes[phase.route] = (tuned, offsets, offset, _on_host(map(kwargs.get, offsets)))
         tuned, offsets, count, host = entry
         if tuned is None and phase.assumed:  # no graph for the phase assumed: read it
             read = phase_call(args, kwargs)
@@ -484,6 +478,12 @@ def flat_call_key(args: tuple, kwargs: dict):
         else:
             return None
     return len(args), tuple(parts)
+
+
+def _on_host(values) -> bool:
+    """Is any of ``values`` a CPU tensor (the value gate reads only those: a route with none skips it)? By
+    ``get_device()``, as the route keys: -1 for the CPU, and for meta tensors too, which then count."""
+    return any(isinstance(value, torch.Tensor) and value.get_device() < 0 for value in values)
 
 
 def graph_device(graph) -> torch.device:
