@@ -157,3 +157,80 @@ def test_a_whole_model_wrapped_and_driven_by_its_own_generate_gives_eagers_token
     assert lm.backend_calls - calls == 31 and lm.stats["eager_fallbacks"] == {}
     assert torch.equal(generate(lm, ids, cache_implementation="static"), expected)
     assert torch.equal(generate(model, ids, **STATIC), expected)  # the model itself: eager
+
+
+@pytest.fixture(scope="module")
+def captured():
+    """The default Inductor search: the decode graph is served by aitune's own capture (NOTE [captured decode
+    graphs] in aitune/torch/backend/decode_graphs.py)."""
+    model = tiny_llama()
+    eager = copy.deepcopy(model)
+    strategy = ait.MaxThroughputStrategy(backends=[TorchInductorJitBackend()],
+                                         profiling_config=ProfilingConfig(time_budget_s=0.2))
+    model.model = ait.Module(model.model, "decoder", strategy=strategy)
+    ait.tune(lambda ids: generate(model, ids, **STATIC), [prompt(5), prompt(7)], ready_batches=True,
+             ignore_failing_modules=False)
+    return model, eager
+
+
+def test_captured_decode_graphs_give_eagers_tokens_greedy_and_sampled(captured):
+    model, eager = captured
+    backend = model.model.backends["decode"]
+    assert backend.config.capture_cuda_graphs
+    replays = backend._graphs.stats["replays"]
+    for length, batch in ((9, 1), (12, 2)):  # prompt lengths never recorded; a second batch size: another cache
+        ids = prompt(length, batch)
+        expected = generate(eager, ids, **STATIC)
+        for _ in range(2):  # the second generate reuses the first one's cache (reset in place): the same graph
+            assert torch.equal(generate(model, ids, **STATIC), expected)
+    assert backend._graphs.stats["replays"] - replays >= 4 * 31
+    assert backend._graphs.stats["plain_calls"] == 0 and model.model.stats["eager_fallbacks"] == {}
+    ids = prompt(10)
+    sampled = []
+    for chosen in (eager, model):
+        torch.manual_seed(3)
+        with torch.no_grad():
+            sampled.append(chosen.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=True, top_k=20,
+                                           **STATIC))
+    assert torch.equal(*sampled)
+
+
+def test_a_captured_decode_call_writes_eagers_cache_and_never_waits_for_the_device(captured):
+    model, eager = captured
+    ids = prompt(9)
+    call = first_decode_call(eager, lambda: generate(eager, ids, 3, **STATIC))
+    with torch.no_grad():
+        mine, theirs = copy.deepcopy(call), copy.deepcopy(call)
+        cache = next(value for value in mine.values() if isinstance(value, transformers.Cache))
+        start = [layer.cumulative_length.clone() for layer in cache.layers]
+        model.model(**mine)  # this cache's capture (a capture synchronises the device)
+        for layer, count in zip(cache.layers, start):  # the same call again: it writes the same positions
+            layer.cumulative_length.copy_(count)
+        replays = model.model.backends["decode"]._graphs.stats["replays"]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            output = model.model(**mine)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        expected = eager.model(**theirs)
+    assert model.model.backends["decode"]._graphs.stats["replays"] == replays + 1
+    torch.testing.assert_close(output.last_hidden_state, expected.last_hidden_state)
+    reference = next(value for value in theirs.values() if isinstance(value, transformers.Cache))
+    for layer, eager_layer in zip(cache.layers, reference.layers):
+        torch.testing.assert_close(layer.keys, eager_layer.keys)
+        torch.testing.assert_close(layer.values, eager_layer.values)
+        assert torch.equal(layer.cumulative_length, eager_layer.cumulative_length)
+
+
+def test_a_weight_replaced_after_tuning_sends_captured_decode_calls_to_eager(captured):
+    """The captured graphs read the weights where they were at capture: a weight given new storage (``.data``)
+    is noticed (the weight watch) and eager serves, with the new weights. Last in this file: it changes the model."""
+    model, eager = captured
+    torch.manual_seed(5)
+    new = torch.randn_like(eager.model.layers[0].mlp.up_proj.weight)
+    for chosen in (eager.model, model.model.__wrapped__):
+        chosen.layers[0].mlp.up_proj.weight.data = new.clone()
+    ids = prompt(9)
+    assert torch.equal(generate(model, ids, **STATIC), generate(eager, ids, **STATIC))
+    assert "stale" in model.model.stats["eager_fallbacks"]

@@ -333,7 +333,31 @@ def test_cache_graphs_are_offered_no_freezing_no_replayed_copies_and_on_cuda_no_
     monkeypatch.setattr(inductor_jit, "native_bf16", lambda device: False)  # no CUDA device needed to list variants
     cuda = torch.device("cuda")
     assert [v.config.mode for v in TorchInductorJitBackend().search_space(module, prefill, cuda)] == [None]
-    assert "reduce-overhead" in [v.config.mode for v in TorchInductorJitBackend().search_space(module, decode, cuda)]
+    # NOTE [captured decode graphs]: a static cache of full-attention layers: aitune's own capture first, Inductor's
+    # CUDA-graph trees (reduce-overhead) the fallback built only when it fails its build or checks
+    variants = TorchInductorJitBackend().search_space(module, decode, cuda)
+    assert [(v.config.capture_cuda_graphs, v.config.fullgraph, v.config.mode, v.search_tier, v.search_fallback)
+            for v in variants[:2]] == [(True, True, None, 0, False), (False, False, "reduce-overhead", 1, True)]
+    assert variants[0].bakes_weights  # the graphs read the weights where they were: watched (StateWatch)
+
+
+def test_captured_decode_graphs_are_refused_where_they_cannot_apply(tuned):
+    """capture_cuda_graphs needs CUDA, a decode graph and a static cache of full-attention layers, and a compile
+    without CUDA graphs of its own; what it refuses is named."""
+    from aitune.errors import ConfigError
+
+    model, _, _ = tuned
+    prefill, decode = model.model.graphs
+    module = model.model.__wrapped__
+    captured = TorchInductorJitBackend(TorchInductorJitBackendConfig(capture_cuda_graphs=True))
+    for graph, device in ((decode, "cpu"), (prefill, "cuda")):
+        assert "decode graph on a CUDA device" in captured.supports(module, graph, torch.device(device)).reason
+    assert captured.supports(module, decode, torch.device("cuda")).ok
+    for clash in (dict(mode="reduce-overhead"), dict(freezing=True), dict(options={"triton.cudagraphs": True})):
+        with pytest.raises(ConfigError, match="captures the compiled call into CUDA graphs itself"):
+            TorchInductorJitBackendConfig(capture_cuda_graphs=True, **clash)
+    stored = TorchInductorJitBackendConfig.from_dict(captured.config.to_dict())  # a checkpoint's config keeps it
+    assert stored.capture_cuda_graphs is True
 
 
 def test_a_cache_structure_loaded_on_another_device_names_that_device(tuned):

@@ -18,6 +18,7 @@ from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.common.environment import native_bf16
+from aitune.torch.backend.decode_graphs import DecodeGraphs, captures_cache
 from aitune.torch.record.llm import DECODE, PREFILL, find_cache, folds_state, is_kv_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
@@ -138,6 +139,10 @@ class TorchInductorJitBackendConfig(BackendConfig):
         memory_format: ``"channels_last"``: compile a channels-last copy of the module (inputs are passed as
             given: the compiled graph converts them where the first convolution needs it; 4-D outputs are
             returned contiguous, as eager's); None = as given.
+        capture_cuda_graphs: for an LLM's decode graph on CUDA with a static key/value cache: compile without
+            CUDA graphs and with ``fullgraph``, and capture each decode call (per input shapes and cache) into one
+            CUDA graph that aitune replays, the cache's tensors read and written in place (NOTE [captured decode
+            graphs] in :mod:`aitune.torch.backend.decode_graphs`). Needs a mode without CUDA graphs and no freezing.
     """
 
     mode: str | None = None
@@ -148,6 +153,7 @@ class TorchInductorJitBackendConfig(BackendConfig):
     autocast_dtype: torch.dtype | str | None = None
     freezing: bool = False
     memory_format: str | None = None
+    capture_cuda_graphs: bool = False
 
     def validate(self) -> None:
         if self.memory_format not in MEMORY_FORMATS:
@@ -158,7 +164,10 @@ class TorchInductorJitBackendConfig(BackendConfig):
             raise ConfigError("torch.compile takes either mode or options, not both: drop one of them")
         if self.options is not None and not isinstance(self.options, dict):
             raise ConfigError(f"options must be a dict of Inductor options, got {type(self.options).__name__}")
-        validate_flags(self, ("fullgraph", "autocast_enabled", "freezing"))
+        validate_flags(self, ("fullgraph", "autocast_enabled", "freezing", "capture_cuda_graphs"))
+        if self.capture_cuda_graphs and (uses_cuda_graphs(self.mode, self.options) or folds_state(self)):
+            raise ConfigError("capture_cuda_graphs captures the compiled call into CUDA graphs itself: use a mode "
+                              "without CUDA graphs (None, 'default', 'max-autotune-no-cudagraphs') and no freezing")
         self.autocast_dtype = parse_dtype(self.autocast_dtype, "autocast_dtype")
 
     def compile_arguments(self) -> tuple[str | None, dict | None]:
@@ -217,6 +226,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
     _bare = False  # NOTE [a bare served call]
     _own_copy = False  # the compile took a copy of the module (runs_own_copy)
+    _graphs = None  # DecodeGraphs with capture_cuda_graphs
 
     name = "inductor_jit"
     config_class = TorchInductorJitBackendConfig
@@ -226,9 +236,10 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
 
     @property
     def bakes_weights(self) -> bool:
-        """Inductor reads the parameters at every call, except with ``freezing`` (weights folded in) or a
-        channels-last copy of the module."""
-        return folds_state(self.config) or bool(self.config.memory_format)
+        """Inductor reads the parameters at every call, except with ``freezing`` (weights folded in), a
+        channels-last copy of the module, or ``capture_cuda_graphs`` (the captured graphs read the weights where they
+        were at capture)."""
+        return folds_state(self.config) or bool(self.config.memory_format) or self.config.capture_cuda_graphs
 
     @property
     def runs_own_copy(self) -> bool:
@@ -286,6 +297,9 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             configs = [kwargs for kwargs in configs if not kwargs.get("freezing")] or [dict(mode="reduce-overhead")]
             if graph.phase == PREFILL and device.type == "cuda":  # no CUDA graphs (NOTE [no CUDA graphs for prefill])
                 configs = [dict()]
+            elif graph.phase == DECODE and device.type == "cuda" and graph.samples and captures_cache(
+                    find_cache(graph.samples[0].kwargs, graph.samples[0].args)):  # NOTE [captured decode graphs]
+                configs = [dict(capture_cuda_graphs=True, fullgraph=True), *configs]
             elif device.type == "cpu":  # NOTE [a C++ wrapper for phase graphs on CPU]
                 configs = [dict(options=dict(CPP_WRAPPER)), *configs]
         variants = [TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)) for kwargs in configs]
@@ -312,6 +326,12 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     def _supports(self, module, graph, device) -> Check:
         if uses_cuda_graphs(self.config.mode, self.config.options) and device.type != "cuda":
             return Check(False, f"mode {self.config.mode!r} captures CUDA graphs and needs a CUDA device")
+        if self.config.capture_cuda_graphs:
+            sample = graph.samples[0] if graph is not None and graph.samples else None
+            if device.type != "cuda" or graph.phase != DECODE or sample is None or not captures_cache(
+                    find_cache(sample.kwargs, sample.args)):
+                return Check(False, "capture_cuda_graphs serves an LLM's decode graph on a CUDA device with a static "
+                                    "key/value cache of full-attention layers (transformers' StaticLayer)")
         if self.config.memory_format == "channels_last" and (graph is None or not any(
                 len(spec.min_shape) == 4 for spec in graph.tensor_specs)):
             return Check(False, "memory_format='channels_last' needs a 4-D input")
@@ -360,11 +380,15 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
                 # (a later re-tune's build may then reuse folded old weights; the check against eager rejects it)
                 self.build_info["frozen_copy_failed"] = f"{type(exc).__name__}: {exc}"
         self._freezing = parameter_freezing(frozen)
+        captured = self.config.capture_cuda_graphs
         self._bare = not (self._clone_outputs or self._channels_last or frozen or self.config.autocast_enabled
-                          or self._restore_dtypes is not None)
+                          or self._restore_dtypes is not None or captured)
         allow_many_variants()
         self._compiled = torch.compile(module, backend="inductor", mode=mode, options=options,
-                                       fullgraph=self.config.fullgraph, dynamic=dynamic)
+                                       fullgraph=self.config.fullgraph or captured, dynamic=dynamic)
+        self._graphs = DecodeGraphs(self._compiled, graph.cache_input, name=self.name) if captured else None
+        # the captured graphs read the weights at their addresses: their storage stays alive while they may replay
+        self._held = [tensor.detach() for tensor in (*module.parameters(), *module.buffers())] if captured else None
         breaks_before = graph_break_count()
         for sample in graph.samples:  # warm-up: compile every recorded shape now, not at first use
             sample = sample.clone()
@@ -383,6 +407,8 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             torch.compiler.cudagraph_mark_step_begin()
         # (a caller already under no_grad, as ait.Module's calls mostly are, does not pay for entering it again)
         with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT, self._autocast(), self._freezing:
+            if self._graphs is not None:  # NOTE [captured decode graphs]: its outputs are copies where asked
+                return self._restore_output_dtypes(self._graphs(args, kwargs, copy))
             output = self._compiled(*args, **kwargs)
         if self._channels_last:
             output = to_contiguous(output)
@@ -392,6 +418,10 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
 
     def _infer(self, args, kwargs):
         return self._run(args, kwargs)
+
+    def _deactivate(self) -> None:
+        if self._graphs is not None:  # captured again by later calls
+            self._graphs.reset()
 
     def _infer_accepted(self, args, kwargs):
         return self._run(args, kwargs, aitune_config._copy_cuda_graph_outputs)  # served (NOTE [output copies])
