@@ -154,3 +154,31 @@ def test_a_call_with_every_tensor_on_the_gpu_skips_the_value_gate(monkeypatch):
             b = torch.randn(64, 64, device="cuda")
             torch.testing.assert_close(tuned(b), model(b))
     assert len(asked) <= 1 and tuned.backend_calls >= 3  # (the first call may take the general path once)
+
+
+def test_aitunes_own_cuda_graphs_give_eagers_outputs_per_shape_kept_apart_and_follow_new_weights():
+    """NOTE [captured CUDA graphs] (aitune/torch/backend/decode_graphs.py): the frozen compile captured by aitune
+    per input shape; outputs of earlier calls stay as they were (copies); weights given new storage after tuning
+    (``load_state_dict(assign=True)``) are noticed at the next call and eager serves with them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 8 * 8, 10)).cuda().eval()
+    backend = TorchInductorJitBackend(TorchInductorJitBackendConfig(capture_cuda_graphs=True, freezing=True))
+    tuned = ait.Module(model, "captured", strategy=ait.OneBackendStrategy(backend, profiling_config=ProfilingConfig(
+        time_budget_s=0.2)).enable_performance_validation(False))
+    ait.tune(tuned, [torch.randn(1, 3, 8, 8, device="cuda"), torch.randn(4, 3, 8, 8, device="cuda")],
+             ignore_failing_modules=False, ready_batches=True)
+    chosen = tuned.backends["graph0"]
+    assert chosen.config.capture_cuda_graphs
+    with torch.no_grad():
+        inputs = [torch.randn(batch, 3, 8, 8, device="cuda") for batch in (1, 4, 1)]
+        outputs = [tuned(x) for x in inputs]
+        for x, y in zip(inputs, outputs):  # (each output its own memory: the replays did not overwrite them)
+            torch.testing.assert_close(y, model(x), atol=1e-4, rtol=1e-4)
+        assert chosen._graphs.stats["replays"] >= 3 and chosen._graphs.enabled
+        assert tuned.stats["eager_fallbacks"] == {}
+        state = {name: torch.randn_like(tensor) for name, tensor in model.state_dict().items()}
+        model.load_state_dict(state, assign=True)  # new storage: the graphs read the old weights
+        x = torch.randn(1, 3, 8, 8, device="cuda")
+        torch.testing.assert_close(tuned(x), model(x))
+    assert "stale" in tuned.stats["eager_fallbacks"]

@@ -224,13 +224,14 @@ def test_a_captured_decode_call_writes_eagers_cache_and_never_waits_for_the_devi
 
 
 def test_a_weight_replaced_after_tuning_sends_captured_decode_calls_to_eager(captured):
-    """The captured graphs read the weights where they were at capture: a weight given new storage (``.data``)
-    is noticed (the weight watch) and eager serves, with the new weights. Last in this file: it changes the model."""
+    """The captured graphs read the weights where they were at capture: weights given new storage
+    (``load_state_dict(assign=True)``) are noticed (the weight watch) and eager serves, with the new weights. Last
+    in this file: it changes the model."""
     model, eager = captured
     torch.manual_seed(5)
-    new = torch.randn_like(eager.model.layers[0].mlp.up_proj.weight)
+    state = {name: torch.randn_like(tensor) for name, tensor in eager.model.state_dict().items()}
     for chosen in (eager.model, model.model.__wrapped__):
-        chosen.layers[0].mlp.up_proj.weight.data = new.clone()
+        chosen.load_state_dict({name: tensor.clone() for name, tensor in state.items()}, assign=True)
     ids = prompt(9)
     assert torch.equal(generate(model, ids, **STATIC), generate(eager, ids, **STATIC))
     assert "stale" in model.model.stats["eager_fallbacks"]

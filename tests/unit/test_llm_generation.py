@@ -342,18 +342,18 @@ def test_cache_graphs_are_offered_no_freezing_no_replayed_copies_and_on_cuda_no_
 
 
 def test_captured_decode_graphs_are_refused_where_they_cannot_apply(tuned):
-    """capture_cuda_graphs needs CUDA, a decode graph and a static cache of full-attention layers, and a compile
-    without CUDA graphs of its own; what it refuses is named."""
+    """capture_cuda_graphs needs CUDA, and of phase graphs a decode graph with a static cache of full-attention
+    layers, and a compile without CUDA graphs of its own; what it refuses is named."""
     from aitune.errors import ConfigError
 
     model, _, _ = tuned
     prefill, decode = model.model.graphs
     module = model.model.__wrapped__
     captured = TorchInductorJitBackend(TorchInductorJitBackendConfig(capture_cuda_graphs=True))
-    for graph, device in ((decode, "cpu"), (prefill, "cuda")):
-        assert "decode graph on a CUDA device" in captured.supports(module, graph, torch.device(device)).reason
+    assert "needs a CUDA device" in captured.supports(module, decode, torch.device("cpu")).reason
+    assert "not this phase" in captured.supports(module, prefill, torch.device("cuda")).reason
     assert captured.supports(module, decode, torch.device("cuda")).ok
-    for clash in (dict(mode="reduce-overhead"), dict(freezing=True), dict(options={"triton.cudagraphs": True})):
+    for clash in (dict(mode="reduce-overhead"), dict(options={"triton.cudagraphs": True})):
         with pytest.raises(ConfigError, match="captures the compiled call into CUDA graphs itself"):
             TorchInductorJitBackendConfig(capture_cuda_graphs=True, **clash)
     stored = TorchInductorJitBackendConfig.from_dict(captured.config.to_dict())  # a checkpoint's config keeps it

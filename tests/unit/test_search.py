@@ -99,11 +99,33 @@ def test_default_candidates_expand_search_spaces():
     with_conv = [b.describe() for b in default_backends("cpu", conv, graph.graphs[0])]
     assert "TorchInductorJitBackend(freezing=True,memory_format=channels_last)" in with_conv
     cuda = [b.describe() for b in TorchInductorJitBackend().search_space(conv, graph.graphs[0], "cuda")]
-    assert cuda[0] == "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)"
+    # NOTE [captured CUDA graphs]: aitune's own capture of the frozen compile, and Inductor's (reduce-overhead)
+    assert cuda[:2] == ["TorchInductorJitBackend(fullgraph=True,freezing=True,capture_cuda_graphs=True)",
+                        "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)"]
     assert any("max-autotune" in text for text in cuda)
     chosen = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="default"))
     assert chosen.search_space(conv, graph.graphs[0], "cpu") == [chosen]  # the user's choice is kept
     assert not any("conv_1x1_as_mm" in text for text in cuda)  # a 3x3 convolution only
+
+
+def test_aitunes_own_cuda_graphs_need_a_cuda_device_and_inputs_left_as_they_are():
+    """NOTE [captured CUDA graphs]: a graph without a cache is replayed on copies of its inputs, so a module that
+    changes its inputs in place is refused, as is a device without CUDA; its weights count as baked (watched)."""
+    from aitune.torch.record.samples import record_graphs
+
+    class Center(torch.nn.Module):
+        def forward(self, x):
+            x.sub_(x.mean(-1, keepdim=True))
+            return x
+
+    captured = TorchInductorJitBackend(TorchInductorJitBackendConfig(capture_cuda_graphs=True, freezing=True))
+    mutating = record_graphs(Center(), [((torch.randn(2, 5),), {})])[0]
+    assert "inputs in place" in captured.supports(Center(), mutating, torch.device("cuda")).reason
+    net = torch.nn.Sequential(torch.nn.Linear(5, 3)).eval()
+    plain = record_graphs(net, [((torch.randn(2, 5),), {})])[0]
+    assert captured.supports(net, plain, torch.device("cuda")).ok
+    assert "needs a CUDA device" in captured.supports(net, plain, torch.device("cpu")).reason
+    assert TorchInductorJitBackend(TorchInductorJitBackendConfig(capture_cuda_graphs=True)).bakes_weights
 
 
 def test_a_convnet_with_1x1_convolutions_gets_them_as_matrix_multiplies_first_on_cuda():
@@ -116,7 +138,7 @@ def test_a_convnet_with_1x1_convolutions_gets_them_as_matrix_multiplies_first_on
     tiers = {b.describe(): b.search_tier for b in variants}
     mm = "TorchInductorJitBackend(options={'conv_1x1_as_mm': True, 'triton.cudagraphs': True},freezing=True)"
     assert [text for text, tier in tiers.items() if tier == 0] == [
-        "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)", mm]
+        "TorchInductorJitBackend(fullgraph=True,freezing=True,capture_cuda_graphs=True)", "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)", mm]
     assert tiers["TorchInductorJitBackend(mode=reduce-overhead,freezing=True,memory_format=channels_last)"] == 1
     [as_mm] = [b for b in variants if b.describe() == mm]  # what torch.compile gets: CUDA graphs, 1x1 as mm, freezing
     assert as_mm.config.compile_arguments() == (None, {"triton.cudagraphs": True, "conv_1x1_as_mm": True,

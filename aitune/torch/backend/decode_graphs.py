@@ -1,17 +1,21 @@
-"""A decode step captured into one CUDA graph that reads and writes the caller's key/value cache in place.
+"""aitune's own CUDA graphs around a compiled call, and a decode step's graph that reads and writes the caller's
+key/value cache in place.
 
-NOTE [captured decode graphs]: a generate loop on a GPU is bound by the host: at batch 1 a Qwen2-0.5B-sized decode
-step is ~1.35 ms of kernels, and transformers' loop spends ~2 ms of Python around each model call. A ``torch.compile``
-``reduce-overhead`` call (CUDA-graph trees) replays the kernels with one launch but still runs Dynamo's guards,
-AOTAutograd's wrappers and the trees' bookkeeping (invariant checks of every recorded graph, output liveness) on
-every call: ~430 µs of host time on an H100, whether transformers or aitune makes the call. This runner captures the
-compiled call (Inductor without CUDA graphs: the same kernels) into one ``torch.cuda.CUDAGraph`` per input shape and
-cache, and replays it: the host work per call is copying the few small inputs into the graph's own buffers, one
-launch, and a copy of the outputs (~75 µs on an H100). Measured side by side in one process (H100, bf16, prompt 128,
-256 new tokens, a scratch run before this runner existed): 1.36x transformers' auto-compile at batch 1, 1.31x at
-batch 8 (benchmarks/RESULTS.md).
+NOTE [captured CUDA graphs]: ``torch.compile(mode="reduce-overhead")`` replays a compiled call's kernels with one
+launch (CUDA-graph trees), but still runs Dynamo's guards, AOTAutograd's wrappers and the trees' bookkeeping
+(invariant checks of every graph recorded for the function, output liveness) on every call: ~430 µs of host time per
+decode call of a Qwen2-0.5B-sized model on an H100, whether transformers or aitune makes the call, and ~120 µs for
+ResNet-50 at batch 1. Where the host is the bottleneck (a generate loop: ~1.35 ms of kernels per step at batch 1
+against ~2 ms of transformers' Python around each call; a batch-1 convnet whose launch the device waits for), that
+is the latency. Inductor's ``capture_cuda_graphs`` variant compiles the same kernels without CUDA graphs and aitune
+captures the compiled call into one ``torch.cuda.CUDAGraph`` per input shape, then replays it: the host work per call
+is copying the inputs into the graph's buffers, one launch and a copy of the outputs. For a graph without a cache
+that is :class:`~aitune.torch.backend.cuda_graphs.CUDAGraphRunner`; for an LLM's decode graph, :class:`DecodeGraphs`
+below. Measured side by side in one process (H100, bf16, prompt 128, 256 new tokens; a scratch run before this
+module existed, with the capture by hand): 1.36x transformers' auto-compile's tokens/s at batch 1, 1.31x at batch 8
+(benchmarks/RESULTS.md).
 
-What makes it correct where a plain ``torch.cuda.CUDAGraph`` would not be:
+What makes a captured decode graph correct (the last three points hold for every captured graph):
 
 * the cache's tensors are not copied: the graph reads and writes them where they are (their addresses are part of
   a captured graph's key, so another cache, or a cache whose tensors were reallocated, gets its own capture). Only

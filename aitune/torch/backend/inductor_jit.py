@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from aitune.errors import ConfigError, one_line
+from aitune.errors import BackendBuildError, ConfigError, one_line
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
 from aitune.torch.backend.compile_settings import parameter_freezing
 from aitune.torch.common.requirements import validate_flags
@@ -18,6 +18,7 @@ from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.common.environment import native_bf16
+from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
 from aitune.torch.backend.decode_graphs import DecodeGraphs, captures_cache
 from aitune.torch.record.llm import DECODE, PREFILL, find_cache, folds_state, is_kv_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
@@ -139,10 +140,13 @@ class TorchInductorJitBackendConfig(BackendConfig):
         memory_format: ``"channels_last"``: compile a channels-last copy of the module (inputs are passed as
             given: the compiled graph converts them where the first convolution needs it; 4-D outputs are
             returned contiguous, as eager's); None = as given.
-        capture_cuda_graphs: for an LLM's decode graph on CUDA with a static key/value cache: compile without
-            CUDA graphs and with ``fullgraph``, and capture each decode call (per input shapes and cache) into one
-            CUDA graph that aitune replays, the cache's tensors read and written in place (NOTE [captured decode
-            graphs] in :mod:`aitune.torch.backend.decode_graphs`). Needs a mode without CUDA graphs and no freezing.
+        capture_cuda_graphs: CUDA only: compile without CUDA graphs of Inductor's own and with ``fullgraph``, and
+            capture each call shape into one ``torch.cuda.CUDAGraph`` that aitune replays (NOTE [captured CUDA
+            graphs] in :mod:`aitune.torch.backend.decode_graphs`): for a graph without a key/value cache the inputs
+            are copied into the graph's buffers (:class:`~aitune.torch.backend.cuda_graphs.CUDAGraphRunner`; not for
+            a graph that changes its inputs in place); for an LLM's decode graph with a static cache the cache's
+            tensors are read and written in place (:class:`~aitune.torch.backend.decode_graphs.DecodeGraphs`).
+            Needs a mode without CUDA graphs (None, ``default``, ``max-autotune-no-cudagraphs``).
     """
 
     mode: str | None = None
@@ -165,9 +169,9 @@ class TorchInductorJitBackendConfig(BackendConfig):
         if self.options is not None and not isinstance(self.options, dict):
             raise ConfigError(f"options must be a dict of Inductor options, got {type(self.options).__name__}")
         validate_flags(self, ("fullgraph", "autocast_enabled", "freezing", "capture_cuda_graphs"))
-        if self.capture_cuda_graphs and (uses_cuda_graphs(self.mode, self.options) or folds_state(self)):
+        if self.capture_cuda_graphs and uses_cuda_graphs(self.mode, self.options):
             raise ConfigError("capture_cuda_graphs captures the compiled call into CUDA graphs itself: use a mode "
-                              "without CUDA graphs (None, 'default', 'max-autotune-no-cudagraphs') and no freezing")
+                              "without CUDA graphs (None, 'default', 'max-autotune-no-cudagraphs')")
         self.autocast_dtype = parse_dtype(self.autocast_dtype, "autocast_dtype")
 
     def compile_arguments(self) -> tuple[str | None, dict | None]:
@@ -226,7 +230,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     _freezing = contextlib.nullcontext()  # parameter_freezing(...) once built
     _bare = False  # NOTE [a bare served call]
     _own_copy = False  # the compile took a copy of the module (runs_own_copy)
-    _graphs = None  # DecodeGraphs with capture_cuda_graphs
+    _graphs = None  # with capture_cuda_graphs: DecodeGraphs (a decode graph), else CUDAGraphRunner
 
     name = "inductor_jit"
     config_class = TorchInductorJitBackendConfig
@@ -250,8 +254,9 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     def search_space(self, module, graph, device) -> list["Backend"]:
         """The configurations worth trying. On CPU: plain and with ``freezing``, and for models
         with 2-D convolutions and 4-D inputs also freezing + channels-last, all in the first tier (no
-        max-autotune: on CPU it keeps MKL's linear kernels and gains nothing). On CUDA: reduce-overhead (CUDA
-        graphs) with freezing, reduce-overhead without it as the fallback (:attr:`Backend.search_fallback`: built
+        max-autotune: on CPU it keeps MKL's linear kernels and gains nothing). On CUDA: freezing with aitune's own
+        CUDA graphs (``capture_cuda_graphs``, NOTE [captured CUDA graphs]) and reduce-overhead (CUDA graphs) with
+        freezing, reduce-overhead without it as the fallback (:attr:`Backend.search_fallback`: built
         by default only when no freezing variant passes its checks), then — with a time budget — channels-last
         (with freezing) for convnets, default mode, and the max-autotune modes (expensive).
 
@@ -272,7 +277,8 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
 
         A language model's phase graph (prefill or decode) compiles without freezing (its key/value cache is
         written in place); on CPU its first variant uses Inductor's C++ wrapper (``cpp_wrapper``), with the plain
-        compile as its fallback (NOTE [a C++ wrapper for phase graphs on CPU])."""
+        compile as its fallback (NOTE [a C++ wrapper for phase graphs on CPU]); on CUDA a decode graph with a static
+        cache gets ``capture_cuda_graphs`` first and reduce-overhead as its fallback."""
         config = self.config
         if config != TorchInductorJitBackendConfig():  # a configuration the user chose is tried as given
             return [self]
@@ -286,6 +292,8 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
                 if has_1x1_convolution(module):  # first tier too: which wins depends on the batch (docstring)
                     configs.insert(1, dict(options=dict(REDUCE_OVERHEAD_1X1_AS_MM), freezing=True))
                     first_tier = 2
+            configs.insert(0, dict(capture_cuda_graphs=True, freezing=True, fullgraph=True))  # NOTE [captured CUDA
+            first_tier += 1  # graphs]: the same kernels as reduce-overhead + freezing, less host time per call
         else:
             configs = [dict(), dict(freezing=True)]
             if module is not None and graph is not None and has_4d_convolution(module, graph):
@@ -295,6 +303,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             configs.append(dict(base, freezing=True, autocast_enabled=True, autocast_dtype=torch.bfloat16))
         if getattr(graph, "phase", None) is not None:  # no freezing with a key/value cache (FROZEN_CACHE_REASON)
             configs = [kwargs for kwargs in configs if not kwargs.get("freezing")] or [dict(mode="reduce-overhead")]
+            first_tier = 1
             if graph.phase == PREFILL and device.type == "cuda":  # no CUDA graphs (NOTE [no CUDA graphs for prefill])
                 configs = [dict()]
             elif graph.phase == DECODE and device.type == "cuda" and graph.samples and captures_cache(
@@ -327,11 +336,17 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         if uses_cuda_graphs(self.config.mode, self.config.options) and device.type != "cuda":
             return Check(False, f"mode {self.config.mode!r} captures CUDA graphs and needs a CUDA device")
         if self.config.capture_cuda_graphs:
+            if device.type != "cuda":
+                return Check(False, "capture_cuda_graphs captures CUDA graphs and needs a CUDA device")
+            phase = getattr(graph, "phase", None)
             sample = graph.samples[0] if graph is not None and graph.samples else None
-            if device.type != "cuda" or graph.phase != DECODE or sample is None or not captures_cache(
-                    find_cache(sample.kwargs, sample.args)):
-                return Check(False, "capture_cuda_graphs serves an LLM's decode graph on a CUDA device with a static "
-                                    "key/value cache of full-attention layers (transformers' StaticLayer)")
+            if phase is not None and (phase != DECODE or sample is None or not captures_cache(
+                    find_cache(sample.kwargs, sample.args))):
+                return Check(False, "capture_cuda_graphs serves an LLM's decode graph with a static key/value cache "
+                                    "of full-attention layers (transformers' StaticLayer), not this phase or cache")
+            if phase is None and graph is not None and graph.mutated_inputs:
+                return Check(False, "capture_cuda_graphs replays on copies of the inputs: a graph that changes its "
+                                    "inputs in place would not change the caller's")
         if self.config.memory_format == "channels_last" and (graph is None or not any(
                 len(spec.min_shape) == 4 for spec in graph.tensor_specs)):
             return Check(False, "memory_format='channels_last' needs a 4-D input")
@@ -386,7 +401,10 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         allow_many_variants()
         self._compiled = torch.compile(module, backend="inductor", mode=mode, options=options,
                                        fullgraph=self.config.fullgraph or captured, dynamic=dynamic)
-        self._graphs = DecodeGraphs(self._compiled, graph.cache_input, name=self.name) if captured else None
+        self._graphs = None
+        if captured:  # NOTE [captured CUDA graphs]
+            self._graphs = DecodeGraphs(self._compiled, graph.cache_input, name=self.name) \
+                if graph.phase == DECODE else CUDAGraphRunner(self._compiled, name=self.name)
         # the captured graphs read the weights at their addresses: their storage stays alive while they may replay
         self._held = [tensor.detach() for tensor in (*module.parameters(), *module.buffers())] if captured else None
         breaks_before = graph_break_count()
@@ -395,6 +413,9 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             self._run(sample.args, sample.kwargs)
         self.build_info["graph_breaks"] = graph_break_count() - breaks_before
         logger.debug("inductor_jit: %d graph breaks during warm-up", self.build_info["graph_breaks"])
+        if self._graphs is not None and not self._graphs.enabled:  # (else: the compile without graphs, slower)
+            raise BackendBuildError(f"capturing the compiled call into a CUDA graph failed: "
+                                    f"{self._graphs.disabled_reason}", backend=self.name)
 
     def _run(self, args, kwargs, copy: bool = True):
         # NOTE [a bare served call]: without CUDA graphs, autocast, freezing, a channels-last copy or outputs cast
@@ -407,8 +428,11 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             torch.compiler.cudagraph_mark_step_begin()
         # (a caller already under no_grad, as ait.Module's calls mostly are, does not pay for entering it again)
         with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT, self._autocast(), self._freezing:
-            if self._graphs is not None:  # NOTE [captured decode graphs]: its outputs are copies where asked
-                return self._restore_output_dtypes(self._graphs(args, kwargs, copy))
+            if self._graphs is not None:  # NOTE [captured CUDA graphs]
+                if isinstance(self._graphs, DecodeGraphs):  # its outputs are copies where asked
+                    return self._restore_output_dtypes(self._graphs(args, kwargs, copy))
+                output = self._graphs(*args, **kwargs)  # (copies, always)
+                return self._restore_output_dtypes(to_contiguous(output) if self._channels_last else output)
             output = self._compiled(*args, **kwargs)
         if self._channels_last:
             output = to_contiguous(output)
