@@ -505,3 +505,28 @@ def test_a_stateful_forward_is_not_served_by_a_copy_of_the_module():
             torch.testing.assert_close(tuned(x), model.fc(x), rtol=0, atol=0)
     assert model.calls == before + 3
     assert tuned.backend_calls == 0 and fallbacks(tuned, "stateful") >= 1  # then the changed counter says so too
+
+
+def test_an_attribute_no_forward_reads_may_come_and_go_a_read_one_may_not(scaled):
+    """A causal LM's ``generate`` keeps its own bookkeeping on the model (``_previous_max_cache_length``), which no
+    ``forward`` reads: such an attribute added or deleted leaves the backend serving; one ``forward`` reads (a
+    class default shadowed) still sends the call to eager, and the message names it."""
+    model, tuned = scaled
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        model._previous_max_cache_length = 64  # (read by no forward)
+        try:
+            served = tuned.backend_calls
+            torch.testing.assert_close(tuned(x), model(x), atol=1e-5, rtol=1e-4)
+            assert tuned.backend_calls == served + 1
+            model.scale = 2.0  # read by forward: eager, until it is gone
+            falls = fallbacks(tuned, "module")
+            torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
+            assert fallbacks(tuned, "module") == falls + 1
+            assert "(scale)" in tuned._self_dispatch.baked._what_attribute_changed()
+            del model.scale
+        finally:
+            del model._previous_max_cache_length
+        served = tuned.backend_calls
+        torch.testing.assert_close(tuned(x), model(x), atol=1e-5, rtol=1e-4)
+        assert tuned.backend_calls == served + 1

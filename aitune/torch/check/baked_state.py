@@ -188,6 +188,10 @@ class BakedState:
         self.sizes = list(map(len, self.sized))
         self.sized_built_in = [attributes for module, attributes in sized if _built_in(module)]
         self.sizes_built_in = list(map(len, self.sized_built_in))
+        # which names count, for a count that changed: those any forward reads (an attribute no class reads, such
+        # as generate's own bookkeeping on a causal LM, `_previous_max_cache_length`, changes nothing a call does)
+        self.sized_keys = {id(attributes): set(attributes) for _, attributes in sized}
+        self.sized_reads = {id(attributes): reads[type(module)] | elsewhere for module, attributes in sized}
         self.attributes = self._attributes()
         self.fast_attributes = self._fast_attributes()
         tensors = [(f"{name}.{key}".lstrip("."), attributes[key])
@@ -280,11 +284,12 @@ class BakedState:
         self.calls += 1
         every = self.calls % VALUES_CHECK_EVERY == 0
         # (each check only where it has something to read: a module of torch.nn's layers alone has none of them)
-        if ((self.sized and list(map(len, self.sized)) != self.sizes)
+        if ((self.sized and list(map(len, self.sized)) != self.sizes and self._read_names_come_or_go())
                 or (self.fast_getters and not _same(self._fast_attributes(), self.fast_attributes))
                 or (self.tensor_values and sum(map(VERSION, self.tensor_values)) != self.tensor_versions)
                 or (every and (not _same(self._attributes(), self.attributes)
-                               or list(map(len, self.sized_built_in)) != self.sizes_built_in))):
+                               or (list(map(len, self.sized_built_in)) != self.sizes_built_in
+                                   and self._read_names_come_or_go())))):
             self.calls -= 1  # checked in full again on the next call
             self.differing = True
             return "module", (f"{self._what_attribute_changed()}; {backend.name} baked the module in as it was at "
@@ -295,6 +300,18 @@ class BakedState:
             if reason is not None:
                 return "stale", reason
         return None
+
+    def _read_names_come_or_go(self) -> bool:
+        """Were attributes some ``forward`` reads added or deleted where a watched module's attribute count changed?
+        Counts that changed by other names only are taken as they are now."""
+        for sized, sizes in ((self.sized, self.sizes), (self.sized_built_in, self.sizes_built_in)):
+            for index, attributes in enumerate(sized):
+                if len(attributes) != sizes[index]:
+                    if (attributes.keys() ^ self.sized_keys[id(attributes)]) & self.sized_reads[id(attributes)]:
+                        return True
+                    self.sized_keys[id(attributes)] = set(attributes)
+                    sizes[index] = len(attributes)
+        return False
 
     def _needs_grad(self, args: tuple, kwargs: dict, leaves: list | None = None) -> str | None:
         if leaves is None:
@@ -325,7 +342,9 @@ class BakedState:
         for name, attributes in zip(self.names, self.dicts):
             if any(attributes is sized and len(attributes) != size for sized, size in
                    zip(self.sized + self.sized_built_in, self.sizes + self.sizes_built_in)):
-                return f"attributes of {name or 'the module'} were added or deleted since tuning"
+                key = id(attributes)
+                changed = ", ".join(sorted((attributes.keys() ^ self.sized_keys[key]) & self.sized_reads[key]))
+                return f"attributes of {name or 'the module'} were added or deleted since tuning ({changed})"
         for index, before in zip(self.watched_index, self.attributes):
             keys, attributes = self.watched[index], self.dicts[index]
             values = before if len(keys) > 1 else (before,)
