@@ -161,12 +161,13 @@ def test_a_whole_model_wrapped_and_driven_by_its_own_generate_gives_eagers_token
 
 @pytest.fixture(scope="module")
 def captured():
-    """The default Inductor search: the decode graph is served by aitune's own capture (NOTE [captured decode
-    graphs] in aitune/torch/backend/decode_graphs.py)."""
+    """The decode graph served by aitune's own capture (NOTE [captured CUDA graphs] in
+    aitune/torch/backend/decode_graphs.py); a strategy's backends are used as given (not expanded by their search
+    space), so the variant is named; the prefill graph, which it does not serve, stays eager."""
     model = tiny_llama()
     eager = copy.deepcopy(model)
-    strategy = ait.MaxThroughputStrategy(backends=[TorchInductorJitBackend()],
-                                         profiling_config=ProfilingConfig(time_budget_s=0.2))
+    captured = TorchInductorJitBackend(TorchInductorJitBackendConfig(capture_cuda_graphs=True, fullgraph=True))
+    strategy = ait.MaxThroughputStrategy(backends=[captured], profiling_config=ProfilingConfig(time_budget_s=0.2))
     model.model = ait.Module(model.model, "decoder", strategy=strategy)
     ait.tune(lambda ids: generate(model, ids, **STATIC), [prompt(5), prompt(7)], ready_batches=True,
              ignore_failing_modules=False)
