@@ -20,6 +20,7 @@ from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.common.environment import native_bf16
 from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
 from aitune.torch.backend.decode_graphs import DecodeGraphs, captures_cache
+from aitune.torch.check.guard import watch_registrations
 from aitune.torch.record.llm import DECODE, PREFILL, find_cache, folds_state, is_kv_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
@@ -72,9 +73,10 @@ def allow_many_variants() -> None:
     and every ``torch.compile`` variant of one module (mode, freezing, memory format, a quantized copy)
     counts. A search compiles one module several ways, so beyond 8 the later variants — and new shapes of
     the chosen one after tuning — would silently run eagerly. aitune raises the limit to 64 (never lowers
-    it) for the process."""
+    it) for the process. It also installs the weight watch's registration hooks, which Dynamo guards on."""
     import torch._dynamo.config as dynamo_config
 
+    watch_registrations()  # (before any aitune compile: NOTE [registration hooks before compiling])
     for name in ("recompile_limit", "cache_size_limit"):
         if getattr(dynamo_config, name, RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
             setattr(dynamo_config, name, RECOMPILE_LIMIT)

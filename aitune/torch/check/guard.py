@@ -350,7 +350,16 @@ def _count_module_registration(*_args) -> None:
     _REGISTRATIONS[0] += 1
 
 
-def _install_hooks() -> None:
+def watch_registrations() -> None:
+    """Install PyTorch's global parameter/buffer/module registration hooks that count registrations (StateWatch
+    reads the count), once per process; every aitune compile calls it before ``torch.compile``.
+
+    NOTE [registration hooks before compiling]: Dynamo guards a compiled forward that registers modules as it runs
+    (transformers' decoders slice ``self.layers``) on whether any global module registration hook exists. Installed
+    only by the first StateWatch, after a tune whose chosen backend bakes the weights, the hooks made every entry
+    compiled during that tune fail its guard at the first call after it: transformers' decoder recompiled its
+    prefill and decode graphs there (82.6 s for a Qwen2-0.5B-sized model on an H100; on this project's CPU two new
+    graphs for the tiny test decoder, ``tests/unit/test_llm_generation.py``)."""
     if _HOOKS:
         return
     from torch.nn.modules import module as nn_module
@@ -371,7 +380,7 @@ class StateWatch:
     """
 
     def __init__(self, module: torch.nn.Module):
-        _install_hooks()
+        watch_registrations()
         self.module = module
         self._snapshot()
         self.reason: str | None = None
