@@ -35,6 +35,16 @@ def generate(model, ids, new_tokens=32, **kwargs):
         return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
 
 
+def call_without_device_waits(module, kwargs):
+    """``module(**kwargs)`` with CUDA's sync debug mode raising on any wait for the device."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return module(**kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.fixture(scope="module")
 def tuned():
     model = tiny_llama()
@@ -109,12 +119,7 @@ def test_a_served_decode_call_never_waits_for_the_device(tuned):
             model.model(**copy.deepcopy(call))
         mine, theirs = copy.deepcopy(call), copy.deepcopy(call)
         served = model.model.stats["backend_calls"]
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            output = model.model(**mine)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        output = call_without_device_waits(model.model, mine)
         expected = eager.model(**theirs)
     assert model.model.stats["backend_calls"] == served + 1
     # every tensor of these calls is on the GPU: their routes skip the value gate, which reads CPU tensors only
@@ -208,12 +213,7 @@ def test_a_captured_decode_call_writes_eagers_cache_and_never_waits_for_the_devi
         for layer, count in zip(cache.layers, start):  # the same call again: it writes the same positions
             layer.cumulative_length.copy_(count)
         replays = model.model.backends["decode"]._graphs.stats["replays"]
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            output = model.model(**mine)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        output = call_without_device_waits(model.model, mine)
         expected = eager.model(**theirs)
     assert model.model.backends["decode"]._graphs.stats["replays"] == replays + 1
     torch.testing.assert_close(output.last_hidden_state, expected.last_hidden_state)
