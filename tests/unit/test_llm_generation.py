@@ -333,7 +333,7 @@ def test_cache_graphs_are_offered_no_freezing_no_replayed_copies_and_on_cuda_no_
     monkeypatch.setattr(inductor_jit, "native_bf16", lambda device: False)  # no CUDA device needed to list variants
     cuda = torch.device("cuda")
     assert [v.config.mode for v in TorchInductorJitBackend().search_space(module, prefill, cuda)] == [None]
-    # NOTE [captured decode graphs]: a static cache of full-attention layers: aitune's own capture first, Inductor's
+    # NOTE [captured CUDA graphs]: a static cache of full-attention layers: aitune's own capture first, Inductor's
     # CUDA-graph trees (reduce-overhead) the fallback built only when it fails its build or checks
     variants = TorchInductorJitBackend().search_space(module, decode, cuda)
     assert [(v.config.capture_cuda_graphs, v.config.fullgraph, v.config.mode, v.search_tier, v.search_fallback)

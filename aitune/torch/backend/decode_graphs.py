@@ -121,7 +121,7 @@ class _Captured:
 
 class DecodeGraphs:
     """Capture-and-replay of a decode call ``function(*args, **kwargs)`` whose key/value cache is used in place
-    (NOTE [captured decode graphs]).
+    (NOTE [captured CUDA graphs]).
 
     Args:
         function: the compiled call (Inductor without CUDA graphs, ``fullgraph=True``); called under the caller's

@@ -309,7 +309,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             if graph.phase == PREFILL and device.type == "cuda":  # no CUDA graphs (NOTE [no CUDA graphs for prefill])
                 configs = [dict()]
             elif graph.phase == DECODE and device.type == "cuda" and graph.samples and captures_cache(
-                    find_cache(graph.samples[0].kwargs, graph.samples[0].args)):  # NOTE [captured decode graphs]
+                    find_cache(graph.samples[0].kwargs, graph.samples[0].args)):  # NOTE [captured CUDA graphs]
                 configs = [dict(capture_cuda_graphs=True, fullgraph=True), *configs]
             elif device.type == "cpu":  # NOTE [a C++ wrapper for phase graphs on CPU]
                 configs = [dict(options=dict(CPP_WRAPPER)), *configs]
