@@ -183,14 +183,25 @@ def test_captured_decode_graphs_give_eagers_tokens_greedy_and_sampled(captured):
     model, eager = captured
     backend = model.model.backends["decode"]
     assert backend.config.capture_cuda_graphs
-    replays = backend._graphs.stats["replays"]
-    for length, batch in ((9, 1), (12, 2)):  # prompt lengths never recorded; a second batch size: another cache
+    stats = backend._graphs.stats
+    replays = stats["replays"]
+    for length, batch in ((9, 1), (12, 2)):  # prompt lengths never recorded; a second batch size
         ids = prompt(length, batch)
         expected = generate(eager, ids, **STATIC)
-        for _ in range(2):  # the second generate reuses the first one's cache (reset in place): the same graph
+        for _ in range(2):  # (transformers makes a new cache per generate: one capture each, then replays)
+            captures = stats["captures"]
             assert torch.equal(generate(model, ids, **STATIC), expected)
-    assert backend._graphs.stats["replays"] - replays >= 4 * 31
-    assert backend._graphs.stats["plain_calls"] == 0 and model.model.stats["eager_fallbacks"] == {}
+            assert stats["captures"] == captures + 1
+    assert stats["replays"] - replays == 4 * 31
+    assert stats["plain_calls"] == 0 and model.model.stats["eager_fallbacks"] == {}
+    cache = transformers.StaticCache(config=model.config, max_cache_len=64)  # the caller's own cache, reused
+    ids = prompt(9)
+    expected = generate(eager, ids, **STATIC)
+    for _ in range(2):
+        captures = stats["captures"]
+        cache.reset()
+        assert torch.equal(generate(model, ids, past_key_values=cache, disable_compile=True), expected)
+    assert stats["captures"] == captures  # the second generate replayed the first one's graph
     ids = prompt(10)
     sampled = []
     for chosen in (eager, model):

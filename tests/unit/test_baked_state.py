@@ -507,26 +507,40 @@ def test_a_stateful_forward_is_not_served_by_a_copy_of_the_module():
     assert tuned.backend_calls == 0 and fallbacks(tuned, "stateful") >= 1  # then the changed counter says so too
 
 
-def test_an_attribute_no_forward_reads_may_come_and_go_a_read_one_may_not(scaled):
-    """A causal LM's ``generate`` keeps its own bookkeeping on the model (``_previous_max_cache_length``), which no
-    ``forward`` reads: such an attribute added or deleted leaves the backend serving; one ``forward`` reads (a
-    class default shadowed) still sends the call to eager, and the message names it."""
-    model, tuned = scaled
+def _scaled_by(module, y):
+    return y * getattr(module, "extra_scale", 1.0)  # read by a free function, not by the module's own code
+
+
+class ScaledLM(Scaled):
+    """A module with transformers' generate on it (its own bookkeeping between calls) and a free function that
+    reads one of its attributes."""
+
+    def forward(self, x):
+        return _scaled_by(self, super().forward(x))
+
+
+def test_generates_bookkeeping_may_come_and_go_any_other_attribute_may_not():
+    """transformers' ``generate`` sets ``_previous_max_cache_length`` on the model after its first call: that
+    attribute (assigned by GenerationMixin, read by no forward) leaves the backend serving; any other attribute
+    added, here one a free function reads, still sends the call to eager, and the message names it."""
+    if "onnxruntime" not in BACKENDS:
+        pytest.skip("onnxruntime is not installed")
+    transformers = pytest.importorskip("transformers")
+    lm_class = type("ScaledCausalLM", (ScaledLM, transformers.GenerationMixin), {})
+    torch.manual_seed(0)
+    model = lm_class().eval().requires_grad_(False)
+    tuned = tune(model, "scaled-lm", BACKENDS["onnxruntime"]())
     x = torch.randn(4, 16)
     with torch.no_grad():
-        model._previous_max_cache_length = 64  # (read by no forward)
-        try:
-            served = tuned.backend_calls
-            torch.testing.assert_close(tuned(x), model(x), atol=1e-5, rtol=1e-4)
-            assert tuned.backend_calls == served + 1
-            model.scale = 2.0  # read by forward: eager, until it is gone
-            falls = fallbacks(tuned, "module")
-            torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)
-            assert fallbacks(tuned, "module") == falls + 1
-            assert "(scale)" in tuned._self_dispatch.baked._what_attribute_changed()
-            del model.scale
-        finally:
-            del model._previous_max_cache_length
+        model._previous_max_cache_length = 64
+        served = tuned.backend_calls
+        torch.testing.assert_close(tuned(x), model(x), atol=1e-5, rtol=1e-4)
+        assert tuned.backend_calls == served + 1 and fallbacks(tuned, "module") == 0
+        model.extra_scale = 3.0
+        torch.testing.assert_close(tuned(x), model(x), rtol=0, atol=0)  # eager's result, with the new scale
+        assert fallbacks(tuned, "module") == 1
+        assert "(extra_scale)" in tuned._self_dispatch.baked._what_attribute_changed()
+        del model.extra_scale
         served = tuned.backend_calls
         torch.testing.assert_close(tuned(x), model(x), atol=1e-5, rtol=1e-4)
         assert tuned.backend_calls == served + 1

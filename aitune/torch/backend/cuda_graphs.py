@@ -225,8 +225,9 @@ class CUDAGraphRunner:
         static_inputs = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                buffer = torch.empty_like(leaf)
-                buffer.copy_(leaf)
+                with torch.inference_mode(False):  # (a later call outside inference mode copies into it)
+                    buffer = torch.empty_like(leaf)
+                    buffer.copy_(leaf)
                 static_leaves.append(buffer)
                 static_inputs.append(buffer)
             else:

@@ -29,8 +29,11 @@ What makes a captured decode graph correct (the last three points hold for every
   declares them baked (``Backend.bakes_weights``), so ``ait.Module`` watches for weights changed or replaced and runs
   eager once they are;
 * a replay runs no Python of the model: the compiled call is built with ``fullgraph=True`` (no Python between
-  graph pieces), and what Dynamo's guards would check per call (grad mode, autocast, the module's flags, attributes
-  and hooks) ``ait.Module`` checks for every backend that bakes the module in (NOTE [what a backend follows]);
+  graph pieces), and of what Dynamo's guards would check per call, ``ait.Module`` checks grad mode, autocast, the
+  module's flags, the attributes ``forward`` reads and hooks for every backend that bakes the module in (NOTE [what
+  a backend follows]); not the fields of objects held in attributes (a transformers ``config``'s
+  ``output_attentions``) nor other global state: a graph captured before such a change replays as captured, so
+  re-tune after one (a module with forward hooks at tuning is refused: its calls could never use the graph);
 * outputs are copied (``copy_cuda_graph_outputs``, NOTE [output copies]): a replay writes into the same buffers.
 
 Each graph has its own memory pool (at most ``max_graphs`` are kept). Reference for the capture protocol (warm-up on
@@ -49,6 +52,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from aitune.errors import ConfigError
 from aitune.torch.backend.cuda_graphs import DEFAULT_MAX_GRAPHS, _generator_snapshot
 from aitune.torch.record.llm import is_kv_cache, rewind_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
@@ -139,6 +143,8 @@ class DecodeGraphs:
 
     def __init__(self, function: Callable[..., Any], cache_name: str, *, max_graphs: int = DEFAULT_MAX_GRAPHS,
                  name: str = "") -> None:
+        if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
+            raise ConfigError(f"max_graphs must be an int >= 1, got {max_graphs!r}")
         self.function = function
         self.cache_name = cache_name
         self.name = name or "decode graphs"
@@ -151,7 +157,12 @@ class DecodeGraphs:
 
     def __call__(self, args: tuple, kwargs: dict, copy: bool = True) -> Any:
         """Answer a canonical call (``args``/``kwargs`` as the backend gets them); ``copy``: return copies of the
-        output tensors (else the graph's own buffers, valid until the next replay)."""
+        output tensors (else the graph's own buffers, valid until the next replay).
+
+        The first call of a key captures: it runs the call once (compiling a new shape), sets the cache's counters
+        back, synchronises the device (``torch.cuda.graph``) and captures, then replays. An exception from the
+        call propagates with the cache as that run left it (the caller puts the counters back: ``ait.Module``
+        does). A failed capture turns the graphs off for good (``enabled``), with one warning."""
         with self._lock:
             cache = kwargs.get(self.cache_name)
             found = self._key(args, kwargs, cache) if self.enabled else None
@@ -183,7 +194,8 @@ class DecodeGraphs:
 
     def reset(self) -> None:
         """Release every captured graph; later calls capture again."""
-        self._graphs.clear()
+        with self._lock:
+            self._graphs.clear()
 
     def _key(self, args: tuple, kwargs: dict, cache: Any) -> tuple[Hashable, list] | None:
         """The call's key (keyword names, each tensor's shape and dtype, each constant, the addresses of the cache's
@@ -195,6 +207,8 @@ class DecodeGraphs:
         for name, value in (*enumerate(args), *kwargs.items()):
             parts.append(name)
             if isinstance(value, torch.Tensor):
+                if not value.is_cuda:  # (a CPU tensor would be read once, at capture, and frozen into the graph)
+                    return None
                 parts.append((value.shape, value.dtype))
                 tensors.append(value)
             elif value is cache:
@@ -223,16 +237,19 @@ class DecodeGraphs:
                 return inputs[-1]
             return value
 
-        static_args = tuple(own(value) for value in args)
-        static_kwargs = {name: own(value) for name, value in kwargs.items()}
+        with torch.inference_mode(False):  # (buffers a later call outside inference mode can copy into)
+            static_args = tuple(own(value) for value in args)
+            static_kwargs = {name: own(value) for name, value in kwargs.items()}
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self.function(*static_args, **static_kwargs)  # warm-up (its output is not used)
-            if before is not None:
-                rewind_cache(cache, before)
-        current.wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                self.function(*static_args, **static_kwargs)  # warm-up (its output is not used)
+                if before is not None:
+                    rewind_cache(cache, before)
+        finally:  # (a warm-up that raised: the caller's rewind then follows what it launched)
+            current.wait_stream(side)
         generator, saved_state = _generator_snapshot(device)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -244,7 +261,7 @@ class DecodeGraphs:
             lines = str(exc).strip().splitlines()
             self.enabled = False
             self.disabled_reason = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-            self.reset()
+            self._graphs.clear()  # (under the lock already)
             logger.warning("%s: CUDA graph capture failed (%s); running without CUDA graphs from now on",
                            self.name, self.disabled_reason)
             return None

@@ -20,6 +20,7 @@ from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.common.environment import native_bf16
 from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
 from aitune.torch.backend.decode_graphs import DecodeGraphs, captures_cache
+from aitune.torch.check.baked_state import forward_hooks
 from aitune.torch.check.guard import watch_registrations
 from aitune.torch.record.llm import DECODE, PREFILL, find_cache, folds_state, is_kv_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
@@ -256,11 +257,11 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     def search_space(self, module, graph, device) -> list["Backend"]:
         """The configurations worth trying. On CPU: plain and with ``freezing``, and for models
         with 2-D convolutions and 4-D inputs also freezing + channels-last, all in the first tier (no
-        max-autotune: on CPU it keeps MKL's linear kernels and gains nothing). On CUDA: freezing with aitune's own
-        CUDA graphs (``capture_cuda_graphs``, NOTE [captured CUDA graphs]) and reduce-overhead (CUDA graphs) with
-        freezing, reduce-overhead without it as the fallback (:attr:`Backend.search_fallback`: built
-        by default only when no freezing variant passes its checks), then — with a time budget — channels-last
-        (with freezing) for convnets, default mode, and the max-autotune modes (expensive).
+        max-autotune: on CPU it keeps MKL's linear kernels and gains nothing). On CUDA: reduce-overhead (CUDA
+        graphs) with freezing, reduce-overhead without it as the fallback (:attr:`Backend.search_fallback`: built
+        by default only when no freezing variant passes its checks), then — with a time budget — freezing with
+        aitune's own CUDA graphs (``capture_cuda_graphs``, NOTE [captured CUDA graphs]; not yet measured on these
+        models), channels-last (with freezing) for convnets, default mode, and the max-autotune modes (expensive).
 
         Reduce-overhead without freezing did not win a measured tune against it on ResNet-50 or BERT-base fp16
         (``benchmarks/gpu_search.py``), and building it costs seconds of every default tune.
@@ -294,8 +295,9 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
                 if has_1x1_convolution(module):  # first tier too: which wins depends on the batch (docstring)
                     configs.insert(1, dict(options=dict(REDUCE_OVERHEAD_1X1_AS_MM), freezing=True))
                     first_tier = 2
-            configs.insert(0, dict(capture_cuda_graphs=True, freezing=True, fullgraph=True))  # NOTE [captured CUDA
-            first_tier += 1  # graphs]: the same kernels as reduce-overhead + freezing, less host time per call
+            # NOTE [captured CUDA graphs]: the same kernels as reduce-overhead + freezing, less host time per call;
+            # an extra (after the fallback) until measured on a convnet and an encoder
+            configs.insert(first_tier + 1, dict(capture_cuda_graphs=True, freezing=True, fullgraph=True))
         else:
             configs = [dict(), dict(freezing=True)]
             if module is not None and graph is not None and has_4d_convolution(module, graph):
@@ -346,9 +348,12 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
                     find_cache(sample.kwargs, sample.args))):
                 return Check(False, "capture_cuda_graphs serves an LLM's decode graph with a static key/value cache "
                                     "of full-attention layers (transformers' StaticLayer), not this phase or cache")
-            if phase is None and graph is not None and graph.mutated_inputs:
-                return Check(False, "capture_cuda_graphs replays on copies of the inputs: a graph that changes its "
-                                    "inputs in place would not change the caller's")
+            if graph is not None and any(path != graph.cache_input for path in graph.mutated_inputs):
+                return Check(False, "capture_cuda_graphs replays on copies of the inputs (a key/value cache's tensors "
+                                    "excepted): a graph that changes other inputs in place would not change the "
+                                    "caller's")
+            if module is not None and forward_hooks(module):  # (the calls would all run eager: BakedState)
+                return Check(False, "forward hooks are registered on the module: a captured graph never runs them")
         if self.config.memory_format == "channels_last" and (graph is None or not any(
                 len(spec.min_shape) == 4 for spec in graph.tensor_specs)):
             return Check(False, "memory_format='channels_last' needs a 4-D input")

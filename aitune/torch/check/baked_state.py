@@ -64,6 +64,7 @@ import torch
 import torch.nn.modules.module as nn_module
 from torch.utils.hooks import RemovableHandle
 
+from aitune.torch.check.generation_names import generation_bookkeeping
 from aitune.torch.check.guard import VERSION, named_state
 from aitune.torch.record.pytree import tree_flatten
 from aitune.torch.record.state import MODULE_INTERNALS
@@ -96,6 +97,12 @@ class Policy:
 
 
 OWN_HOOK_IDS: set[int] = set()  # handle ids of aitune's own global hooks (JIT discovery): not the user's
+
+
+def forward_hooks(module: torch.nn.Module) -> tuple:
+    """The forward/forward-pre hooks registered now on ``module`` or any submodule, and the global ones (aitune's own
+    excluded): ``(module index, kind, handle ids)`` per place; empty when there are none."""
+    return _hooks_of(list(dict.fromkeys(module.modules())))
 
 
 def _hooks_of(modules: list[torch.nn.Module]) -> tuple:
@@ -188,10 +195,13 @@ class BakedState:
         self.sizes = list(map(len, self.sized))
         self.sized_built_in = [attributes for module, attributes in sized if _built_in(module)]
         self.sizes_built_in = list(map(len, self.sized_built_in))
-        # which names count, for a count that changed: those any forward reads (an attribute no class reads, such
-        # as generate's own bookkeeping on a causal LM, `_previous_max_cache_length`, changes nothing a call does)
+        # which names may come and go, for a count that changed: transformers' own generate bookkeeping on a causal
+        # LM (`_previous_max_cache_length`: names GenerationMixin's methods assign), where no class's code reads
+        # them (a name read only by a free function the module passes itself to is not in `reads`: any other name
+        # counts, as before)
         self.sized_keys = {id(attributes): set(attributes) for _, attributes in sized}
-        self.sized_reads = {id(attributes): reads[type(module)] | elsewhere for module, attributes in sized}
+        self.sized_free = {id(attributes): generation_bookkeeping(type(module)) - reads[type(module)] - elsewhere
+                           for module, attributes in sized}
         self.attributes = self._attributes()
         self.fast_attributes = self._fast_attributes()
         tensors = [(f"{name}.{key}".lstrip("."), attributes[key])
@@ -302,12 +312,12 @@ class BakedState:
         return None
 
     def _read_names_come_or_go(self) -> bool:
-        """Were attributes some ``forward`` reads added or deleted where a watched module's attribute count changed?
-        Counts that changed by other names only are taken as they are now."""
+        """Were attributes other than transformers' generate bookkeeping added or deleted where a watched module's
+        attribute count changed? Counts that changed by such names only are taken as they are now."""
         for sized, sizes in ((self.sized, self.sizes), (self.sized_built_in, self.sizes_built_in)):
             for index, attributes in enumerate(sized):
                 if len(attributes) != sizes[index]:
-                    if (attributes.keys() ^ self.sized_keys[id(attributes)]) & self.sized_reads[id(attributes)]:
+                    if not (attributes.keys() ^ self.sized_keys[id(attributes)]) <= self.sized_free[id(attributes)]:
                         return True
                     self.sized_keys[id(attributes)] = set(attributes)
                     sizes[index] = len(attributes)
@@ -343,7 +353,7 @@ class BakedState:
             if any(attributes is sized and len(attributes) != size for sized, size in
                    zip(self.sized + self.sized_built_in, self.sizes + self.sizes_built_in)):
                 key = id(attributes)
-                changed = ", ".join(sorted((attributes.keys() ^ self.sized_keys[key]) & self.sized_reads[key]))
+                changed = ", ".join(sorted((attributes.keys() ^ self.sized_keys[key]) - self.sized_free[key]))
                 return f"attributes of {name or 'the module'} were added or deleted since tuning ({changed})"
         for index, before in zip(self.watched_index, self.attributes):
             keys, attributes = self.watched[index], self.dicts[index]

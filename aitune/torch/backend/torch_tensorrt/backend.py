@@ -23,6 +23,7 @@ from aitune.torch.backend.torch_tensorrt.config import (
 )
 from aitune.torch.backend.torch_tensorrt.export import export_flat_module
 from aitune.torch.backend.isolation import run_isolated
+from aitune.torch.check.guard import watch_registrations
 from aitune.torch.record.serialization import output_template_from_json, outputs_to_json
 from aitune.torch.backend.tensorrt.backend import StoredGraph, StoredTensorSpec
 
@@ -73,6 +74,7 @@ class TorchTensorRTJitBackend(AutocastMixin, Backend):
         dynamic = self._resolved_dynamic(graph)
         self.build_info["dynamic"] = dynamic
         self._probe_output_dtypes(module, graph)
+        watch_registrations()  # NOTE [registration hooks before compiling] (the engines bake the weights in)
         self._compiled = torch.compile(module, backend="torch_tensorrt", options=options,
                                        fullgraph=self.config.fullgraph, dynamic=dynamic)
         for sample in graph.samples:  # warm-up: build the engines for every recorded shape now

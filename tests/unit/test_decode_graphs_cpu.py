@@ -1,0 +1,77 @@
+"""CPU-side logic of aitune's captured decode graphs (NOTE [captured CUDA graphs] in
+aitune/torch/backend/decode_graphs.py): which caches are captured, the cache's fingerprint, how a call's output is
+made from a captured graph's, and what is never captured. Capture and replay need a GPU:
+tests/gpu/test_llm_generation_gpu.py."""
+
+import pytest
+import torch
+
+from aitune.errors import ConfigError
+from aitune.torch.backend.decode_graphs import DecodeGraphs, _Captured, cache_fingerprint, captures_cache
+
+transformers = pytest.importorskip("transformers")
+
+SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+def filled(cache):
+    for layer in cache.layers:  # (what the prefill does: the layers allocate on their first update)
+        layer.lazy_initialization(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+    return cache
+
+
+def test_only_allocated_full_attention_static_caches_are_captured():
+    static = transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16)
+    assert not captures_cache(static)  # (before the prefill: no tensors to capture)
+    assert captures_cache(filled(static))
+    sliding = transformers.StaticCache(config=transformers.MistralConfig(**SIZES, sliding_window=4), max_cache_len=16)
+    assert not captures_cache(filled(sliding))  # its token count is an int a graph would freeze
+    assert not captures_cache(transformers.DynamicCache()) and not captures_cache(None)
+
+
+def test_a_cache_fingerprint_changes_with_its_tensors_addresses_and_shapes():
+    cache = filled(transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16))
+    before = cache_fingerprint(cache)
+    cache.reset()  # zeroed in place: the same graph serves it
+    assert cache_fingerprint(cache) == before
+    cache.layers[1].values = cache.layers[1].values.clone()  # reallocated: another graph
+    assert cache_fingerprint(cache) != before
+    other = filled(transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16))
+    assert cache_fingerprint(other) != before
+
+
+def test_a_call_gets_its_own_output_tensors_and_its_own_cache():
+    mine = filled(transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16))
+    theirs = filled(transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16))
+    static = transformers.modeling_outputs.BaseModelOutputWithPast(last_hidden_state=torch.randn(1, 1, 32),
+                                                                   past_key_values=theirs)
+    captured = _Captured(None, [], static, theirs)
+    output = captured.output(mine, copy=True)
+    assert type(output) is type(static) and output.past_key_values is mine
+    assert torch.equal(output.last_hidden_state, static.last_hidden_state)
+    assert output.last_hidden_state.data_ptr() != static.last_hidden_state.data_ptr()  # a copy: the next replay
+    assert captured.output(mine, copy=False).last_hidden_state is static.last_hidden_state  # (copies off)
+    nested = _Captured(None, [], (static.last_hidden_state, [theirs]), theirs)  # any other structure
+    tensor, [cache] = nested.output(mine, copy=True)
+    assert cache is mine and torch.equal(tensor, static.last_hidden_state)
+    assert tensor.data_ptr() != static.last_hidden_state.data_ptr()
+
+
+def test_calls_that_cannot_be_captured_run_the_compiled_call_as_they_are():
+    calls = []
+
+    def function(*args, **kwargs):
+        calls.append((args, kwargs))
+        return "ran"
+
+    runner = DecodeGraphs(function, "cache")
+    cache = filled(transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16))
+    ids = torch.ones(1, 1, dtype=torch.long)
+    for kwargs in (dict(input_ids=ids, cache=cache),  # a CPU tensor: read once at capture, it would be frozen
+                   dict(input_ids=ids),  # no cache
+                   dict(input_ids=ids, cache=cache, extra=[ids])):  # a nested input
+        assert runner((), kwargs) == "ran"
+    assert runner.stats == {"captures": 0, "replays": 0, "plain_calls": 3} and len(calls) == 3
+    with pytest.raises(ConfigError, match="max_graphs must be an int >= 1"):
+        DecodeGraphs(function, "cache", max_graphs=0)
