@@ -523,9 +523,14 @@ def test_generates_bookkeeping_may_come_and_go_any_other_attribute_may_not():
     """transformers' ``generate`` sets ``_previous_max_cache_length`` on the model after its first call: that
     attribute (assigned by GenerationMixin, read by no forward) leaves the backend serving; any other attribute
     added, here one a free function reads, still sends the call to eager, and the message names it."""
+    transformers = pytest.importorskip("transformers")
+    from aitune.torch.check.generation_names import generation_bookkeeping
+
+    names = generation_bookkeeping(transformers.LlamaForCausalLM)  # what generate (and its auto-compile) keep
+    assert {"_previous_max_cache_length", "_compiled_call", "_last_compile_config"} <= names
+    assert "max_length" not in names  # (assigned on generation_config, not on the model)
     if "onnxruntime" not in BACKENDS:
         pytest.skip("onnxruntime is not installed")
-    transformers = pytest.importorskip("transformers")
     lm_class = type("ScaledCausalLM", (ScaledLM, transformers.GenerationMixin), {})
     torch.manual_seed(0)
     model = lm_class().eval().requires_grad_(False)

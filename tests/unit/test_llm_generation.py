@@ -353,6 +353,9 @@ def test_captured_decode_graphs_are_refused_where_they_cannot_apply(tuned):
     assert "needs a CUDA device" in captured.supports(module, decode, torch.device("cpu")).reason
     assert "not this phase" in captured.supports(module, prefill, torch.device("cuda")).reason
     assert captured.supports(module, decode, torch.device("cuda")).ok
+    other = copy.copy(decode)  # a decode graph that also writes an input other than its cache: refused
+    other.mutated_inputs = [*decode.mutated_inputs, "input_ids"]
+    assert "other inputs in place" in captured.supports(module, other, torch.device("cuda")).reason
     for clash in (dict(mode="reduce-overhead"), dict(options={"triton.cudagraphs": True})):
         with pytest.raises(ConfigError, match="captures the compiled call into CUDA graphs itself"):
             TorchInductorJitBackendConfig(capture_cuda_graphs=True, **clash)

@@ -110,7 +110,8 @@ def test_default_candidates_expand_search_spaces():
 
 def test_aitunes_own_cuda_graphs_need_a_cuda_device_and_inputs_left_as_they_are():
     """NOTE [captured CUDA graphs]: a graph without a cache is replayed on copies of its inputs, so a module that
-    changes its inputs in place is refused, as is a device without CUDA; its weights count as baked (watched)."""
+    changes its inputs in place is refused, as are a device without CUDA and a module with forward hooks (its calls
+    would all run eager); its weights count as baked (watched)."""
     from aitune.torch.record.samples import record_graphs
 
     class Center(torch.nn.Module):
@@ -125,6 +126,12 @@ def test_aitunes_own_cuda_graphs_need_a_cuda_device_and_inputs_left_as_they_are(
     plain = record_graphs(net, [((torch.randn(2, 5),), {})])[0]
     assert captured.supports(net, plain, torch.device("cuda")).ok
     assert "needs a CUDA device" in captured.supports(net, plain, torch.device("cpu")).reason
+    handle = net[0].register_forward_hook(lambda module, args, output: None)  # a replay would never run it
+    try:
+        assert "forward hooks" in captured.supports(net, plain, torch.device("cuda")).reason
+    finally:
+        handle.remove()
+    assert captured.supports(net, plain, torch.device("cuda")).ok
     assert TorchInductorJitBackend(TorchInductorJitBackendConfig(capture_cuda_graphs=True)).bakes_weights
 
 

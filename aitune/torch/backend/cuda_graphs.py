@@ -210,7 +210,8 @@ class CUDAGraphRunner:
 
     def reset(self) -> None:
         """Drop every captured graph (and its memory); they are captured again on later calls."""
-        self._graphs.clear()
+        with self._lock:
+            self._graphs.clear()
 
     # ---- internals
     def _evicted(self, key: Hashable, entry: _CapturedGraph) -> None:
@@ -225,7 +226,8 @@ class CUDAGraphRunner:
         static_inputs = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                with torch.inference_mode(False):  # (a later call outside inference mode copies into it)
+                with torch.inference_mode(False), torch.no_grad():  # (a later call outside inference mode copies
+                    # into it; no autograd history)
                     buffer = torch.empty_like(leaf)
                     buffer.copy_(leaf)
                 static_leaves.append(buffer)
@@ -236,9 +238,11 @@ class CUDAGraphRunner:
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            warm_output = self.function(*static_args, **static_kwargs)
-        current.wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                warm_output = self.function(*static_args, **static_kwargs)
+        finally:  # (a warm-up that raised: what the caller runs next follows what it launched)
+            current.wait_stream(side)
         # The warm-up output may alias a static input (identity-like functions): hand out a copy.
         warm_output = clone_tensors(warm_output)
         generator, saved_state = _generator_snapshot(device)
@@ -256,7 +260,7 @@ class CUDAGraphRunner:
             self.enabled = False
             lines = str(exc).strip().splitlines()
             self.disabled_reason = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-            self.reset()
+            self._graphs.clear()  # (under the lock already)
             logger.warning("%s: CUDA graph capture failed (%s); running without CUDA graphs from now on",
                            self.name, self.disabled_reason)
             return warm_output

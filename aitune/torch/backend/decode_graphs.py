@@ -237,7 +237,8 @@ class DecodeGraphs:
                 return inputs[-1]
             return value
 
-        with torch.inference_mode(False):  # (buffers a later call outside inference mode can copy into)
+        with torch.inference_mode(False), torch.no_grad():  # (buffers a later call outside inference mode can
+            # copy into, without autograd history)
             static_args = tuple(own(value) for value in args)
             static_kwargs = {name: own(value) for name, value in kwargs.items()}
         current = torch.cuda.current_stream(device)
