@@ -145,7 +145,24 @@ class _CapturedGraph:
     replays: int = 0
 
 
-class CUDAGraphRunner:
+class GraphSet:
+    """What a capture-and-replay runner holds: its graphs (``_graphs``, sized and clearable) and the lock its calls
+    take (``_lock``)."""
+
+    _graphs: Any
+    _lock: Any
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def reset(self) -> None:
+        """Drop every captured graph (and its memory); they are captured again on later calls."""
+        with self._lock:
+            self._graphs.clear()
+
+
+class CUDAGraphRunner(GraphSet):
     """Capture-and-replay wrapper around ``function(*args, **kwargs)`` for CUDA inputs.
 
     Args:
@@ -203,15 +220,6 @@ class CUDAGraphRunner:
         entry.replays += 1
         self.stats["replays"] += 1
         return clone_tensors(entry.static_output)
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
-
-    def reset(self) -> None:
-        """Drop every captured graph (and its memory); they are captured again on later calls."""
-        with self._lock:
-            self._graphs.clear()
 
     # ---- internals
     def _evicted(self, key: Hashable, entry: _CapturedGraph) -> None:

@@ -53,7 +53,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from aitune.errors import ConfigError
-from aitune.torch.backend.cuda_graphs import DEFAULT_MAX_GRAPHS, _generator_snapshot
+from aitune.torch.backend.cuda_graphs import DEFAULT_MAX_GRAPHS, GraphSet, _generator_snapshot
 from aitune.torch.record.llm import is_kv_cache, rewind_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
@@ -123,7 +123,7 @@ class _Captured:
         return tree_unflatten(self.spec, leaves)
 
 
-class DecodeGraphs:
+class DecodeGraphs(GraphSet):
     """Capture-and-replay of a decode call ``function(*args, **kwargs)`` whose key/value cache is used in place
     (NOTE [captured CUDA graphs]).
 
@@ -187,15 +187,6 @@ class DecodeGraphs:
             entry.replays += 1
             self.stats["replays"] += 1
             return entry.output(cache, copy)
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
-
-    def reset(self) -> None:
-        """Release every captured graph; later calls capture again."""
-        with self._lock:
-            self._graphs.clear()
 
     def _key(self, args: tuple, kwargs: dict, cache: Any) -> tuple[Hashable, list] | None:
         """The call's key (keyword names, each tensor's shape and dtype, each constant, the addresses of the cache's
