@@ -146,11 +146,14 @@ class _CapturedGraph:
 
 
 class GraphSet:
-    """What a capture-and-replay runner holds: its graphs (``_graphs``, sized and clearable) and the lock its calls
-    take (``_lock``)."""
+    """What a capture-and-replay runner holds: its graphs (``_graphs``, sized and clearable), the lock its calls
+    take (``_lock``), its ``name``, and whether it still captures (``enabled``, ``disabled_reason``)."""
 
     _graphs: Any
     _lock: Any
+    name: str
+    enabled: bool
+    disabled_reason: str
 
     @property
     def num_graphs(self) -> int:
@@ -160,6 +163,21 @@ class GraphSet:
         """Drop every captured graph (and its memory); they are captured again on later calls."""
         with self._lock:
             self._graphs.clear()
+
+    def _capture_failed(self, exc: Exception, generator: Any, saved_state: Any) -> None:
+        """After a capture raised (called under the lock): every later call runs without graphs, with one warning.
+
+        NOTE [failed capture and the RNG]: when the capture is invalidated, CUDAGraph.capture_end raises before it
+        takes the CUDA generator out of capture mode, and every later random op in the process then fails ("Offset
+        increment outside graph capture"). The generator state saved just before the capture is restored."""
+        if saved_state is not None:
+            generator.graphsafe_set_state(saved_state)
+        self.enabled = False
+        lines = str(exc).strip().splitlines()
+        self.disabled_reason = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        self._graphs.clear()
+        logger.warning("%s: CUDA graph capture failed (%s); running without CUDA graphs from now on",
+                       self.name, self.disabled_reason)
 
 
 class CUDAGraphRunner(GraphSet):
@@ -259,18 +277,7 @@ class CUDAGraphRunner(GraphSet):
             with torch.cuda.device(device), torch.cuda.graph(graph):
                 static_output = self.function(*static_args, **static_kwargs)
         except Exception as exc:  # noqa: BLE001 - any capture failure means: run without graphs
-            # NOTE [failed capture and the RNG]: when the capture is invalidated, CUDAGraph.capture_end raises
-            # before it takes the CUDA generator out of capture mode, and every later random op in the
-            # process then fails ("Offset increment outside graph capture"). Restore the generator state
-            # saved just before the capture.
-            if saved_state is not None:
-                generator.graphsafe_set_state(saved_state)
-            self.enabled = False
-            lines = str(exc).strip().splitlines()
-            self.disabled_reason = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-            self._graphs.clear()  # (under the lock already)
-            logger.warning("%s: CUDA graph capture failed (%s); running without CUDA graphs from now on",
-                           self.name, self.disabled_reason)
+            self._capture_failed(exc, generator, saved_state)
             return warm_output
         self.stats["captures"] += 1
         self._graphs.put(key, _CapturedGraph(graph, static_inputs, static_output))

@@ -43,7 +43,6 @@ a side stream, ``capture_error_mode="thread_local"``): PyTorch's "CUDA Graphs" n
 
 from __future__ import annotations
 
-import logging
 import operator
 import threading
 import weakref
@@ -56,8 +55,6 @@ from aitune.errors import ConfigError
 from aitune.torch.backend.cuda_graphs import DEFAULT_MAX_GRAPHS, GraphSet, _generator_snapshot
 from aitune.torch.record.llm import is_kv_cache, rewind_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
-
-logger = logging.getLogger(__name__)
 
 _CONSTANTS = (int, float, bool, str, type(None))
 CAPTURED_LAYERS = ("StaticLayer",)  # full attention: positions come from a device counter or cache_position
@@ -248,14 +245,7 @@ class DecodeGraphs(GraphSet):
             with torch.cuda.device(device), torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                 output = self.function(*static_args, **static_kwargs)
         except Exception as exc:  # noqa: BLE001 - a capture that fails: run without graphs from now on
-            if saved_state is not None:  # (NOTE [failed capture and the RNG] in cuda_graphs.py)
-                generator.graphsafe_set_state(saved_state)
-            lines = str(exc).strip().splitlines()
-            self.enabled = False
-            self.disabled_reason = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-            self._graphs.clear()  # (under the lock already)
-            logger.warning("%s: CUDA graph capture failed (%s); running without CUDA graphs from now on",
-                           self.name, self.disabled_reason)
+            self._capture_failed(exc, generator, saved_state)
             return None
         entry = _Captured(graph, inputs, output, cache)
         for old in [old for old, kept in self._graphs.items() if kept.cache() is None]:

@@ -294,12 +294,12 @@ class BakedState:
         self.calls += 1
         every = self.calls % VALUES_CHECK_EVERY == 0
         # (each check only where it has something to read: a module of torch.nn's layers alone has none of them)
-        if ((self.sized and list(map(len, self.sized)) != self.sizes and self._read_names_come_or_go())
+        if ((self.sized and list(map(len, self.sized)) != self.sizes and self._counted_names_changed())
                 or (self.fast_getters and not _same(self._fast_attributes(), self.fast_attributes))
                 or (self.tensor_values and sum(map(VERSION, self.tensor_values)) != self.tensor_versions)
                 or (every and (not _same(self._attributes(), self.attributes)
                                or (list(map(len, self.sized_built_in)) != self.sizes_built_in
-                                   and self._read_names_come_or_go())))):
+                                   and self._counted_names_changed())))):
             self.calls -= 1  # checked in full again on the next call
             self.differing = True
             return "module", (f"{self._what_attribute_changed()}; {backend.name} baked the module in as it was at "
@@ -311,7 +311,7 @@ class BakedState:
                 return "stale", reason
         return None
 
-    def _read_names_come_or_go(self) -> bool:
+    def _counted_names_changed(self) -> bool:
         """Were attributes other than transformers' generate bookkeeping added or deleted where a watched module's
         attribute count changed? Counts that changed by such names only are taken as they are now."""
         for sized, sizes in ((self.sized, self.sizes), (self.sized_built_in, self.sizes_built_in)):
