@@ -235,6 +235,8 @@ def main(argv=None) -> int:
                 first_token[name].append(time.perf_counter() - start)
     use(True)  # (the decoder scope's wrapper back in place)
     stats = json.loads(json.dumps(wrapped.stats))  # (a copy, before the decode calls below replay calls of their own)
+    graph_stats = {name: dict(backend._graphs.stats) for name, backend in wrapped.backends.items()
+                   if getattr(backend, "_graphs", None) is not None}  # aitune's own CUDA graphs: captures, replays
     loop = None
     if args.loop_split:  # (the whole model is the tuned scope: checked with the arguments)
         split_paths = {name: variant(name) for name in ("tuned", "hf-compile", "eager-static") if name in names}
@@ -274,8 +276,9 @@ def main(argv=None) -> int:
             result[f"tuned_vs_{anchor.replace('-', '_')}"] = round(statistics.median(
                 other / mine for other, mine in zip(times[anchor], times["tuned"])), 3)
     result["backend_calls"], result["eager_fallbacks"] = stats["backend_calls"], stats["eager_fallbacks"]
+    result["cuda_graph_stats"] = graph_stats
     print(f"tune: {tune_s:.1f} s; tuned decoder calls: {stats['backend_calls']} by a backend, eager fallbacks "
-          f"{stats['eager_fallbacks']}")
+          f"{stats['eager_fallbacks']}" + (f"; aitune's CUDA graphs {graph_stats}" if graph_stats else ""))
     for name, entry in result["variants"].items():
         first = f"{entry['first_token_ms']} ms" if "first_token_ms" in entry else "not timed"
         print(f"{name:14s} {entry['tokens_per_s']:9.1f} tokens/s  {entry['vs_eager_static']:6.3f}x eager-static  "

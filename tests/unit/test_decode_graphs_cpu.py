@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from aitune.errors import ConfigError
-from aitune.torch.backend.decode_graphs import DecodeGraphs, _Captured, cache_fingerprint, captures_cache
+from aitune.torch.backend.decode_graphs import (DecodeGraphs, _Captured, cache_facts, cache_fingerprint,
+                                                captures_cache)
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,6 +42,20 @@ def test_a_cache_fingerprint_changes_with_its_tensors_addresses_and_shapes():
     assert cache_fingerprint(other) != before
 
 
+def test_a_new_cache_of_the_same_kind_has_the_same_facts_and_one_of_another_kind_does_not():
+    """NOTE [a new cache at the same addresses]: a graph serves a new cache object at its addresses only when the
+    cache's classes and plain attributes equal those it was captured with."""
+    def cache(**kwargs):
+        return filled(transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), **{"max_cache_len": 16,
+                                                                                          **kwargs}))
+    first = cache()
+    assert cache_facts(cache()) == cache_facts(first)
+    assert cache_facts(cache(offloading=True)) != cache_facts(first)  # (its layers' tensors move between devices)
+    assert cache_facts(cache(max_cache_len=32)) != cache_facts(first)
+    first.layers[0].max_batch_size = 2  # any plain attribute of a layer
+    assert cache_facts(first) != cache_facts(cache())
+
+
 def test_a_call_gets_its_own_output_tensors_and_its_own_cache():
     mine = filled(transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16))
     theirs = filled(transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16))
@@ -72,6 +87,6 @@ def test_calls_that_cannot_be_captured_run_the_compiled_call_as_they_are():
                    dict(input_ids=ids),  # no cache
                    dict(input_ids=ids, cache=cache, extra=[ids])):  # a nested input
         assert runner((), kwargs) == "ran"
-    assert runner.stats == {"captures": 0, "replays": 0, "plain_calls": 3} and len(calls) == 3
+    assert runner.stats == {"captures": 0, "rebinds": 0, "replays": 0, "plain_calls": 3} and len(calls) == 3
     with pytest.raises(ConfigError, match="max_graphs must be an int >= 1"):
         DecodeGraphs(function, "cache", max_graphs=0)

@@ -21,6 +21,12 @@ What makes a captured decode graph correct (the last three points hold for every
   a captured graph's key, so another cache, or a cache whose tensors were reallocated, gets its own capture). Only
   transformers' full-attention ``StaticLayer`` caches are captured (:func:`captures_cache`): a sliding window's
   token count is a Python int the graph would freeze;
+* NOTE [a new cache at the same addresses]: transformers' ``generate`` makes a new cache object per call, and the
+  caching allocator often hands its tensors the blocks the last one freed. A graph reads and writes addresses, not
+  objects: a new cache whose fingerprint (addresses, shapes) and facts (:func:`cache_facts`: classes and plain
+  attributes) equal those the graph was captured with is served by that graph without a new capture (each capture
+  warms up, synchronises the device and empties the allocator's cache: ``torch.cuda.graph``).
+  Facts that differ (another cache class, offloading) capture anew;
 * a capture runs the call once first (warm-up: compiles a new shape, sets up lazy state), which advances the
   cache's token counters: they are set back (:func:`~aitune.torch.record.llm.rewind_cache`) before the capture,
   and the writes it made into the cache are the ones the replay then makes again (the same positions, the same
@@ -75,6 +81,20 @@ _WITH_COUNTER = operator.attrgetter("keys", "values", "cumulative_length")
 _WITHOUT_COUNTER = operator.attrgetter("keys", "values")
 
 
+def cache_facts(cache: Any) -> tuple:
+    """What a captured graph assumed of a cache beyond its tensors' addresses: the cache's and each layer's class
+    and their attributes of plain values (``offloading``, ``max_cache_len``, ``batch_size``, the head sizes,
+    ``is_initialized``, the device). Two caches with equal facts and fingerprints are served by one graph."""
+    return (type(cache), _plain(cache), *[(type(layer), _plain(layer)) for layer in cache.layers])
+
+
+def _plain(value: Any) -> tuple:
+    return tuple(sorted((name, item) for name, item in vars(value).items() if type(item) in _FACT_TYPES))
+
+
+_FACT_TYPES = (*_CONSTANTS, torch.device, torch.dtype)
+
+
 def cache_fingerprint(cache: Any) -> tuple:
     """Where a decode step reads and writes a cache: each layer's keys (address and shape), values and tensor counter
     (addresses). Raises AttributeError for a layer without keys or values. ~5 µs for 24 layers (this project's CPU)."""
@@ -89,12 +109,13 @@ def cache_fingerprint(cache: Any) -> tuple:
 class _Captured:
     """One captured graph: its input buffers, its outputs, and how a call's output is made from them."""
 
-    __slots__ = ("graph", "inputs", "cache", "type", "fields", "leaves", "spec", "cache_at", "replays")
+    __slots__ = ("graph", "inputs", "cache", "facts", "type", "fields", "leaves", "spec", "cache_at", "replays")
 
-    def __init__(self, graph, inputs, output, cache) -> None:
+    def __init__(self, graph, inputs, output, cache, facts=None) -> None:
         self.graph = graph
         self.inputs = inputs  # the graph's own buffers for the call's tensors, in the call's order
-        self.cache = weakref.ref(cache)  # the cache it was captured for: unused once that cache is gone
+        self.cache = weakref.ref(cache)  # the cache it serves (NOTE [a new cache at the same addresses])
+        self.facts = facts  # cache_facts of that cache at capture
         self.type = type(output)
         self.fields = self.leaves = self.spec = None
         # a transformers ModelOutput of tensors and the cache: built anew per call by its constructor (~3x faster
@@ -134,8 +155,8 @@ class DecodeGraphs(GraphSet):
     Attributes:
         enabled: False once a capture failed; every call then runs ``function``.
         disabled_reason: that failure, one line.
-        stats: ``captures``, ``replays``, ``plain_calls`` (calls run without a graph: no capturable cache, or a
-            nested input).
+        stats: ``captures``, ``rebinds`` (a graph that went on serving a new cache object at the same addresses),
+            ``replays``, ``plain_calls`` (calls run without a graph: no capturable cache, or a nested input).
     """
 
     def __init__(self, function: Callable[..., Any], cache_name: str, *, max_graphs: int = DEFAULT_MAX_GRAPHS,
@@ -147,7 +168,7 @@ class DecodeGraphs(GraphSet):
         self.name = name or "decode graphs"
         self.enabled = True
         self.disabled_reason = ""
-        self.stats = {"captures": 0, "replays": 0, "plain_calls": 0}
+        self.stats = {"captures": 0, "rebinds": 0, "replays": 0, "plain_calls": 0}
         self.max_graphs = max_graphs
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # the graphs' input and output buffers are shared between calls
@@ -168,9 +189,13 @@ class DecodeGraphs(GraphSet):
                 return self.function(*args, **kwargs)
             key, tensors = found
             entry = self._graphs.get(key)
-            if entry is not None and entry.cache() is not cache:  # (another cache object at the same addresses)
-                del self._graphs[key]
-                entry = None
+            if entry is not None and entry.cache() is not cache:  # NOTE [a new cache at the same addresses]
+                if entry.facts is not None and cache_facts(cache) == entry.facts:
+                    entry.cache = weakref.ref(cache)
+                    self.stats["rebinds"] += 1
+                else:
+                    del self._graphs[key]
+                    entry = None
             if entry is None:
                 entry = self._capture(key, args, kwargs, cache)  # (its buffers hold this call's inputs)
                 if entry is None:
@@ -215,6 +240,7 @@ class DecodeGraphs(GraphSet):
         if not captures_cache(cache):
             return None
         device = cache.layers[0].keys.device
+        facts = cache_facts(cache)  # (before the warm-up: as a new cache is when its first decode call comes)
         counter = getattr(cache.layers[0], "cumulative_length", None)
         before = counter.clone() if isinstance(counter, torch.Tensor) else counter
         inputs = []
@@ -247,7 +273,7 @@ class DecodeGraphs(GraphSet):
         except Exception as exc:  # noqa: BLE001 - a capture that fails: run without graphs from now on
             self._capture_failed(exc, generator, saved_state)
             return None
-        entry = _Captured(graph, inputs, output, cache)
+        entry = _Captured(graph, inputs, output, cache, facts)
         for old in [old for old, kept in self._graphs.items() if kept.cache() is None]:
             del self._graphs[old]  # captured for a cache that is gone (a tuning copy, an earlier generate's)
         self._graphs[key] = entry
