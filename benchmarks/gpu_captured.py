@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=["resnet50", "bert-base"], required=True)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=6.0, help="timed rounds' budget (all paths together)")
+    parser.add_argument("--variants", nargs="*", help="aitune's variants to tune (default: all of them)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     torch.backends.cudnn.benchmark = True
@@ -85,6 +86,8 @@ def main(argv=None) -> int:
     calls.update(hand_picked(model, inputs, conv))
     tuned = {}
     for label, kwargs in {**VARIANTS, **(CONV_VARIANTS if conv else {})}.items():
+        if args.variants and label not in args.variants:
+            continue
         strategy = ait.OneBackendStrategy(TorchInductorJitBackend(TorchInductorJitBackendConfig(**kwargs)))
         wrapped = ait.Module(model, f"captured-{label}", strategy=strategy.enable_performance_validation(False))
         started = time.perf_counter()
