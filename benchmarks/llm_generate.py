@@ -279,6 +279,7 @@ def main(argv=None) -> int:
     result["cuda_graph_stats"] = graph_stats
     print(f"tune: {tune_s:.1f} s; tuned decoder calls: {stats['backend_calls']} by a backend, eager fallbacks "
           f"{stats['eager_fallbacks']}" + (f"; aitune's CUDA graphs {graph_stats}" if graph_stats else ""))
+    print(f"tuned module's stats: {stats}")
     for name, entry in result["variants"].items():
         first = f"{entry['first_token_ms']} ms" if "first_token_ms" in entry else "not timed"
         print(f"{name:14s} {entry['tokens_per_s']:9.1f} tokens/s  {entry['vs_eager_static']:6.3f}x eager-static  "

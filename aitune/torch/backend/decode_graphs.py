@@ -89,7 +89,8 @@ def cache_facts(cache: Any) -> tuple:
 
 
 def _plain(value: Any) -> tuple:
-    return tuple(sorted((name, item) for name, item in vars(value).items() if type(item) in _FACT_TYPES))
+    return tuple(sorted((name, item) for name, item in getattr(value, "__dict__", {}).items()
+                        if type(item) in _FACT_TYPES))
 
 
 _FACT_TYPES = (*_CONSTANTS, torch.device, torch.dtype)
