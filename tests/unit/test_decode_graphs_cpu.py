@@ -3,6 +3,8 @@ aitune/torch/backend/decode_graphs.py): which caches are captured, the cache's f
 made from a captured graph's, and what is never captured. Capture and replay need a GPU:
 tests/gpu/test_llm_generation_gpu.py."""
 
+import copy
+
 import pytest
 import torch
 
@@ -90,3 +92,40 @@ def test_calls_that_cannot_be_captured_run_the_compiled_call_as_they_are():
     assert runner.stats == {"captures": 0, "rebinds": 0, "replays": 0, "plain_calls": 3} and len(calls) == 3
     with pytest.raises(ConfigError, match="max_graphs must be an int >= 1"):
         DecodeGraphs(function, "cache", max_graphs=0)
+
+
+def test_a_graph_serves_a_new_cache_object_at_its_addresses_when_the_cache_facts_agree():
+    """NOTE [a new cache at the same addresses], the lookup alone (capture and replay need a GPU: here a stand-in
+    graph whose replay does nothing, and a key made of the cache's fingerprint, which ``_key`` makes of CUDA tensors
+    only): the same cache replays; a new cache object holding the same tensors is served by the same graph
+    (``rebinds``); one whose facts differ is captured anew."""
+    class StandInGraph:
+        def replay(self):
+            pass
+
+    runner = DecodeGraphs(lambda *args, **kwargs: None, "cache")
+    runner._key = lambda args, kwargs, cache: ((cache_fingerprint(cache),), [])
+
+    def capture(key, args, kwargs, cache):
+        entry = _Captured(StandInGraph(), [], torch.zeros(2), cache, cache_facts(cache))
+        runner._graphs[key] = entry
+        runner.stats["captures"] += 1
+        return entry
+
+    runner._capture = capture
+    first = filled(transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16))
+
+    def twin(cache):
+        other = copy.copy(cache)
+        other.layers = [copy.copy(layer) for layer in cache.layers]  # new objects, the same tensors
+        return other
+
+    counts = []
+    for cache in (first, first, twin(first), first):
+        runner((), {"cache": cache})
+        counts.append((runner.stats["captures"], runner.stats["rebinds"], runner.stats["replays"]))
+    assert counts == [(1, 0, 1), (1, 0, 2), (1, 1, 3), (1, 2, 4)]
+    offloaded = twin(first)
+    offloaded.offloading = True  # the same tensors, another kind of cache: a graph of its own
+    runner((), {"cache": offloaded})
+    assert (runner.stats["captures"], runner.stats["rebinds"]) == (2, 2)
