@@ -54,6 +54,9 @@ def test_a_new_cache_of_the_same_kind_has_the_same_facts_and_one_of_another_kind
     assert cache_facts(cache()) == cache_facts(first)
     assert cache_facts(cache(offloading=True)) != cache_facts(first)  # (its layers' tensors move between devices)
     assert cache_facts(cache(max_cache_len=32)) != cache_facts(first)
+    halved = cache()
+    halved.layers[1].values = halved.layers[1].values.half()  # another dtype (or strides) of a layer's tensors
+    assert cache_facts(halved) != cache_facts(first)
     first.layers[0].max_batch_size = 2  # any plain attribute of a layer
     assert cache_facts(first) != cache_facts(cache())
 

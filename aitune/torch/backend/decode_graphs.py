@@ -82,10 +82,16 @@ _WITHOUT_COUNTER = operator.attrgetter("keys", "values")
 
 
 def cache_facts(cache: Any) -> tuple:
-    """What a captured graph assumed of a cache beyond its tensors' addresses: the cache's and each layer's class
-    and their attributes of plain values (``offloading``, ``max_cache_len``, ``batch_size``, the head sizes,
-    ``is_initialized``, the device). Two caches with equal facts and fingerprints are served by one graph."""
-    return (type(cache), _plain(cache), *[(type(layer), _plain(layer)) for layer in cache.layers])
+    """What a captured graph assumed of a cache beyond its tensors' addresses (:func:`cache_fingerprint`): the
+    cache's and each layer's class and their attributes of plain values (``offloading``, ``max_cache_len``,
+    ``batch_size``, the head sizes, ``is_initialized``, the device), and the dtypes and strides of each layer's
+    keys and values. Two caches with equal facts and fingerprints are served by one graph."""
+    return (type(cache), _plain(cache), *[(type(layer), _plain(layer), *map(_layout, _WITHOUT_COUNTER(layer)))
+                                          for layer in cache.layers])
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    return tensor.dtype, tensor.shape, tensor.stride()
 
 
 def _plain(value: Any) -> tuple:
