@@ -66,13 +66,13 @@ def test_a_call_gets_its_own_output_tensors_and_its_own_cache():
     theirs = filled(transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16))
     static = transformers.modeling_outputs.BaseModelOutputWithPast(last_hidden_state=torch.randn(1, 1, 32),
                                                                    past_key_values=theirs)
-    captured = _Captured(None, [], static, theirs)
+    captured = _Captured(None, [], static, theirs, None)
     output = captured.output(mine, copy=True)
     assert type(output) is type(static) and output.past_key_values is mine
     assert torch.equal(output.last_hidden_state, static.last_hidden_state)
     assert output.last_hidden_state.data_ptr() != static.last_hidden_state.data_ptr()  # a copy: the next replay
     assert captured.output(mine, copy=False).last_hidden_state is static.last_hidden_state  # (copies off)
-    nested = _Captured(None, [], (static.last_hidden_state, [theirs]), theirs)  # any other structure
+    nested = _Captured(None, [], (static.last_hidden_state, [theirs]), theirs, None)  # any other structure
     tensor, [cache] = nested.output(mine, copy=True)
     assert cache is mine and torch.equal(tensor, static.last_hidden_state)
     assert tensor.data_ptr() != static.last_hidden_state.data_ptr()
@@ -92,7 +92,7 @@ def test_calls_that_cannot_be_captured_run_the_compiled_call_as_they_are():
                    dict(input_ids=ids),  # no cache
                    dict(input_ids=ids, cache=cache, extra=[ids])):  # a nested input
         assert runner((), kwargs) == "ran"
-    assert runner.stats == {"captures": 0, "rebinds": 0, "replays": 0, "plain_calls": 3} and len(calls) == 3
+    assert runner.stats == {"captures": 0, "rebinds": 0, "replays": 0, "evictions": 0, "plain_calls": 3} and len(calls) == 3
     with pytest.raises(ConfigError, match="max_graphs must be an int >= 1"):
         DecodeGraphs(function, "cache", max_graphs=0)
 

@@ -18,15 +18,17 @@ module existed, with the capture by hand): 1.36x transformers' auto-compile's to
 What makes a captured decode graph correct (the last three points hold for every captured graph):
 
 * the cache's tensors are not copied: the graph reads and writes them where they are (their addresses are part of
-  a captured graph's key, so another cache, or a cache whose tensors were reallocated, gets its own capture). Only
-  transformers' full-attention ``StaticLayer`` caches are captured (:func:`captures_cache`): a sliding window's
-  token count is a Python int the graph would freeze;
-* NOTE [a new cache at the same addresses]: transformers' ``generate`` makes a new cache object per call, and the
-  caching allocator often hands its tensors the blocks the last one freed. A graph reads and writes addresses, not
-  objects: a new cache whose fingerprint (addresses, shapes) and facts (:func:`cache_facts`: classes and plain
-  attributes) equal those the graph was captured with is served by that graph without a new capture (each capture
-  warms up, synchronises the device and empties the allocator's cache: ``torch.cuda.graph``).
-  Facts that differ (another cache class, offloading) capture anew;
+  a captured graph's key, so a cache whose tensors are elsewhere gets its own capture). Only transformers'
+  full-attention ``StaticLayer`` caches, not offloaded, are captured (:func:`captures_cache`): a sliding window's
+  token count is a Python int the graph would freeze, and offloading moves the layers' tensors between calls;
+* NOTE [a new cache at the same addresses]: transformers' ``generate`` makes a new cache object per call, and its
+  tensors may land in the blocks the last one freed. A graph reads and writes addresses, not objects: a new cache
+  whose fingerprint (:func:`cache_fingerprint`: addresses, key shapes) and facts (:func:`cache_facts`: classes,
+  plain attributes, the dtypes, shapes and strides of every tensor) equal those the graph was captured with is
+  served by that graph without a new capture (each capture warms up, synchronises the device and empties the
+  allocator's cache: ``torch.cuda.graph``). A cache or layer holding tensors other than keys, values and the counter
+  has no facts (what the graph reads of them is not fingerprinted) and is never served that way; facts that differ
+  capture anew (the old graph stays until that capture replaces it);
 * a capture runs the call once first (warm-up: compiles a new shape, sets up lazy state), which advances the
   cache's token counters: they are set back (:func:`~aitune.torch.record.llm.rewind_cache`) before the capture,
   and the writes it made into the cache are the ones the replay then makes again (the same positions, the same
@@ -67,11 +69,12 @@ CAPTURED_LAYERS = ("StaticLayer",)  # full attention: positions come from a devi
 
 
 def captures_cache(cache: Any) -> bool:
-    """Can a decode call with ``cache`` be captured: a transformers cache whose layers are all full-attention
-    ``StaticLayer`` with their tensors allocated (after the prefill) and a token counter that is a tensor or none (an
-    int counter would be frozen into the graph)? Checked by class name."""
+    """Can a decode call with ``cache`` be captured: a transformers cache, not offloaded, whose layers are all
+    full-attention ``StaticLayer`` with their tensors allocated (after the prefill) and a token counter that is a
+    tensor or none (an int counter would be frozen into the graph)? Checked by class name. (That the tensors are on a
+    CUDA device is checked at capture.)"""
     layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer).__name__ in CAPTURED_LAYERS
+    return bool(layers) and not getattr(cache, "offloading", False) and all(type(layer).__name__ in CAPTURED_LAYERS
                                 and isinstance(getattr(layer, "keys", None), torch.Tensor)
                                 and isinstance(getattr(layer, "cumulative_length", None), (torch.Tensor, type(None)))
                                 for layer in layers)
@@ -81,17 +84,25 @@ _WITH_COUNTER = operator.attrgetter("keys", "values", "cumulative_length")
 _WITHOUT_COUNTER = operator.attrgetter("keys", "values")
 
 
-def cache_facts(cache: Any) -> tuple:
+def cache_facts(cache: Any) -> tuple | None:
     """What a captured graph assumed of a cache beyond its tensors' addresses (:func:`cache_fingerprint`): the
-    cache's and each layer's class and their attributes of plain values (``offloading``, ``max_cache_len``,
-    ``batch_size``, the head sizes, ``is_initialized``, the device), and the dtypes and strides of each layer's
-    keys and values. Two caches with equal facts and fingerprints are served by one graph."""
-    return (type(cache), _plain(cache), *[(type(layer), _plain(layer), *map(_layout, _WITHOUT_COUNTER(layer)))
-                                          for layer in cache.layers])
+    cache's and each layer's class, their attributes of plain values (``offloading``, ``max_cache_len``,
+    ``batch_size``, the head sizes, ``is_initialized``, the device), and the dtype, shape and strides of each layer's
+    keys, values and counter. Two caches with equal facts and fingerprints are served by one graph. None when the
+    cache holds a tensor of its own or a layer holds tensors other than those three (the fingerprint does not cover
+    them)."""
+    if _tensor_names(cache) or any(not _tensor_names(layer) <= _LAYER_TENSORS for layer in cache.layers):
+        return None
+    return (type(cache), _plain(cache), *[(type(layer), _plain(layer), *[
+        _layout(getattr(layer, name, None)) for name in sorted(_LAYER_TENSORS)]) for layer in cache.layers])
 
 
-def _layout(tensor: torch.Tensor) -> tuple:
-    return tensor.dtype, tensor.shape, tensor.stride()
+_LAYER_TENSORS = frozenset({"keys", "values", "cumulative_length"})
+_FACT_TYPES = (*_CONSTANTS, torch.device, torch.dtype)
+
+
+def _layout(tensor: torch.Tensor | None) -> tuple | None:
+    return None if tensor is None else (tensor.dtype, tensor.shape, tensor.stride())
 
 
 def _plain(value: Any) -> tuple:
@@ -99,7 +110,8 @@ def _plain(value: Any) -> tuple:
                         if type(item) in _FACT_TYPES))
 
 
-_FACT_TYPES = (*_CONSTANTS, torch.device, torch.dtype)
+def _tensor_names(value: Any) -> set:
+    return {name for name, item in getattr(value, "__dict__", {}).items() if isinstance(item, torch.Tensor)}
 
 
 def cache_fingerprint(cache: Any) -> tuple:
@@ -118,11 +130,11 @@ class _Captured:
 
     __slots__ = ("graph", "inputs", "cache", "facts", "type", "fields", "leaves", "spec", "cache_at", "replays")
 
-    def __init__(self, graph, inputs, output, cache, facts=None) -> None:
+    def __init__(self, graph, inputs, output, cache, facts: tuple | None) -> None:
         self.graph = graph
         self.inputs = inputs  # the graph's own buffers for the call's tensors, in the call's order
         self.cache = weakref.ref(cache)  # the cache it serves (NOTE [a new cache at the same addresses])
-        self.facts = facts  # cache_facts of that cache at capture
+        self.facts = facts  # cache_facts of that cache at capture (None: never serves another cache object)
         self.type = type(output)
         self.fields = self.leaves = self.spec = None
         # a transformers ModelOutput of tensors and the cache: built anew per call by its constructor (~3x faster
@@ -163,7 +175,8 @@ class DecodeGraphs(GraphSet):
         enabled: False once a capture failed; every call then runs ``function``.
         disabled_reason: that failure, one line.
         stats: ``captures``, ``rebinds`` (a graph that went on serving a new cache object at the same addresses),
-            ``replays``, ``plain_calls`` (calls run without a graph: no capturable cache, or a nested input).
+            ``replays``, ``evictions`` (graphs dropped: over ``max_graphs``, or their cache gone at a later capture),
+            ``plain_calls`` (calls run without a graph: no capturable cache, or a nested input).
     """
 
     def __init__(self, function: Callable[..., Any], cache_name: str, *, max_graphs: int = DEFAULT_MAX_GRAPHS,
@@ -175,7 +188,7 @@ class DecodeGraphs(GraphSet):
         self.name = name or "decode graphs"
         self.enabled = True
         self.disabled_reason = ""
-        self.stats = {"captures": 0, "rebinds": 0, "replays": 0, "plain_calls": 0}
+        self.stats = {"captures": 0, "rebinds": 0, "replays": 0, "evictions": 0, "plain_calls": 0}
         self.max_graphs = max_graphs
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # the graphs' input and output buffers are shared between calls
@@ -200,8 +213,7 @@ class DecodeGraphs(GraphSet):
                 if entry.facts is not None and cache_facts(cache) == entry.facts:
                     entry.cache = weakref.ref(cache)
                     self.stats["rebinds"] += 1
-                else:
-                    del self._graphs[key]
+                else:  # (a capture for this cache replaces the entry; one refused leaves it to its own cache)
                     entry = None
             if entry is None:
                 entry = self._capture(key, args, kwargs, cache)  # (its buffers hold this call's inputs)
@@ -244,7 +256,7 @@ class DecodeGraphs(GraphSet):
 
     def _capture(self, key: Hashable, args: tuple, kwargs: dict, cache: Any) -> _Captured | None:
         """Warm up, set the cache's counters back, capture; None (and every later call plain) when capture fails."""
-        if not captures_cache(cache):
+        if not captures_cache(cache) or not cache.layers[0].keys.is_cuda:
             return None
         device = cache.layers[0].keys.device
         facts = cache_facts(cache)  # (before the warm-up: as a new cache is when its first decode call comes)
@@ -281,10 +293,14 @@ class DecodeGraphs(GraphSet):
             self._capture_failed(exc, generator, saved_state)
             return None
         entry = _Captured(graph, inputs, output, cache, facts)
-        for old in [old for old, kept in self._graphs.items() if kept.cache() is None]:
-            del self._graphs[old]  # captured for a cache that is gone (a tuning copy, an earlier generate's)
+        # dropped: graphs whose cache is gone (a tuning copy's, an earlier generate's), the one this capture replaces
+        # (another cache's at these addresses), the least recently used over max_graphs
+        for old in [old for old, kept in self._graphs.items() if old == key or kept.cache() is None]:
+            del self._graphs[old]
+            self.stats["evictions"] += 1
         self._graphs[key] = entry
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
+            self.stats["evictions"] += 1
         self.stats["captures"] += 1
         return entry
