@@ -2,6 +2,8 @@
 (skipped without CUDA). Tokens are compared with eager ``generate`` on a copy of the model."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -237,24 +239,34 @@ def test_a_captured_decode_call_writes_eagers_cache_and_never_waits_for_the_devi
 
 
 def test_a_new_cache_object_at_the_same_addresses_is_served_by_the_graph_captured_for_the_old_one(captured):
-    """NOTE [a new cache at the same addresses]: a cache object whose tensors are where a captured graph reads and
-    writes them (here: the same tensors, held by new cache and layer objects) is served without a new capture, and
-    the call writes eager's values into it."""
+    """NOTE [a new cache at the same addresses], as ``generate`` meets it: the cache a graph was captured for is gone,
+    and a new cache object's new tensors sit where its tensors were (here: built over the same storage). The new
+    cache is served without a new capture, and the call writes eager's values into it."""
     model, eager = captured
     ids = prompt(11)
     call = first_decode_call(eager, lambda: generate(eager, ids, 3, **STATIC))
     graphs = model.model.backends["decode"]._graphs
     with torch.no_grad():
         mine, theirs = copy.deepcopy(call), copy.deepcopy(call)
-        name, cache = next((key, value) for key, value in mine.items() if isinstance(value, transformers.Cache))
+        name = next(key for key, value in mine.items() if isinstance(value, transformers.Cache))
+        cache = mine.pop(name)
         start = [layer.cumulative_length.clone() for layer in cache.layers]
-        model.model(**mine)  # captured for this cache (or rebound to it)
+        model.model(**mine, **{name: cache})  # captured for this cache (or rebound to it)
         other = copy.copy(cache)
-        other.layers = [copy.copy(layer) for layer in cache.layers]  # new objects, the same tensors
+        other.layers = [copy.copy(layer) for layer in cache.layers]
+        for layer in other.layers:  # new tensor objects over the old storage
+            for field in ("keys", "values", "cumulative_length"):
+                old = getattr(layer, field)
+                setattr(layer, field, torch.empty(0, dtype=old.dtype, device=old.device).set_(
+                    old.untyped_storage(), old.storage_offset(), old.shape, old.stride()))
         for layer, count in zip(other.layers, start):
             layer.cumulative_length.copy_(count)
+        gone = weakref.ref(cache)
+        del cache
+        gc.collect()
+        assert gone() is None  # (nothing of aitune's keeps a caller's cache alive)
         captures, rebinds = graphs.stats["captures"], graphs.stats["rebinds"]
-        output = model.model(**{**mine, name: other})
+        output = model.model(**mine, **{name: other})
         expected = eager.model(**theirs)
     assert (graphs.stats["captures"], graphs.stats["rebinds"]) == (captures, rebinds + 1)
     assert output.past_key_values is other

@@ -31,6 +31,8 @@ def test_only_allocated_full_attention_static_caches_are_captured():
     sliding = transformers.StaticCache(config=transformers.MistralConfig(**SIZES, sliding_window=4), max_cache_len=16)
     assert not captures_cache(filled(sliding))  # its token count is an int a graph would freeze
     assert not captures_cache(transformers.DynamicCache()) and not captures_cache(None)
+    offloaded = transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16, offloading=True)
+    assert not captures_cache(filled(offloaded))  # its layers' tensors move between devices between calls
 
 
 def test_a_cache_fingerprint_changes_with_its_tensors_addresses_and_shapes():
@@ -99,15 +101,14 @@ def test_calls_that_cannot_be_captured_run_the_compiled_call_as_they_are():
 
 def test_a_graph_serves_a_new_cache_object_at_its_addresses_when_the_cache_facts_agree():
     """NOTE [a new cache at the same addresses], the lookup alone (capture and replay need a GPU: here a stand-in
-    graph whose replay does nothing, and a key made of the cache's fingerprint, which ``_key`` makes of CUDA tensors
-    only): the same cache replays; a new cache object holding the same tensors is served by the same graph
-    (``rebinds``); one whose facts differ is captured anew."""
+    capture whose graph's replay does nothing; the call passes the cache alone, so its key is the real one): the
+    same cache replays; a new cache object holding the same tensors is served by the same graph (``rebinds``); one
+    whose facts differ is captured anew, and one holding a tensor the fingerprint does not cover never rebinds."""
     class StandInGraph:
         def replay(self):
             pass
 
     runner = DecodeGraphs(lambda *args, **kwargs: None, "cache")
-    runner._key = lambda args, kwargs, cache: ((cache_fingerprint(cache),), [])
 
     def capture(key, args, kwargs, cache):
         entry = _Captured(StandInGraph(), [], torch.zeros(2), cache, cache_facts(cache))
@@ -129,6 +130,12 @@ def test_a_graph_serves_a_new_cache_object_at_its_addresses_when_the_cache_facts
         counts.append((runner.stats["captures"], runner.stats["rebinds"], runner.stats["replays"]))
     assert counts == [(1, 0, 1), (1, 0, 2), (1, 1, 3), (1, 2, 4)]
     offloaded = twin(first)
-    offloaded.offloading = True  # the same tensors, another kind of cache: a graph of its own
+    offloaded.offloading = True  # the same tensors, facts that differ: not served by that graph (the stand-in
+    # captures anything; the real capture refuses an offloaded cache: test_only_allocated_full_attention...)
     runner((), {"cache": offloaded})
     assert (runner.stats["captures"], runner.stats["rebinds"]) == (2, 2)
+    extra = twin(first)
+    extra.layers[0].scale = torch.ones(1)  # a tensor of its own: what the graph would read of it is not keyed
+    assert cache_facts(extra) is None
+    runner((), {"cache": extra})
+    assert (runner.stats["captures"], runner.stats["rebinds"]) == (3, 2)
