@@ -235,8 +235,8 @@ def main(argv=None) -> int:
                 first_token[name].append(time.perf_counter() - start)
     use(True)  # (the decoder scope's wrapper back in place)
     stats = json.loads(json.dumps(wrapped.stats))  # (a copy, before the decode calls below replay calls of their own)
-    graph_stats = {name: dict(backend._graphs.stats) for name, backend in wrapped.backends.items()
-                   if getattr(backend, "_graphs", None) is not None}  # aitune's own CUDA graphs: captures, replays
+    graph_stats = {name: backend.cuda_graph_stats for name, backend in wrapped.backends.items()
+                   if getattr(backend, "cuda_graph_stats", None) is not None}  # aitune's own CUDA graphs
     loop = None
     if args.loop_split:  # (the whole model is the tuned scope: checked with the arguments)
         split_paths = {name: variant(name) for name in ("tuned", "hf-compile", "eager-static") if name in names}
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
     result["backend_calls"], result["eager_fallbacks"] = stats["backend_calls"], stats["eager_fallbacks"]
     result["cuda_graph_stats"] = graph_stats
     print(f"tune: {tune_s:.1f} s; tuned decoder calls: {stats['backend_calls']} by a backend, eager fallbacks "
-          f"{stats['eager_fallbacks']}" + (f"; aitune's CUDA graphs {graph_stats}" if graph_stats else ""))
+          f"{stats['eager_fallbacks']}" + (f"; aitune's CUDA graphs (the tune's calls included) {graph_stats}" if graph_stats else ""))
     print(f"tuned module's stats: {stats}")
     for name, entry in result["variants"].items():
         first = f"{entry['first_token_ms']} ms" if "first_token_ms" in entry else "not timed"

@@ -249,6 +249,12 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         return folds_state(self.config) or bool(self.config.memory_format) or self.config.capture_cuda_graphs
 
     @property
+    def cuda_graph_stats(self) -> dict | None:
+        """With ``capture_cuda_graphs``, once built: a copy of its graphs' counters (``captures``, ``replays``, ...;
+        ``DecodeGraphs.stats``/``CUDAGraphRunner.stats``), counted since the build (the tune's own calls included)."""
+        return dict(self._graphs.stats) if self._graphs is not None else None
+
+    @property
     def runs_own_copy(self) -> bool:
         """A channels-last or frozen build compiles a copy of the module (a frozen build whose copy failed compiles
         the user's module itself, and a call that recompiles would trace it)."""
