@@ -277,8 +277,9 @@ def main(argv=None) -> int:
                 other / mine for other, mine in zip(times[anchor], times["tuned"])), 3)
     result["backend_calls"], result["eager_fallbacks"] = stats["backend_calls"], stats["eager_fallbacks"]
     result["cuda_graph_stats"] = graph_stats
+    graphs_line = f"; aitune's CUDA graphs (the tune's calls included) {graph_stats}" if graph_stats else ""
     print(f"tune: {tune_s:.1f} s; tuned decoder calls: {stats['backend_calls']} by a backend, eager fallbacks "
-          f"{stats['eager_fallbacks']}" + (f"; aitune's CUDA graphs (the tune's calls included) {graph_stats}" if graph_stats else ""))
+          f"{stats['eager_fallbacks']}{graphs_line}")
     print(f"tuned module's stats: {stats}")
     for name, entry in result["variants"].items():
         first = f"{entry['first_token_ms']} ms" if "first_token_ms" in entry else "not timed"
