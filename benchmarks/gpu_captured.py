@@ -78,6 +78,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     conv = args.model == "resnet50"
+    if not conv and set(args.variants or ()) & set(CONV_VARIANTS):
+        parser.error(f"the channels-last variants ({', '.join(CONV_VARIANTS)}) are for a convnet (--model resnet50)")
     model, inputs = resnet50(args.batch) if conv else bert_base(args.batch)
     result = {"model": args.model, "batch": args.batch, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M")}

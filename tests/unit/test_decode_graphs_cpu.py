@@ -140,3 +140,27 @@ def test_a_graph_serves_a_new_cache_object_at_its_addresses_when_the_cache_facts
     assert cache_facts(extra) is None
     runner((), {"cache": extra})
     assert (runner.stats["captures"], runner.stats["rebinds"]) == (3, 2)
+
+
+def test_a_cache_that_cannot_be_captured_runs_plain_and_leaves_the_graph_at_its_addresses_to_its_cache():
+    """The real lookup and capture, up to the device (a stand-in graph entered for the first cache; the calls pass
+    the cache alone, CPU tensors): a new cache object at those addresses whose facts differ (offloaded) is not
+    served by that graph, its capture is refused (``captures_cache``) and the call runs the compiled call; the graph
+    stays for its own cache, which replays. A CPU cache with no graph is never captured either."""
+    class StandInGraph:
+        def replay(self):
+            pass
+
+    calls = []
+    runner = DecodeGraphs(lambda *args, **kwargs: calls.append(kwargs) or "plain", "cache")
+    first = filled(transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16))
+    key, _ = runner._key((), {"cache": first}, first)
+    runner._graphs[key] = _Captured(StandInGraph(), [], torch.zeros(2), first, cache_facts(first))
+    offloaded = copy.copy(first)
+    offloaded.offloading = True
+    assert runner((), {"cache": offloaded}) == "plain" and calls == [{"cache": offloaded}]
+    assert runner._graphs[key].cache() is first and runner.enabled
+    assert torch.equal(runner((), {"cache": first}), torch.zeros(2))  # (the stand-in's output, copied)
+    other = filled(transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16))
+    assert runner((), {"cache": other}) == "plain"  # another address, on the CPU: never captured
+    assert runner.stats == {"captures": 0, "rebinds": 0, "replays": 1, "evictions": 0, "plain_calls": 2}

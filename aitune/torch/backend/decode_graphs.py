@@ -88,40 +88,52 @@ def cache_facts(cache: Any) -> tuple | None:
     """What a captured graph assumed of a cache beyond its tensors' addresses (:func:`cache_fingerprint`): the
     cache's and each layer's class, their attributes of plain values (``offloading``, ``max_cache_len``,
     ``batch_size``, the head sizes, ``is_initialized``, the device), and the dtype, shape and strides of each layer's
-    keys, values and counter. Two caches with equal facts and fingerprints are served by one graph. None when the
-    cache holds a tensor of its own or a layer holds tensors other than those three (the fingerprint does not cover
-    them)."""
-    if _tensor_names(cache) or any(not _tensor_names(layer) <= _LAYER_TENSORS for layer in cache.layers):
+    keys, values and counter. Two caches with equal facts and fingerprints are served by one graph. None (never
+    served by another cache's graph) when the cache or a layer holds anything else: an attribute that is neither a
+    plain value nor one of those tensors (nor the cache's list of layers), whose contents the fingerprint does not
+    cover."""
+    if not _only(cache, (), ("layers",)) or not all(_only(layer, _LAYER_TENSORS, ()) for layer in cache.layers):
         return None
     return (type(cache), _plain(cache), *[(type(layer), _plain(layer), *[
-        _layout(getattr(layer, name, None)) for name in sorted(_LAYER_TENSORS)]) for layer in cache.layers])
+        _layout(getattr(layer, name, None)) for name in _LAYER_TENSORS]) for layer in cache.layers])
 
 
-_LAYER_TENSORS = frozenset({"keys", "values", "cumulative_length"})
+_LAYER_TENSORS = ("cumulative_length", "keys", "values")
 _FACT_TYPES = (*_CONSTANTS, torch.device, torch.dtype)
 
 
-def _layout(tensor: torch.Tensor | None) -> tuple | None:
-    return None if tensor is None else (tensor.dtype, tensor.shape, tensor.stride())
+def _layout(value: Any) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.shape, value.stride()
+    return (type(value),)  # (no tensor: None, or an int counter, which captures_cache refuses)
 
 
 def _plain(value: Any) -> tuple:
-    return tuple(sorted((name, item) for name, item in getattr(value, "__dict__", {}).items()
-                        if type(item) in _FACT_TYPES))
+    return tuple(sorted((name, item) for name, item in vars(value).items() if type(item) in _FACT_TYPES))
 
 
-def _tensor_names(value: Any) -> set:
-    return {name for name, item in getattr(value, "__dict__", {}).items() if isinstance(item, torch.Tensor)}
+def _slots(klass: type) -> tuple:
+    slots = getattr(klass, "__slots__", ()) if "__slots__" in vars(klass) else ()
+    return tuple(name for name in ((slots,) if isinstance(slots, str) else slots)
+                 if name not in ("__dict__", "__weakref__"))
+
+
+def _only(value: Any, tensors: tuple, others: tuple) -> bool:
+    """Does ``value`` hold nothing but plain values, the named tensors and the named other attributes?"""
+    if not hasattr(value, "__dict__") or any(_slots(klass) for klass in type(value).__mro__):
+        return False  # (slots hold attributes vars() does not show)
+    return all(type(item) in _FACT_TYPES or name in others or (name in tensors and isinstance(item, torch.Tensor))
+               for name, item in vars(value).items())
 
 
 def cache_fingerprint(cache: Any) -> tuple:
-    """Where a decode step reads and writes a cache: each layer's keys (address and shape), values and tensor counter
-    (addresses). Raises AttributeError for a layer without keys or values. ~5 µs for 24 layers (this project's CPU)."""
+    """Where a decode step reads and writes a cache: each layer's keys (address, shape and dtype: a cache initialised
+    again in place with another dtype), values and tensor counter (addresses). Raises AttributeError for a layer without keys or values. ~5 µs for 24 layers (this project's CPU)."""
     try:
-        return tuple([(keys.data_ptr(), keys.shape, values.data_ptr(), counter.data_ptr())
+        return tuple([(keys.data_ptr(), keys.shape, keys.dtype, values.data_ptr(), counter.data_ptr())
                       for keys, values, counter in map(_WITH_COUNTER, cache.layers)])
     except AttributeError:  # layers without a tensor counter (positions passed in: cache_position)
-        return tuple([(keys.data_ptr(), keys.shape, values.data_ptr())
+        return tuple([(keys.data_ptr(), keys.shape, keys.dtype, values.data_ptr())
                       for keys, values in map(_WITHOUT_COUNTER, cache.layers)])
 
 
@@ -175,7 +187,8 @@ class DecodeGraphs(GraphSet):
         enabled: False once a capture failed; every call then runs ``function``.
         disabled_reason: that failure, one line.
         stats: ``captures``, ``rebinds`` (a graph that went on serving a new cache object at the same addresses),
-            ``replays``, ``evictions`` (graphs dropped: over ``max_graphs``, or their cache gone at a later capture),
+            ``replays``, ``evictions`` (graphs dropped: over ``max_graphs``, replaced by a capture at their key, or
+            their cache gone without facts at a later capture),
             ``plain_calls`` (calls run without a graph: no capturable cache, or a nested input).
     """
 
@@ -198,7 +211,9 @@ class DecodeGraphs(GraphSet):
         output tensors (else the graph's own buffers, valid until the next replay).
 
         The first call of a key captures: it runs the call once (compiling a new shape), sets the cache's counters
-        back, synchronises the device (``torch.cuda.graph``) and captures, then replays. An exception from the
+        back, synchronises the device (``torch.cuda.graph``) and captures, then replays. A new cache object at the
+        addresses of a graph's, with the facts it was captured with, is served by that graph (NOTE [a new cache at
+        the same addresses]). An exception from the
         call propagates with the cache as that run left it (the caller puts the counters back: ``ait.Module``
         does). A failed capture turns the graphs off for good (``enabled``), with one warning."""
         with self._lock:
@@ -255,10 +270,14 @@ class DecodeGraphs(GraphSet):
         return tuple(parts), tensors  # (a key never captured is checked by _capture: captures_cache)
 
     def _capture(self, key: Hashable, args: tuple, kwargs: dict, cache: Any) -> _Captured | None:
-        """Warm up, set the cache's counters back, capture; None (and every later call plain) when capture fails."""
-        if not captures_cache(cache) or not cache.layers[0].keys.is_cuda:
+        """Warm up, set the cache's counters back, capture. None for a cache that cannot be captured (the call then
+        runs plain; a graph another cache had at this key stays), and when the capture fails (every later call plain,
+        ``enabled``)."""
+        if not captures_cache(cache):
             return None
         device = cache.layers[0].keys.device
+        if device.type != "cuda" or any(layer.keys.device != device for layer in cache.layers):
+            return None  # (a CPU cache, or one spread over devices: one graph runs on one device)
         facts = cache_facts(cache)  # (before the warm-up: as a new cache is when its first decode call comes)
         counter = getattr(cache.layers[0], "cumulative_length", None)
         before = counter.clone() if isinstance(counter, torch.Tensor) else counter
@@ -293,9 +312,11 @@ class DecodeGraphs(GraphSet):
             self._capture_failed(exc, generator, saved_state)
             return None
         entry = _Captured(graph, inputs, output, cache, facts)
-        # dropped: graphs whose cache is gone (a tuning copy's, an earlier generate's), the one this capture replaces
-        # (another cache's at these addresses), the least recently used over max_graphs
-        for old in [old for old, kept in self._graphs.items() if old == key or kept.cache() is None]:
+        # dropped: the graph this capture replaces (another cache's at these addresses), graphs whose cache is gone
+        # and that no other cache may use (no facts), the least recently used over max_graphs. A graph whose cache
+        # is gone stays for a later cache at its addresses (NOTE [a new cache at the same addresses])
+        for old in [old for old, kept in self._graphs.items() if old == key or (kept.facts is None
+                                                                                 and kept.cache() is None)]:
             del self._graphs[old]
             self.stats["evictions"] += 1
         self._graphs[key] = entry
