@@ -128,7 +128,8 @@ def _only(value: Any, tensors: tuple, others: tuple) -> bool:
 
 def cache_fingerprint(cache: Any) -> tuple:
     """Where a decode step reads and writes a cache: each layer's keys (address, shape and dtype: a cache initialised
-    again in place with another dtype), values and tensor counter (addresses). Raises AttributeError for a layer without keys or values. ~5 µs for 24 layers (this project's CPU)."""
+    again in place with another dtype), values and tensor counter (addresses). Raises AttributeError for a layer
+    without keys or values. ~5 µs for 24 layers (this project's CPU)."""
     try:
         return tuple([(keys.data_ptr(), keys.shape, keys.dtype, values.data_ptr(), counter.data_ptr())
                       for keys, values, counter in map(_WITH_COUNTER, cache.layers)])
