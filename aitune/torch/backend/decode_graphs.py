@@ -214,9 +214,9 @@ class DecodeGraphs(GraphSet):
         The first call of a key captures: it runs the call once (compiling a new shape), sets the cache's counters
         back, synchronises the device (``torch.cuda.graph``) and captures, then replays. A new cache object at the
         addresses of a graph's, with the facts it was captured with, is served by that graph (NOTE [a new cache at
-        the same addresses]). An exception from the
-        call propagates with the cache as that run left it (the caller puts the counters back: ``ait.Module``
-        does). A failed capture turns the graphs off for good (``enabled``), with one warning."""
+        the same addresses]). An exception from the call propagates with the cache as that run left it (the caller
+        puts the counters back: ``ait.Module`` does). A failed capture turns the graphs off for good (``enabled``),
+        with one warning."""
         with self._lock:
             cache = kwargs.get(self.cache_name)
             found = self._key(args, kwargs, cache) if self.enabled else None
