@@ -76,6 +76,11 @@ def main(argv=None) -> int:
                         help="aitune's variants to tune (default: all of them)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+
+    def save() -> None:  # after every step: a run stopped at the device tool's limit keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+
     torch.backends.cudnn.benchmark = True
     conv = args.model == "resnet50"
     if not conv and set(args.variants or ()) & set(CONV_VARIANTS):
@@ -100,8 +105,10 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - one variant's failure leaves the others' figures
             result[f"{label} failed"] = repr(exc)
             print(label, "tune raised:", repr(exc), flush=True)
+            save()
             continue
         result[f"{label} tune_s"] = round(time.perf_counter() - started, 1)
+        save()
         row = next(r for r in report.rows if r.status == "selected")
         result[f"{label} selected"] = row.description
         print(label, f"tuned in {result[f'{label} tune_s']} s:", row.description, flush=True)
@@ -127,6 +134,10 @@ def main(argv=None) -> int:
         result[f"{label} p50_ms"] = statistics.median(times)
         result[f"{label} hand_ro_over"] = statistics.median(a / b for a, b in zip(reference, times))
         result[f"{label} hand_composite_over"] = statistics.median(a / b for a, b in zip(composite, times))
+    save()
+    for label in labels:  # (printed now too: the paired and host timings below take another ~10 s per path)
+        print(f"{label:34s} p50 {result[f'{label} p50_ms']:.3f} ms, hand RO / it {result[f'{label} hand_ro_over']:.3f}",
+              flush=True)
     for label, (wrapped, backend, kwargs_) in tuned.items():  # the wrapper's share, call by call
         _, _, ratio = paired_p50_ms(lambda: wrapped(**inputs), lambda: backend.run((), kwargs_))
         result[f"aitune {label} over_backend_paired"] = ratio
@@ -142,8 +153,7 @@ def main(argv=None) -> int:
     for label in tuned:
         print(f"aitune {label}: tune {result[f'{label} tune_s']} s, module/backend paired "
               f"{result[f'aitune {label} over_backend_paired']:.3f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    save()
     return 0
 
 
