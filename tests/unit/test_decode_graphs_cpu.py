@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from aitune.errors import ConfigError
+from aitune.torch.backend import decode_graphs
 from aitune.torch.backend.decode_graphs import (DecodeGraphs, _Captured, cache_facts, cache_fingerprint,
                                                 captures_cache)
 
@@ -142,11 +143,12 @@ def test_a_graph_serves_a_new_cache_object_at_its_addresses_when_the_cache_facts
     assert (runner.stats["captures"], runner.stats["rebinds"]) == (3, 2)
 
 
-def test_a_cache_that_cannot_be_captured_runs_plain_and_leaves_the_graph_at_its_addresses_to_its_cache():
+def test_a_cache_that_cannot_be_captured_runs_plain_and_leaves_the_graph_at_its_addresses_to_its_cache(monkeypatch):
     """The real lookup and capture, up to the device (a stand-in graph entered for the first cache; the calls pass
     the cache alone, CPU tensors): a new cache object at those addresses whose facts differ (offloaded) is not
     served by that graph, its capture is refused (``captures_cache``) and the call runs the compiled call; the graph
-    stays for its own cache, which replays. A CPU cache with no graph is never captured either."""
+    stays for its own cache, which replays. A CPU cache with no graph is never captured either. A refused cache's
+    later calls skip the checks while it keeps its tensors."""
     class StandInGraph:
         def replay(self):
             pass
@@ -164,3 +166,13 @@ def test_a_cache_that_cannot_be_captured_runs_plain_and_leaves_the_graph_at_its_
     other = filled(transformers.StaticCache(config=transformers.LlamaConfig(**SIZES), max_cache_len=16))
     assert runner((), {"cache": other}) == "plain"  # another address, on the CPU: never captured
     assert runner.stats == {"captures": 0, "rebinds": 0, "replays": 1, "evictions": 0, "plain_calls": 2}
+    # a refused cache's later calls, with the same tensors, are not checked again; new tensors in it are
+    checked = []
+    monkeypatch.setattr(decode_graphs, "captures_cache", lambda cache: checked.append(cache) or False)
+    monkeypatch.setattr(decode_graphs, "cache_facts", lambda cache: checked.append(cache) or None)
+    assert runner((), {"cache": other}) == "plain" and runner((), {"cache": offloaded}) == "plain"
+    assert checked == [offloaded, offloaded]  # (other: the last refused, skipped; offloaded: facts, then refused)
+    assert runner((), {"cache": offloaded}) == "plain" and len(checked) == 2
+    offloaded.layers[0].keys = offloaded.layers[0].keys.clone()
+    assert runner((), {"cache": offloaded}) == "plain" and checked[2:] == [offloaded]
+    assert runner.stats["plain_calls"] == 6 and runner._graphs[key].cache() is first

@@ -206,6 +206,7 @@ class DecodeGraphs(GraphSet):
         self.max_graphs = max_graphs
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # the graphs' input and output buffers are shared between calls
+        self._refused: tuple[Any, Hashable] | None = None  # (weak reference, key) of the last cache _capture refused
 
     def __call__(self, args: tuple, kwargs: dict, copy: bool = True) -> Any:
         """Answer a canonical call (``args``/``kwargs`` as the backend gets them); ``copy``: return copies of the
@@ -224,6 +225,10 @@ class DecodeGraphs(GraphSet):
                 self.stats["plain_calls"] += 1
                 return self.function(*args, **kwargs)
             key, tensors = found
+            if self._refused is not None and self._refused[0]() is cache and self._refused[1] == key:  # (refused
+                # once, with the same tensors: not checked again per call)
+                self.stats["plain_calls"] += 1
+                return self.function(*args, **kwargs)
             entry = self._graphs.get(key)
             if entry is not None and entry.cache() is not cache:  # NOTE [a new cache at the same addresses]
                 if entry.facts is not None and cache_facts(cache) == entry.facts:
@@ -274,11 +279,17 @@ class DecodeGraphs(GraphSet):
         """Warm up, set the cache's counters back, capture. None for a cache that cannot be captured (the call then
         runs plain; a graph another cache had at this key stays), and when the capture fails (every later call plain,
         ``enabled``)."""
-        if not captures_cache(cache):
+        device = cache.layers[0].keys.device if captures_cache(cache) else None
+        if device is None or device.type != "cuda" or any(layer.keys.device != device for layer in cache.layers):
+            # (not capturable, a CPU cache, or one spread over devices: one graph runs on one device). What makes
+            # a cache refused (its classes, offloading, counters' types, devices) does not change while it keeps
+            # its tensors (the key holds their addresses), so its later calls skip the checks; a new cache object,
+            # or new tensors in this one, are checked anew.
+            try:
+                self._refused = (weakref.ref(cache), key)
+            except TypeError:  # (a class without weak references: checked at every call)
+                pass
             return None
-        device = cache.layers[0].keys.device
-        if device.type != "cuda" or any(layer.keys.device != device for layer in cache.layers):
-            return None  # (a CPU cache, or one spread over devices: one graph runs on one device)
         facts = cache_facts(cache)  # (before the warm-up: as a new cache is when its first decode call comes)
         counter = getattr(cache.layers[0], "cumulative_length", None)
         before = counter.clone() if isinstance(counter, torch.Tensor) else counter
