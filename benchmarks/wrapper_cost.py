@@ -76,7 +76,9 @@ def resnet50(device: str, batch: int = 1, dtype: torch.dtype = torch.float16):
 def configs(device: str) -> dict[str, TorchInductorJitBackendConfig]:
     if device == "cuda":
         return {"reduce-overhead+freezing": TorchInductorJitBackendConfig(mode="reduce-overhead", freezing=True),
-                "reduce-overhead": TorchInductorJitBackendConfig(mode="reduce-overhead")}
+                "reduce-overhead": TorchInductorJitBackendConfig(mode="reduce-overhead"),
+                "captured+freezing+cl": TorchInductorJitBackendConfig(capture_cuda_graphs=True, freezing=True,
+                                                                      fullgraph=True, memory_format="channels_last")}
     return {"default": TorchInductorJitBackendConfig(), "freezing": TorchInductorJitBackendConfig(freezing=True)}
 
 
