@@ -44,9 +44,10 @@ mode="reduce-overhead")`` does: valid until the next CUDA-graph replay on that d
 ``reduce-overhead`` compile of the user's own). PyTorch raises
 "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run" on some later reads, not
 on all (another graph's replay shares the memory pool): use each output, or copy it, before the next call
-(``generate`` does, unless it returns hidden states or attentions). Tuning's own runs always copy. The other
-CUDA-graph backends (eager and TensorRT with ``use_cuda_graphs``, ONNX Runtime with ``cuda_graph``) copy
-whatever this says.
+(``generate`` does, unless it returns hidden states or attentions). Inductor's ``capture_cuda_graphs`` variant
+follows this setting too: without copies its outputs are the graph's own buffers, overwritten by the next replay of
+that graph without any error. Tuning's own runs always copy. The other CUDA-graph backends (eager and TensorRT with
+``use_cuda_graphs``, ONNX Runtime with ``cuda_graph``) copy whatever this says.
 
 NOTE [integrations]: the reference patches ``transformers``/``diffusers`` when these flags are on (cache
 classes for graph identity, a ``RMSNorm`` export workaround). aitune needs neither: transformers' caches are

@@ -177,6 +177,13 @@ def test_aitunes_own_cuda_graphs_give_eagers_outputs_per_shape_kept_apart_and_fo
             torch.testing.assert_close(y, model(x), atol=1e-4, rtol=1e-4)
         assert chosen._graphs.stats["replays"] >= 3 and chosen._graphs.enabled
         assert tuned.stats["eager_fallbacks"] == {}
+        ait.config.copy_cuda_graph_outputs = False  # NOTE [output copies]: the graph's own buffer, the same each call
+        try:
+            first, second = tuned(inputs[0]), tuned(inputs[2])
+            assert first.data_ptr() == second.data_ptr()
+            torch.testing.assert_close(second, model(inputs[2]), atol=1e-4, rtol=1e-4)
+        finally:
+            ait.config.copy_cuda_graph_outputs = True
         state = {name: torch.randn_like(tensor) for name, tensor in model.state_dict().items()}
         model.load_state_dict(state, assign=True)  # new storage: the graphs read the old weights
         x = torch.randn(1, 3, 8, 8, device="cuda")

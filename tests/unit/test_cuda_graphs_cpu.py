@@ -8,7 +8,7 @@ import torch
 
 from aitune.errors import ConfigError
 from aitune.torch.backend import TorchEagerBackend, TorchEagerBackendConfig
-from aitune.torch.backend.cuda_graphs import CUDAGraphRunner, LRUCache, clone_tensors, graph_key
+from aitune.torch.backend.cuda_graphs import CUDAGraphRunner, LRUCache, clone_tensors, flat_graph_key, graph_key
 
 
 def test_lru_cache_evicts_least_recently_used_first():
@@ -51,6 +51,37 @@ def test_graph_key_refuses_uncapturable_calls():
         assert graph_key((weight,), {}, require_cuda=False) is None
     with torch.no_grad():
         assert graph_key((weight,), {}, require_cuda=False) is not None
+
+
+def test_a_flat_calls_key_without_flattening_tells_the_same_calls_apart_as_graph_key():
+    """``flat_graph_key`` (a replay's key, without the pytree): for calls of tensors and plain constants it refuses
+    what ``graph_key`` refuses and tells apart what it tells apart (a bool from an int too), giving the tensors in
+    the order flattening gives them; a nested call is left to ``graph_key`` (None)."""
+    def both(args, kwargs, **flags):
+        key, tensors = flat_graph_key(args, kwargs, **flags)
+        assert (key is None) == (graph_key(args, kwargs, **flags) is None)
+        return key, tensors
+
+    x, y = torch.empty(2, 3), torch.empty(4, dtype=torch.float16)
+    key, tensors = both((x,), {"mask": y, "scale": 1.0}, require_cuda=False)
+    assert key is not None and tensors[0] is x and tensors[1] is y
+    same = both((torch.empty(2, 3),), {"mask": torch.empty(4, dtype=torch.float16), "scale": 1.0},
+                require_cuda=False)[0]
+    assert same == key
+    others = [((torch.empty(3, 3),), {"mask": y, "scale": 1.0}), ((x,), {"mask": y.float(), "scale": 1.0}),
+              ((x,), {"mask": y, "scale": 2.0}), ((x,), {"mask": y, "scale": True}), ((x, y), {"scale": 1.0}),
+              ((x,), {"scale": 1.0, "mask": y})]
+    keys = [both(args, kwargs, require_cuda=False)[0] for args, kwargs in others]
+    assert len({key, *keys}) == len(others) + 1
+    assert flat_graph_key((1, 1), {}, require_cuda=False) == (None, [])  # no tensor: plain call
+    assert both((x,), {}) == (None, [])  # a CPU tensor
+    weight = torch.empty(2, requires_grad=True)
+    with torch.enable_grad():
+        assert both((weight,), {}, require_cuda=False) == (None, [])
+    with torch.no_grad():
+        assert both((weight,), {}, require_cuda=False)[0] is not None
+    assert flat_graph_key(([x],), {}, require_cuda=False) is None  # nested: graph_key's business
+    assert flat_graph_key((x,), {"cache": object()}, require_cuda=False) is None
 
 
 def test_runner_passes_cpu_calls_through():

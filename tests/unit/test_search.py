@@ -99,13 +99,41 @@ def test_default_candidates_expand_search_spaces():
     with_conv = [b.describe() for b in default_backends("cpu", conv, graph.graphs[0])]
     assert "TorchInductorJitBackend(freezing=True,memory_format=channels_last)" in with_conv
     cuda = [b.describe() for b in TorchInductorJitBackend().search_space(conv, graph.graphs[0], "cuda")]
-    assert cuda[0] == "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)"
-    # NOTE [captured CUDA graphs]: aitune's own capture of the frozen compile, an extra (after the fallback)
-    assert cuda[2] == "TorchInductorJitBackend(fullgraph=True,freezing=True,capture_cuda_graphs=True)"
+    # NOTE [captured CUDA graphs]: aitune's own capture of the frozen compile first (for a convnet channels-last too),
+    # reduce-overhead + freezing its fallback (benchmarks/RESULTS.md, 2026-12-07, thirty-first session)
+    assert cuda[:3] == ["TorchInductorJitBackend(fullgraph=True,freezing=True,memory_format=channels_last,"
+                        "capture_cuda_graphs=True)",
+                        "TorchInductorJitBackend(fullgraph=True,freezing=True,capture_cuda_graphs=True)",
+                        "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)"]
     assert any("max-autotune" in text for text in cuda)
     chosen = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="default"))
     assert chosen.search_space(conv, graph.graphs[0], "cpu") == [chosen]  # the user's choice is kept
     assert not any("conv_1x1_as_mm" in text for text in cuda)  # a 3x3 convolution only
+
+
+def test_on_cuda_aitunes_own_cuda_graphs_come_first_for_few_shapes_and_reduce_overhead_for_many():
+    """NOTE [captured CUDA graphs]: measured faster than reduce-overhead + freezing on ResNet-50 b1 and BERT-base b32
+    (benchmarks/RESULTS.md, thirty-first session), ``capture_cuda_graphs`` + freezing is first for a graph recorded
+    with at most ``MAX_SEARCH_SHAPES`` shapes, reduce-overhead + freezing its fallback (built when it fails its
+    checks); with more shapes (one graph each, eight kept) reduce-overhead + freezing stays first and the capture is
+    an extra."""
+    from aitune.torch.backend.cuda_graphs import MAX_SEARCH_SHAPES, recorded_shapes
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    captured = "TorchInductorJitBackend(fullgraph=True,freezing=True,capture_cuda_graphs=True)"
+    frozen = "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)"
+    for shapes, first, fallback in ((1, captured, frozen), (MAX_SEARCH_SHAPES, captured, frozen),
+                                    (MAX_SEARCH_SHAPES + 1, frozen, "TorchInductorJitBackend(mode=reduce-overhead)")):
+        wrapped = ait.Module(net, f"net{shapes}")
+        for rows in range(1, shapes + 1):
+            wrapped(torch.randn(2, rows, 4))  # (a 3-D input: the rows make no dynamic axis of the batch)
+        graph = wrapped.graphs[0]
+        assert recorded_shapes(graph) == shapes
+        variants = TorchInductorJitBackend().search_space(net, graph, "cuda")
+        assert [b.describe() for b in variants if b.search_tier == 0] == [first]
+        assert [b.describe() for b in variants if b.search_fallback] == [fallback]
+        assert captured in [b.describe() for b in variants]
+    assert recorded_shapes(None) == 0
 
 
 def test_aitunes_own_cuda_graphs_need_a_cuda_device_and_inputs_left_as_they_are():
@@ -135,12 +163,23 @@ def test_aitunes_own_cuda_graphs_need_a_cuda_device_and_inputs_left_as_they_are(
     assert TorchInductorJitBackend(TorchInductorJitBackendConfig(capture_cuda_graphs=True)).bakes_weights
 
 
-def test_a_convnet_with_1x1_convolutions_gets_them_as_matrix_multiplies_first_on_cuda():
-    """On CUDA, reduce-overhead + freezing with ``conv_1x1_as_mm`` is first-tier for a model with 1x1
-    convolutions, beside reduce-overhead with and without freezing; on CPU nothing changes."""
+def test_a_convnet_with_1x1_convolutions_gets_them_as_matrix_multiplies_first_on_cuda_for_many_shapes():
+    """On CUDA, for a graph recorded with more shapes than aitune's own CUDA graphs are first for
+    (``MAX_SEARCH_SHAPES``), reduce-overhead + freezing with ``conv_1x1_as_mm`` is first-tier for a model with 1x1
+    convolutions, beside reduce-overhead with and without freezing; with few shapes it is an extra; on CPU nothing
+    changes."""
+    from aitune.torch.backend.cuda_graphs import MAX_SEARCH_SHAPES
+
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 4, 1)).eval()
+    few = ait.Module(net, "net1x1few")
+    few(torch.randn(2, 3, 8, 8))
+    tiers = {b.describe(): b.search_tier for b in TorchInductorJitBackend().search_space(net, few.graphs[0], "cuda")}
+    assert tiers["TorchInductorJitBackend(options={'conv_1x1_as_mm': True, 'triton.cudagraphs': True},"
+                 "freezing=True)"] == 1
     wrapped = ait.Module(net, "net1x1")
-    wrapped(torch.randn(2, 3, 8, 8))
+    for batch in range(1, MAX_SEARCH_SHAPES + 2):
+        wrapped(torch.randn(batch, 3, 8, 8))
+    assert len(wrapped.graphs) == 1  # (one graph, its batch a dynamic axis)
     variants = TorchInductorJitBackend().search_space(net, wrapped.graphs[0], "cuda")
     tiers = {b.describe(): b.search_tier for b in variants}
     mm = "TorchInductorJitBackend(options={'conv_1x1_as_mm': True, 'triton.cudagraphs': True},freezing=True)"

@@ -41,6 +41,19 @@ from aitune.torch.record.pytree import hashable_constant, tree_flatten, tree_unf
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_GRAPHS = 8
+# the default searches put a CUDA-graph variant that keeps one graph per input shape first only for graphs recorded
+# with this few shapes (Inductor's `capture_cuda_graphs`, ONNX Runtime's `cuda_graph`): each shape keeps its buffers
+# and graph, and a workload cycling through more shapes than a runner keeps (DEFAULT_MAX_GRAPHS) would capture anew
+MAX_SEARCH_SHAPES = 4
+
+
+def recorded_shapes(graph) -> int:
+    """How many distinct input shapes (the shapes of a sample's tensor leaves, together) a recorded graph's samples
+    hold; 0 for None or a graph without samples."""
+    if graph is None:
+        return 0
+    return len({tuple(tuple(leaf.shape) for leaf in sample.leaves() if isinstance(leaf, torch.Tensor))
+                for sample in graph.samples})
 
 
 def graph_key(args: tuple, kwargs: dict, *, require_cuda: bool = True) -> Hashable | None:
@@ -73,6 +86,34 @@ def graph_key(args: tuple, kwargs: dict, *, require_cuda: bool = True) -> Hashab
     if not has_tensor:
         return None
     return (spec, tuple(parts))
+
+
+_CONSTANTS = (int, float, bool, str, type(None))
+
+
+def flat_graph_key(args: tuple, kwargs: dict, *, require_cuda: bool = True) -> tuple[Hashable | None, list] | None:
+    """:func:`graph_key` of a flat call (every argument a tensor or a plain constant, nothing nested), without
+    flattening it, and its tensors in the call's order (as flattening gives them); None for any other call, which
+    :func:`graph_key` keys. The key is None where :func:`graph_key`'s would be: no tensor, a tensor off CUDA (with
+    ``require_cuda``), or one that requires grad while grad mode is on. A replay used to flatten its call twice
+    (its key, then its tensors): the largest share of aitune's own functions in a profile of ResNet-50 b1 calls on
+    the GPU machine (``benchmarks/wrapper_cost.py --profile``, benchmarks/RESULTS.md, 2026-12-07)."""
+    parts: list = [len(args)]
+    tensors = []
+    grad = None
+    for name, value in (*enumerate(args), *kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            if require_cuda and not value.is_cuda:
+                return None, []
+            if value.requires_grad and (grad if grad is not None else (grad := torch.is_grad_enabled())):
+                return None, []
+            parts.append((name, value.shape, value.dtype, value.get_device()))
+            tensors.append(value)
+        elif type(value) in _CONSTANTS:
+            parts.append((name, type(value), value))
+        else:
+            return None
+    return (("flat", tuple(parts)) if tensors else None), tensors
 
 
 class LRUCache:
@@ -218,18 +259,27 @@ class CUDAGraphRunner(GraphSet):
     def __call__(self, *args, **kwargs) -> Any:
         # NOTE [cuda graphs and threads]: captured graphs share static input/output buffers; a lock keeps two
         # threads from copying inputs over each other between copy-in and the cloned output.
-        with self._lock:
-            return self._call(*args, **kwargs)
+        return self.call(args, kwargs)
 
-    def _call(self, *args, **kwargs) -> Any:
-        key = graph_key(args, kwargs) if self.enabled else None
-        if key is None:
-            self.stats["plain_calls"] += 1
-            return self.function(*args, **kwargs)
-        entry = self._graphs.get(key)
-        if entry is None:
-            return self._warm_up_and_capture(key, args, kwargs)
-        tensors = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+    def call(self, args: tuple, kwargs: dict, copy: bool = True) -> Any:
+        """``function(*args, **kwargs)`` through the graph of the call's key (captured on its first call), under
+        the lock; ``copy``: return copies of the output tensors (else the graph's own buffers, valid until the next
+        replay of this graph; NOTE [output copies] in aitune/torch/config.py). A call that cannot be captured, and
+        every call once a capture failed, runs ``function`` itself."""
+        with self._lock:
+            found = flat_graph_key(args, kwargs) if self.enabled else (None, [])
+            key, tensors = found if found is not None else (graph_key(args, kwargs), None)
+            if key is None:
+                self.stats["plain_calls"] += 1
+                return self.function(*args, **kwargs)
+            entry = self._graphs.get(key)
+            if entry is None:
+                return self._warm_up_and_capture(key, args, kwargs)
+            if tensors is None:
+                tensors = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+            return self._replay(entry, tensors, args, kwargs, copy)
+
+    def _replay(self, entry, tensors: list, args: tuple, kwargs: dict, copy: bool) -> Any:
         for static, tensor in zip(entry.static_inputs, tensors):
             static.copy_(tensor)
         if self.before_replay is not None:
@@ -237,7 +287,7 @@ class CUDAGraphRunner(GraphSet):
         entry.graph.replay()
         entry.replays += 1
         self.stats["replays"] += 1
-        return clone_tensors(entry.static_output)
+        return clone_tensors(entry.static_output) if copy else entry.static_output
 
     # ---- internals
     def _evicted(self, key: Hashable, entry: _CapturedGraph) -> None:

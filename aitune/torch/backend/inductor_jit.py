@@ -18,7 +18,7 @@ from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.common.environment import native_bf16
-from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
+from aitune.torch.backend.cuda_graphs import MAX_SEARCH_SHAPES, CUDAGraphRunner, recorded_shapes
 from aitune.torch.backend.decode_graphs import DecodeGraphs, captures_cache
 from aitune.torch.check.baked_state import forward_hooks
 from aitune.torch.check.guard import watch_registrations
@@ -263,11 +263,20 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     def search_space(self, module, graph, device) -> list["Backend"]:
         """The configurations worth trying. On CPU: plain and with ``freezing``, and for models
         with 2-D convolutions and 4-D inputs also freezing + channels-last, all in the first tier (no
-        max-autotune: on CPU it keeps MKL's linear kernels and gains nothing). On CUDA: reduce-overhead (CUDA
-        graphs) with freezing, reduce-overhead without it as the fallback (:attr:`Backend.search_fallback`: built
-        by default only when no freezing variant passes its checks), then — with a time budget — freezing with
-        aitune's own CUDA graphs (``capture_cuda_graphs``, NOTE [captured CUDA graphs]; not yet measured on these
-        models), channels-last (with freezing) for convnets, default mode, and the max-autotune modes (expensive).
+        max-autotune: on CPU it keeps MKL's linear kernels and gains nothing).
+
+        On CUDA, for a graph recorded with at most ``MAX_SEARCH_SHAPES`` (4) input shapes: freezing with aitune's own
+        CUDA graphs (``capture_cuda_graphs``, NOTE [captured CUDA graphs]), for a convnet with channels-last too,
+        then reduce-overhead (Inductor's CUDA graphs) with freezing as the fallback (:attr:`Backend.search_fallback`:
+        built by default only when no variant before it passes its checks), then — with a time budget — the other
+        variants below. Measured on an H100 (``benchmarks/gpu_captured.py``, benchmarks/RESULTS.md, 2026-12-07):
+        ResNet-50 b1 fp16 captured + freezing + channels-last 1.53x a hand-picked ``torch.compile(mode=
+        "reduce-overhead")`` and 1.15x the hand-picked composite (reduce-overhead + freezing + channels-last);
+        BERT-base b32 captured + freezing 1.22x hand-picked reduce-overhead against 1.06x for aitune's
+        reduce-overhead + freezing: the same kernels, less host work per call. For more shapes (the runner keeps a
+        graph per shape, eight at most, and captures anew past them): reduce-overhead with freezing, reduce-overhead
+        without it as the fallback, then — with a time budget — the captured variant, channels-last (with freezing)
+        for convnets, default mode, and the max-autotune modes (expensive).
 
         Reduce-overhead without freezing did not win a measured tune against it on ResNet-50 or BERT-base fp16
         (``benchmarks/gpu_search.py``), and building it costs seconds of every default tune.
@@ -280,8 +289,9 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
 
         On CUDA, a model with 1x1 convolutions (:func:`has_1x1_convolution`) also gets reduce-overhead + freezing
         with Inductor's ``conv_1x1_as_mm`` (those convolutions become matrix multiplies: cuBLAS instead of cuDNN)
-        in the first tier. Which of the two wins depends on the batch: on ResNet-50 fp16 it can be a few percent
-        faster at batch 1 and slower at batch 32, with the same error vs eager
+        in the first tier where reduce-overhead leads (many shapes), an extra otherwise. Which of the two wins
+        depends on the batch: on ResNet-50 fp16 it can be a few percent faster at batch 1 and slower at batch 32,
+        with the same error vs eager
         (``benchmarks/gpu_conv_options.py``).
 
         A language model's phase graph (prefill or decode) compiles without freezing (its key/value cache is
@@ -296,14 +306,21 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         if device.type == "cuda":  # reduce-overhead without freezing: the fallback (docstring)
             configs = [dict(mode="reduce-overhead", freezing=True), dict(mode="reduce-overhead"), dict(),
                        dict(mode="max-autotune-no-cudagraphs", freezing=True), dict(mode="max-autotune", freezing=True)]
-            if module is not None and graph is not None and has_4d_convolution(module, graph):
+            conv = module is not None and graph is not None and has_4d_convolution(module, graph)
+            if conv:
                 configs.insert(2, dict(mode="reduce-overhead", freezing=True, memory_format="channels_last"))
                 if has_1x1_convolution(module):  # first tier too: which wins depends on the batch (docstring)
                     configs.insert(1, dict(options=dict(REDUCE_OVERHEAD_1X1_AS_MM), freezing=True))
                     first_tier = 2
-            # NOTE [captured CUDA graphs]: the same kernels as reduce-overhead + freezing, less host time per call;
-            # an extra (after the fallback) until measured on a convnet and an encoder
-            configs.insert(first_tier + 1, dict(capture_cuda_graphs=True, freezing=True, fullgraph=True))
+            # NOTE [captured CUDA graphs]: the same kernels as reduce-overhead + freezing, less host time per call
+            captured = [dict(capture_cuda_graphs=True, freezing=True, fullgraph=True)]
+            if 0 < recorded_shapes(graph) <= MAX_SEARCH_SHAPES:  # first, reduce-overhead + freezing its fallback
+                if conv:
+                    captured.insert(0, dict(captured[0], memory_format="channels_last"))
+                configs = [*captured, *configs]  # (the 1x1 variant of reduce-overhead: an extra now)
+                first_tier = len(captured)
+            else:  # many shapes: one graph each, a few kept at once (docstring); an extra after the fallback
+                configs.insert(first_tier + 1, captured[0])
         else:
             configs = [dict(), dict(freezing=True)]
             if module is not None and graph is not None and has_4d_convolution(module, graph):
@@ -334,8 +351,8 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
     @property
     def search_tier(self) -> int:
         """max-autotune modes benchmark many kernels while compiling (minutes on a large model): tier 2. On
-        CUDA, reduce-overhead with freezing is tried by default (without freezing as the fallback) and the other
-        variants (channels-last, default mode) are extras (tier 1): on ResNet-50 fp16 they rarely beat
+        CUDA, the first tier of :meth:`search_space` is tried by default (its fallback when none passes) and the
+        other variants (channels-last, default mode) are extras (tier 1): on ResNet-50 fp16 they rarely beat
         reduce-overhead + freezing (``benchmarks/gpu_channels_last.py``), and each variant costs a compile. See
         :meth:`Backend.search_tier`."""
         if (self.config.mode or "").startswith("max-autotune"):
@@ -444,7 +461,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             if self._graphs is not None:  # NOTE [captured CUDA graphs]
                 if isinstance(self._graphs, DecodeGraphs):  # its outputs are copies where asked
                     return self._restore_output_dtypes(self._graphs(args, kwargs, copy))
-                output = self._graphs(*args, **kwargs)  # (copies, always)
+                output = self._graphs.call(args, kwargs, copy)  # (copies where asked: NOTE [output copies])
                 return self._restore_output_dtypes(to_contiguous(output) if self._channels_last else output)
             output = self._compiled(*args, **kwargs)
         if self._channels_last:

@@ -24,11 +24,11 @@ import threading
 
 import torch
 
+from aitune.torch.backend.cuda_graphs import MAX_SEARCH_SHAPES, recorded_shapes
 from aitune.torch.backend.ort_config import ONNXRuntimeBackendConfig
 from aitune.torch.backend.ort_io import NUMPY_NAMES, ORT_TYPES
 
 GRAPH_ID = "gpu_graph_id"  # ONNX Runtime's run config key (kOrtRunOptionsConfigCudaGraphAnnotation)
-MAX_SEARCH_SHAPES = 4  # the default search adds the CUDA-graph variant only for graphs with this few recorded shapes
 
 
 def graph_capture_refused(exc: BaseException) -> bool:
@@ -50,9 +50,7 @@ def cuda_graph_variants(encoder: bool, graph, device) -> list[tuple[ONNXRuntimeB
     """
     if torch.device(device).type != "cuda" or graph is None:
         return []
-    shapes = {tuple(tuple(leaf.shape) for leaf in sample.leaves() if isinstance(leaf, torch.Tensor))
-              for sample in graph.samples}
-    if not 0 < len(shapes) <= MAX_SEARCH_SHAPES:
+    if not 0 < recorded_shapes(graph) <= MAX_SEARCH_SHAPES:
         return []
     variants = [(ONNXRuntimeBackendConfig(cuda_graph=True, transformer_fusions="bert" if encoder else None), 0)]
     if encoder:
