@@ -84,6 +84,51 @@ def test_a_flat_calls_key_without_flattening_tells_the_same_calls_apart_as_graph
     assert flat_graph_key((x,), {"cache": object()}, require_cuda=False) is None
 
 
+def test_a_replay_copies_each_input_into_its_buffer_and_hands_out_copies_or_its_own_outputs_in_new_containers(
+        monkeypatch):
+    """The replay path of ``CUDAGraphRunner.call`` up to the device (capture needs CUDA: a stand-in graph entered
+    under the key of a CPU call, keyed as on CUDA): a flat call's tensors, positional and keyword, go to the buffers
+    captured for them; a nested call's (keyed by ``graph_key``) too; ``copy=True`` hands out clones, ``copy=False``
+    the graph's own buffers, in a new container each call (what a caller sets in one output is not in the next)."""
+    import functools
+
+    from aitune.torch.backend import cuda_graphs
+    from aitune.torch.backend.cuda_graphs import _CapturedGraph
+    from aitune.torch.record.pytree import tree_flatten
+
+    monkeypatch.setattr(cuda_graphs, "flat_graph_key", functools.partial(flat_graph_key, require_cuda=False))
+    monkeypatch.setattr(cuda_graphs, "graph_key", functools.partial(graph_key, require_cuda=False))
+    runner = CUDAGraphRunner(lambda *args, **kwargs: pytest.fail("a replayed call never runs the function"))
+    x_buffer, mask_buffer = torch.zeros(2, 3), torch.zeros(2)
+    output = {"sum": torch.zeros(2, 3)}
+
+    class StandInGraph:  # what the captured kernels would do: read the input buffers, write the output's
+        def replay(self):
+            output["sum"].copy_(x_buffer + mask_buffer[:, None])
+
+    x, mask = torch.randn(2, 3), torch.randn(2)
+    key, _ = flat_graph_key((x,), {"mask": mask, "scale": 2}, require_cuda=False)
+    entry = _CapturedGraph(StandInGraph(), [x_buffer, mask_buffer], output)
+    entry.output_leaves, entry.output_spec = tree_flatten(output)
+    runner._graphs.put(key, entry)
+    first = runner.call((x,), {"mask": mask, "scale": 2})
+    assert torch.equal(x_buffer, x) and torch.equal(mask_buffer, mask)
+    torch.testing.assert_close(first["sum"], x + mask[:, None])
+    assert first["sum"].data_ptr() != output["sum"].data_ptr()  # a copy
+    own = runner.call((x,), {"mask": mask, "scale": 2}, copy=False)
+    assert own["sum"] is output["sum"] and own is not output
+    own["sum"] = None  # the caller's container: the next output is whole
+    again = runner.call((-x,), {"mask": mask, "scale": 2}, copy=False)
+    assert again["sum"] is output["sum"]
+    torch.testing.assert_close(again["sum"], -x + mask[:, None])
+    torch.testing.assert_close(first["sum"], x + mask[:, None])  # the copy kept its values
+    nested_key = graph_key(([x],), {"mask": mask}, require_cuda=False)
+    runner._graphs.put(nested_key, entry)
+    runner.call(([x * 3],), {"mask": -mask})
+    assert torch.equal(x_buffer, x * 3) and torch.equal(mask_buffer, -mask)
+    assert runner.stats["replays"] == 4 and runner.stats["captures"] == 0
+
+
 def test_runner_passes_cpu_calls_through():
     calls = []
 

@@ -99,38 +99,39 @@ def test_default_candidates_expand_search_spaces():
     with_conv = [b.describe() for b in default_backends("cpu", conv, graph.graphs[0])]
     assert "TorchInductorJitBackend(freezing=True,memory_format=channels_last)" in with_conv
     cuda = [b.describe() for b in TorchInductorJitBackend().search_space(conv, graph.graphs[0], "cuda")]
-    # NOTE [captured CUDA graphs]: aitune's own capture of the frozen compile first (for a convnet channels-last too),
-    # reduce-overhead + freezing its fallback (benchmarks/RESULTS.md, 2026-12-07, thirty-first session)
+    # NOTE [captured CUDA graphs]: aitune's own capture of the frozen compile (for a convnet channels-last) beside
+    # reduce-overhead + freezing, without freezing the fallback (benchmarks/RESULTS.md, thirty-first session)
     assert cuda[:3] == ["TorchInductorJitBackend(fullgraph=True,freezing=True,memory_format=channels_last,"
                         "capture_cuda_graphs=True)",
-                        "TorchInductorJitBackend(fullgraph=True,freezing=True,capture_cuda_graphs=True)",
-                        "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)"]
+                        "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)",
+                        "TorchInductorJitBackend(mode=reduce-overhead)"]
     assert any("max-autotune" in text for text in cuda)
     chosen = TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="default"))
     assert chosen.search_space(conv, graph.graphs[0], "cpu") == [chosen]  # the user's choice is kept
     assert not any("conv_1x1_as_mm" in text for text in cuda)  # a 3x3 convolution only
 
 
-def test_on_cuda_aitunes_own_cuda_graphs_come_first_for_few_shapes_and_reduce_overhead_for_many():
+def test_on_cuda_aitunes_own_cuda_graphs_lead_for_fixed_shapes_and_reduce_overhead_for_a_dynamic_axis():
     """NOTE [captured CUDA graphs]: measured faster than reduce-overhead + freezing on ResNet-50 b1 and BERT-base b32
-    (benchmarks/RESULTS.md, thirty-first session), ``capture_cuda_graphs`` + freezing is first for a graph recorded
-    with at most ``MAX_SEARCH_SHAPES`` shapes, reduce-overhead + freezing its fallback (built when it fails its
-    checks); with more shapes (one graph each, eight kept) reduce-overhead + freezing stays first and the capture is
-    an extra."""
-    from aitune.torch.backend.cuda_graphs import MAX_SEARCH_SHAPES, recorded_shapes
+    (benchmarks/RESULTS.md, thirty-first session), ``capture_cuda_graphs`` + freezing leads the first tier, beside
+    reduce-overhead + freezing, for a graph without a dynamic axis recorded with at most ``MAX_SEARCH_SHAPES`` shapes;
+    reduce-overhead without freezing stays the fallback (built when both fail their checks). A graph with a dynamic
+    axis (the runner would capture every shape it meets, a memory pool each) keeps reduce-overhead + freezing first
+    and the capture as an extra."""
+    from aitune.torch.backend.cuda_graphs import recorded_shapes
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
     captured = "TorchInductorJitBackend(fullgraph=True,freezing=True,capture_cuda_graphs=True)"
     frozen = "TorchInductorJitBackend(mode=reduce-overhead,freezing=True)"
-    for shapes, first, fallback in ((1, captured, frozen), (MAX_SEARCH_SHAPES, captured, frozen),
-                                    (MAX_SEARCH_SHAPES + 1, frozen, "TorchInductorJitBackend(mode=reduce-overhead)")):
-        wrapped = ait.Module(net, f"net{shapes}")
-        for rows in range(1, shapes + 1):
-            wrapped(torch.randn(2, rows, 4))  # (a 3-D input: the rows make no dynamic axis of the batch)
+    fallback = "TorchInductorJitBackend(mode=reduce-overhead)"
+    for batches, first_tier in (((2,), [captured, frozen]), ((1, 32), [frozen])):
+        wrapped = ait.Module(net, f"net{len(batches)}")
+        for batch in batches:
+            wrapped(torch.randn(batch, 4))
         graph = wrapped.graphs[0]
-        assert recorded_shapes(graph) == shapes
+        assert recorded_shapes(graph) == len(batches) and graph.is_dynamic == (len(batches) > 1)
         variants = TorchInductorJitBackend().search_space(net, graph, "cuda")
-        assert [b.describe() for b in variants if b.search_tier == 0] == [first]
+        assert [b.describe() for b in variants if b.search_tier == 0] == first_tier
         assert [b.describe() for b in variants if b.search_fallback] == [fallback]
         assert captured in [b.describe() for b in variants]
     assert recorded_shapes(None) == 0
@@ -163,10 +164,10 @@ def test_aitunes_own_cuda_graphs_need_a_cuda_device_and_inputs_left_as_they_are(
     assert TorchInductorJitBackend(TorchInductorJitBackendConfig(capture_cuda_graphs=True)).bakes_weights
 
 
-def test_a_convnet_with_1x1_convolutions_gets_them_as_matrix_multiplies_first_on_cuda_for_many_shapes():
-    """On CUDA, for a graph recorded with more shapes than aitune's own CUDA graphs are first for
+def test_a_convnet_with_1x1_convolutions_gets_them_as_matrix_multiplies_first_on_cuda_for_a_dynamic_axis():
+    """On CUDA, for a graph with a dynamic axis or more recorded shapes than aitune's own CUDA graphs lead for
     (``MAX_SEARCH_SHAPES``), reduce-overhead + freezing with ``conv_1x1_as_mm`` is first-tier for a model with 1x1
-    convolutions, beside reduce-overhead with and without freezing; with few shapes it is an extra; on CPU nothing
+    convolutions, beside reduce-overhead with and without freezing; for fixed shapes it is an extra; on CPU nothing
     changes."""
     from aitune.torch.backend.cuda_graphs import MAX_SEARCH_SHAPES
 

@@ -11,7 +11,9 @@ the CPU launch overhead that dominates small-batch inference. The runner:
 * on a capture failure (a host sync, a CPU tensor, an op that is not capturable) logs one warning and
   runs every later call normally: the runner is then a pass-through;
 * hands the caller *clones* of the graph's static outputs, so the next replay never overwrites an output
-  the caller still holds (pytorch/pytorch#144386).
+  the caller still holds (pytorch/pytorch#144386); ``call(..., copy=False)`` (Inductor's captured variant with
+  ``copy_cuda_graph_outputs`` off) hands out the static outputs themselves in a new container, valid until the
+  next replay of that graph, by this thread or another.
 
 NOTE [cuda graphs and dynamic shapes]: a graph is only valid for the exact shapes it was captured with,
 so every distinct input shape gets its own graph; the LRU bound keeps memory in check when shapes vary
@@ -96,8 +98,8 @@ def flat_graph_key(args: tuple, kwargs: dict, *, require_cuda: bool = True) -> t
     flattening it, and its tensors in the call's order (as flattening gives them); None for any other call, which
     :func:`graph_key` keys. The key is None where :func:`graph_key`'s would be: no tensor, a tensor off CUDA (with
     ``require_cuda``), or one that requires grad while grad mode is on. A replay used to flatten its call twice
-    (its key, then its tensors): the largest share of aitune's own functions in a profile of ResNet-50 b1 calls on
-    the GPU machine (``benchmarks/wrapper_cost.py --profile``, benchmarks/RESULTS.md, 2026-12-07)."""
+    (its key, then its tensors): 0.60 of the 2.67 s cProfile gave the backend's ``run`` over 20,000 ResNet-50 b1
+    calls on the GPU machine (``benchmarks/wrapper_cost.py --profile``, benchmarks/RESULTS.md, 2026-12-07)."""
     parts: list = [len(args)]
     tensors = []
     grad = None
@@ -184,6 +186,8 @@ class _CapturedGraph:
     static_inputs: list  # tensor leaves the graph reads (same order as the call's tensor leaves)
     static_output: Any
     replays: int = 0
+    output_leaves: list = dataclasses.field(default_factory=list)  # static_output flattened, for copy=False
+    output_spec: Any = None  # (None: static_output is a tensor, handed out as it is)
 
 
 class GraphSet:
@@ -258,7 +262,8 @@ class CUDAGraphRunner(GraphSet):
     # ---- public
     def __call__(self, *args, **kwargs) -> Any:
         # NOTE [cuda graphs and threads]: captured graphs share static input/output buffers; a lock keeps two
-        # threads from copying inputs over each other between copy-in and the cloned output.
+        # threads from copying inputs over each other between copy-in and the cloned output (with copy=False the
+        # caller reads the buffers after the lock is released: another thread's replay may overwrite them).
         return self.call(args, kwargs)
 
     def call(self, args: tuple, kwargs: dict, copy: bool = True) -> Any:
@@ -287,7 +292,13 @@ class CUDAGraphRunner(GraphSet):
         entry.graph.replay()
         entry.replays += 1
         self.stats["replays"] += 1
-        return clone_tensors(entry.static_output) if copy else entry.static_output
+        if copy:
+            return clone_tensors(entry.static_output)
+        if entry.output_spec is None:  # the graph's own buffer
+            return entry.static_output
+        # a new container each call around the graph's own buffers: what a caller sets in one output (a dict's or a
+        # ModelOutput's field) is not in the next
+        return tree_unflatten(entry.output_spec, entry.output_leaves)
 
     # ---- internals
     def _evicted(self, key: Hashable, entry: _CapturedGraph) -> None:
@@ -330,7 +341,10 @@ class CUDAGraphRunner(GraphSet):
             self._capture_failed(exc, generator, saved_state)
             return warm_output
         self.stats["captures"] += 1
-        self._graphs.put(key, _CapturedGraph(graph, static_inputs, static_output))
+        entry = _CapturedGraph(graph, static_inputs, static_output)
+        if not isinstance(static_output, torch.Tensor):
+            entry.output_leaves, entry.output_spec = tree_flatten(static_output)
+        self._graphs.put(key, entry)
         logger.debug("%s: captured a CUDA graph (%d cached, max %d)", self.name, len(self._graphs), self.max_graphs)
         return warm_output
 

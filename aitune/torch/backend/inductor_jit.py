@@ -265,18 +265,20 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         with 2-D convolutions and 4-D inputs also freezing + channels-last, all in the first tier (no
         max-autotune: on CPU it keeps MKL's linear kernels and gains nothing).
 
-        On CUDA, for a graph recorded with at most ``MAX_SEARCH_SHAPES`` (4) input shapes: freezing with aitune's own
-        CUDA graphs (``capture_cuda_graphs``, NOTE [captured CUDA graphs]), for a convnet with channels-last too,
-        then reduce-overhead (Inductor's CUDA graphs) with freezing as the fallback (:attr:`Backend.search_fallback`:
-        built by default only when no variant before it passes its checks), then — with a time budget — the other
-        variants below. Measured on an H100 (``benchmarks/gpu_captured.py``, benchmarks/RESULTS.md, 2026-12-07):
-        ResNet-50 b1 fp16 captured + freezing + channels-last 1.53x a hand-picked ``torch.compile(mode=
-        "reduce-overhead")`` and 1.15x the hand-picked composite (reduce-overhead + freezing + channels-last);
-        BERT-base b32 captured + freezing 1.22x hand-picked reduce-overhead against 1.06x for aitune's
-        reduce-overhead + freezing: the same kernels, less host work per call. For more shapes (the runner keeps a
-        graph per shape, eight at most, and captures anew past them): reduce-overhead with freezing, reduce-overhead
-        without it as the fallback, then — with a time budget — the captured variant, channels-last (with freezing)
-        for convnets, default mode, and the max-autotune modes (expensive).
+        On CUDA, for a graph without a dynamic axis recorded with at most ``MAX_SEARCH_SHAPES`` (4) input shapes:
+        freezing with aitune's own CUDA graphs (``capture_cuda_graphs``, NOTE [captured CUDA graphs]; for a convnet
+        with channels-last) and reduce-overhead (Inductor's CUDA graphs) with freezing, measured side by side;
+        reduce-overhead without freezing as the fallback (:attr:`Backend.search_fallback`: built by default only when
+        no variant before it passes its checks); then — with a time budget — the other variants below. Measured on
+        an H100 (``benchmarks/gpu_captured.py``, benchmarks/RESULTS.md, 2026-12-07; CUDA events, the GPU synchronised
+        after each call): ResNet-50 b1 fp16 captured + freezing + channels-last 1.53x a hand-picked
+        ``torch.compile(mode="reduce-overhead")`` and 1.15x the hand-picked composite (reduce-overhead + freezing +
+        channels-last); BERT-base b32 captured + freezing 1.22x hand-picked reduce-overhead against 1.06x for
+        aitune's reduce-overhead + freezing: the same kernels, less host work per call. With a dynamic axis or more
+        shapes (the runner captures any shape it meets, a graph and memory pool each, eight kept, and captures anew
+        past them): reduce-overhead with freezing, reduce-overhead without it as the fallback, then — with a time
+        budget — the captured variant, channels-last (with freezing) for convnets, default mode, and the
+        max-autotune modes (expensive).
 
         Reduce-overhead without freezing did not win a measured tune against it on ResNet-50 or BERT-base fp16
         (``benchmarks/gpu_search.py``), and building it costs seconds of every default tune.
@@ -313,14 +315,15 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
                     configs.insert(1, dict(options=dict(REDUCE_OVERHEAD_1X1_AS_MM), freezing=True))
                     first_tier = 2
             # NOTE [captured CUDA graphs]: the same kernels as reduce-overhead + freezing, less host time per call
-            captured = [dict(capture_cuda_graphs=True, freezing=True, fullgraph=True)]
-            if 0 < recorded_shapes(graph) <= MAX_SEARCH_SHAPES:  # first, reduce-overhead + freezing its fallback
-                if conv:
-                    captured.insert(0, dict(captured[0], memory_format="channels_last"))
-                configs = [*captured, *configs]  # (the 1x1 variant of reduce-overhead: an extra now)
-                first_tier = len(captured)
-            else:  # many shapes: one graph each, a few kept at once (docstring); an extra after the fallback
-                configs.insert(first_tier + 1, captured[0])
+            captured = dict(capture_cuda_graphs=True, freezing=True, fullgraph=True)
+            if graph is not None and not graph.is_dynamic and 0 < recorded_shapes(graph) <= MAX_SEARCH_SHAPES:
+                # beside reduce-overhead + freezing in the first tier (docstring); the 1x1 variant an extra
+                head, fallback, rest = configs[:first_tier], configs[first_tier], configs[first_tier + 1:]
+                lead = dict(captured, memory_format="channels_last") if conv else captured
+                configs = [lead, head[0], fallback, *([captured] if conv else []), *head[1:], *rest]
+                first_tier = 2
+            else:  # a dynamic axis or many shapes: one graph each, a few kept at once (docstring); an extra
+                configs.insert(first_tier + 1, captured)
         else:
             configs = [dict(), dict(freezing=True)]
             if module is not None and graph is not None and has_4d_convolution(module, graph):
