@@ -270,11 +270,10 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         with channels-last) and reduce-overhead (Inductor's CUDA graphs) with freezing, measured side by side;
         reduce-overhead without freezing as the fallback (:attr:`Backend.search_fallback`: built by default only when
         no variant before it passes its checks); then — with a time budget — the other variants below. Measured on
-        an H100 (``benchmarks/gpu_captured.py``, benchmarks/RESULTS.md, 2026-12-07; CUDA events, the GPU synchronised
-        after each call): ResNet-50 b1 fp16 captured + freezing + channels-last 1.53x a hand-picked
-        ``torch.compile(mode="reduce-overhead")`` and 1.15x the hand-picked composite (reduce-overhead + freezing +
-        channels-last); BERT-base b32 captured + freezing 1.22x hand-picked reduce-overhead against 1.06x for
-        aitune's reduce-overhead + freezing: the same kernels, less host work per call. With a dynamic axis or more
+        an H100 (``benchmarks/gpu_captured.py``, benchmarks/RESULTS.md, 2026-12-07): ResNet-50 b1 fp16 captured +
+        freezing + channels-last 1.15x the hand-picked reduce-overhead + freezing + channels-last; BERT-base b32
+        captured + freezing 1.22x hand-picked reduce-overhead, aitune's reduce-overhead + freezing 1.06x: the same
+        kernels, less host work per call. With a dynamic axis or more
         shapes (the runner captures any shape it meets, a graph and memory pool each, eight kept, and captures anew
         past them): reduce-overhead with freezing, reduce-overhead without it as the fallback, then — with a time
         budget — the captured variant, channels-last (with freezing) for convnets, default mode, and the
