@@ -114,7 +114,7 @@ def test_default_candidates_expand_search_spaces():
 def test_on_cuda_aitunes_own_cuda_graphs_lead_for_fixed_shapes_and_reduce_overhead_for_a_dynamic_axis():
     """NOTE [captured CUDA graphs]: measured faster than reduce-overhead + freezing on ResNet-50 b1 and BERT-base b32
     (benchmarks/RESULTS.md, thirty-first session), ``capture_cuda_graphs`` + freezing leads the first tier, beside
-    reduce-overhead + freezing, for a graph without a dynamic axis recorded with at most ``MAX_SEARCH_SHAPES`` shapes;
+    reduce-overhead + freezing, for a graph without a dynamic axis (one recorded shape);
     reduce-overhead without freezing stays the fallback (built when both fail their checks). A graph with a dynamic
     axis (the runner would capture every shape it meets, a memory pool each) keeps reduce-overhead + freezing first
     and the capture as an extra."""
@@ -165,8 +165,8 @@ def test_aitunes_own_cuda_graphs_need_a_cuda_device_and_inputs_left_as_they_are(
 
 
 def test_a_convnet_with_1x1_convolutions_gets_them_as_matrix_multiplies_first_on_cuda_for_a_dynamic_axis():
-    """On CUDA, for a graph with a dynamic axis or more recorded shapes than aitune's own CUDA graphs lead for
-    (``MAX_SEARCH_SHAPES``), reduce-overhead + freezing with ``conv_1x1_as_mm`` is first-tier for a model with 1x1
+    """On CUDA, for a graph with a dynamic axis (here more recorded batch sizes than ONNX Runtime's CUDA graphs
+    lead for, ``MAX_SEARCH_SHAPES``), reduce-overhead + freezing with ``conv_1x1_as_mm`` is first-tier for a model with 1x1
     convolutions, beside reduce-overhead with and without freezing; for fixed shapes it is an extra; on CPU nothing
     changes."""
     from aitune.torch.backend.cuda_graphs import MAX_SEARCH_SHAPES

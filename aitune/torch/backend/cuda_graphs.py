@@ -43,9 +43,8 @@ from aitune.torch.record.pytree import hashable_constant, tree_flatten, tree_unf
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_GRAPHS = 8
-# the default searches put a CUDA-graph variant that keeps one graph per input shape first only for graphs recorded
-# with this few shapes (Inductor's `capture_cuda_graphs`, ONNX Runtime's `cuda_graph`): each shape keeps its buffers
-# and graph, and a workload cycling through more shapes than a runner keeps (DEFAULT_MAX_GRAPHS) would capture anew
+# ONNX Runtime's default search adds its `cuda_graph` variant only for graphs recorded with this few shapes (each
+# shape keeps its buffers and captured graph; other shapes run eager)
 MAX_SEARCH_SHAPES = 4
 
 
@@ -90,7 +89,7 @@ def graph_key(args: tuple, kwargs: dict, *, require_cuda: bool = True) -> Hashab
     return (spec, tuple(parts))
 
 
-_CONSTANTS = (int, float, bool, str, type(None))
+CONSTANT_TYPES = (int, float, bool, str, type(None))  # the plain constants a flat call's key holds by value
 
 
 def flat_graph_key(args: tuple, kwargs: dict, *, require_cuda: bool = True) -> tuple[Hashable | None, list] | None:
@@ -111,7 +110,7 @@ def flat_graph_key(args: tuple, kwargs: dict, *, require_cuda: bool = True) -> t
                 return None, []
             parts.append((name, value.shape, value.dtype, value.get_device()))
             tensors.append(value)
-        elif type(value) in _CONSTANTS:
+        elif type(value) in CONSTANT_TYPES:
             parts.append((name, type(value), value))
         else:
             return None

@@ -60,11 +60,10 @@ from typing import Any, Callable, Hashable
 import torch
 
 from aitune.errors import ConfigError
-from aitune.torch.backend.cuda_graphs import DEFAULT_MAX_GRAPHS, GraphSet, _generator_snapshot
+from aitune.torch.backend.cuda_graphs import CONSTANT_TYPES, DEFAULT_MAX_GRAPHS, GraphSet, _generator_snapshot
 from aitune.torch.record.llm import is_kv_cache, rewind_cache
 from aitune.torch.record.pytree import tree_flatten, tree_unflatten
 
-_CONSTANTS = (int, float, bool, str, type(None))
 CAPTURED_LAYERS = ("StaticLayer",)  # full attention: positions come from a device counter or cache_position
 
 
@@ -99,7 +98,7 @@ def cache_facts(cache: Any) -> tuple | None:
 
 
 _LAYER_TENSORS = ("cumulative_length", "keys", "values")
-_FACT_TYPES = (*_CONSTANTS, torch.device, torch.dtype)
+_FACT_TYPES = (*CONSTANT_TYPES, torch.device, torch.dtype)
 
 
 def _layout(value: Any) -> tuple:
@@ -269,7 +268,7 @@ class DecodeGraphs(GraphSet):
                     parts.append(cache_fingerprint(cache))
                 except AttributeError:  # a layer without keys/values (not allocated, another layer type)
                     return None
-            elif type(value) in _CONSTANTS:
+            elif type(value) in CONSTANT_TYPES:
                 parts.append(value)
             else:
                 return None

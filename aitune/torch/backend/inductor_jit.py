@@ -18,7 +18,7 @@ from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.common.dtypes import is_fp32_model
 from aitune.torch.common.environment import native_bf16
-from aitune.torch.backend.cuda_graphs import MAX_SEARCH_SHAPES, CUDAGraphRunner, recorded_shapes
+from aitune.torch.backend.cuda_graphs import CUDAGraphRunner
 from aitune.torch.backend.decode_graphs import DecodeGraphs, captures_cache
 from aitune.torch.check.baked_state import forward_hooks
 from aitune.torch.check.guard import watch_registrations
@@ -265,19 +265,18 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
         with 2-D convolutions and 4-D inputs also freezing + channels-last, all in the first tier (no
         max-autotune: on CPU it keeps MKL's linear kernels and gains nothing).
 
-        On CUDA, for a graph without a dynamic axis recorded with at most ``MAX_SEARCH_SHAPES`` (4) input shapes:
-        freezing with aitune's own CUDA graphs (``capture_cuda_graphs``, NOTE [captured CUDA graphs]; for a convnet
-        with channels-last) and reduce-overhead (Inductor's CUDA graphs) with freezing, measured side by side;
-        reduce-overhead without freezing as the fallback (:attr:`Backend.search_fallback`: built by default only when
-        no variant before it passes its checks); then — with a time budget — the other variants below. Measured on
-        an H100 (``benchmarks/gpu_captured.py``, benchmarks/RESULTS.md, 2026-12-07): ResNet-50 b1 fp16 captured +
-        freezing + channels-last 1.15x the hand-picked reduce-overhead + freezing + channels-last; BERT-base b32
-        captured + freezing 1.22x hand-picked reduce-overhead, aitune's reduce-overhead + freezing 1.06x: the same
-        kernels, less host work per call. With a dynamic axis or more
-        shapes (the runner captures any shape it meets, a graph and memory pool each, eight kept, and captures anew
-        past them): reduce-overhead with freezing, reduce-overhead without it as the fallback, then — with a time
-        budget — the captured variant, channels-last (with freezing) for convnets, default mode, and the
-        max-autotune modes (expensive).
+        On CUDA, for a graph without a dynamic axis (one input shape recorded, no batch axis): freezing with aitune's
+        own CUDA graphs (``capture_cuda_graphs``, NOTE [captured CUDA graphs]; for a convnet with channels-last) and
+        reduce-overhead (Inductor's CUDA graphs) with freezing, measured side by side; reduce-overhead without
+        freezing as the fallback (:attr:`Backend.search_fallback`: built by default only when no variant before it
+        passes its checks); then — with a time budget — the other variants below. Measured on an H100
+        (``benchmarks/gpu_captured.py``, benchmarks/RESULTS.md, 2026-12-07): ResNet-50 b1 fp16 captured + freezing +
+        channels-last 1.15x the hand-picked reduce-overhead + freezing + channels-last; BERT-base b32 captured +
+        freezing 1.22x hand-picked reduce-overhead, aitune's reduce-overhead + freezing 1.06x: the same kernels, less
+        host work per call. With a dynamic axis (the runner captures any shape it meets, a graph and memory pool
+        each, eight kept, and captures anew past them): reduce-overhead with freezing, reduce-overhead without it as
+        the fallback, then — with a time budget — the captured variant, channels-last (with freezing) for convnets,
+        default mode, and the max-autotune modes (expensive).
 
         Reduce-overhead without freezing did not win a measured tune against it on ResNet-50 or BERT-base fp16
         (``benchmarks/gpu_search.py``), and building it costs seconds of every default tune.
@@ -290,7 +289,7 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
 
         On CUDA, a model with 1x1 convolutions (:func:`has_1x1_convolution`) also gets reduce-overhead + freezing
         with Inductor's ``conv_1x1_as_mm`` (those convolutions become matrix multiplies: cuBLAS instead of cuDNN)
-        in the first tier where reduce-overhead leads (many shapes), an extra otherwise. Which of the two wins
+        in the first tier where reduce-overhead leads (a dynamic axis), an extra otherwise. Which of the two wins
         depends on the batch: on ResNet-50 fp16 it can be a few percent faster at batch 1 and slower at batch 32,
         with the same error vs eager
         (``benchmarks/gpu_conv_options.py``).
@@ -315,13 +314,13 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
                     first_tier = 2
             # NOTE [captured CUDA graphs]: the same kernels as reduce-overhead + freezing, less host time per call
             captured = dict(capture_cuda_graphs=True, freezing=True, fullgraph=True)
-            if graph is not None and not graph.is_dynamic and 0 < recorded_shapes(graph) <= MAX_SEARCH_SHAPES:
+            if graph is not None and not graph.is_dynamic:  # (one recorded shape: a shape that differs is dynamic)
                 # beside reduce-overhead + freezing in the first tier (docstring); the 1x1 variant an extra
                 head, fallback, rest = configs[:first_tier], configs[first_tier], configs[first_tier + 1:]
                 lead = dict(captured, memory_format="channels_last") if conv else captured
                 configs = [lead, head[0], fallback, *([captured] if conv else []), *head[1:], *rest]
                 first_tier = 2
-            else:  # a dynamic axis or many shapes: one graph each, a few kept at once (docstring); an extra
+            else:  # a dynamic axis: a graph per shape met, eight kept (docstring); an extra
                 configs.insert(first_tier + 1, captured)
         else:
             configs = [dict(), dict(freezing=True)]
