@@ -1,6 +1,7 @@
 """The rules strategies choose by: min_speedup_ratio, ties within the noise, the latency budget's ties, the
 round trip of AOT artifacts, and calls to a deactivated module. Each test failed before its fix."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -285,3 +286,71 @@ def test_the_choice_follows_the_paired_speedup_not_throughputs_timed_in_other_wi
     assert candidate.measurement["throughput"] < eager.measurement["throughput"]  # the windows differ
     assert candidate.speedup == pytest.approx(4.0, rel=0.01)
     assert candidate.status == "selected" and tuned.backends["graph0"].name == "test_four_times_eager"
+
+
+class JitteryEager(torch.nn.Module):
+    """Eager's calls take 20, 60, 100, 140 ms in turn on the fake clock (a launch-bound eager on a busy host): every
+    candidate's speed-up over eager spreads by tens of percent, whatever the candidate's own steadiness."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    def forward(self, x):
+        self.calls += 1
+        pause(0.020 + 0.040 * (self.calls % 4))
+        return self.body(x)
+
+
+class SteadyBackend(TorchEagerBackend):
+    """Correct, a steady ``call_s`` per call; ``rank`` sets which of two tied candidates is the simpler one."""
+
+    name = "test_steady"
+    passthrough = False
+    call_s = 0.010
+    rank = 20
+
+    def _infer(self, args, kwargs):
+        pause(self.call_s)
+        return self.module.body(*args, *kwargs.values())
+
+
+class SimplerSteady(SteadyBackend):
+    name = "test_simpler_steady"
+    rank = 10  # simpler than SteadyBackend (the tie rule's order: the backend class's rank)
+
+
+def _tie_tune(faster_call_s: float, fast_profiling):
+    model = JitteryEager().eval()
+    profiling = dataclasses.replace(fast_profiling, time_budget_s=3.0, max_rounds=24)  # rounds of ~100 ms
+    strategy = ait.MaxThroughputStrategy([SimplerSteady(), type("Faster", (SteadyBackend,), {
+        "name": "test_faster_steady", "call_s": faster_call_s})()], profiling_config=profiling)
+    tuned = ait.Module(model, "jittery", strategy=strategy)
+    report = ait.tune(tuned, [torch.randn(1, 16)], ready_batches=True)  # one sample: each round meets one jitter
+    return tuned, {row.backend: row for row in report.rows}, report
+
+
+def test_two_candidates_tied_against_a_noisy_eager_are_settled_head_to_head(fast_profiling, fake_clock):
+    """NOTE [head to head]: 10 ms against 8 ms a call is 1.25x, clear when the two are timed against each other,
+    yet within the spread of their speed-ups over a jittery eager: the faster one is chosen, and both rows and
+    the report's reason give the head-to-head figure."""
+    tuned, rows, report = _tie_tune(0.008, fast_profiling)
+    simpler, faster = rows["test_simpler_steady"], rows["test_faster_steady"]
+    spread = (faster.speedup_spread["q75"] - faster.speedup_spread["q25"]) / 2 / faster.speedup
+    assert faster.speedup <= simpler.speedup * (1 + spread)  # eager's jitter: tied by their speed-ups over eager
+    assert faster.status == "selected" and tuned.backends["graph0"].name == "test_faster_steady"
+    assert faster.details["head_to_head"]["speedup"] == pytest.approx(1.25, rel=0.01)
+    assert simpler.details["head_to_head"]["speedup"] == pytest.approx(0.8, rel=0.01)
+    assert "timed head to head against it: 0.80x its speed" in simpler.reason
+    assert "timed head to head it ran 1.25x" in report.graphs[0].selection_reason
+
+
+def test_a_head_to_head_within_the_noise_keeps_the_simpler_candidate(fast_profiling, fake_clock):
+    """10 ms against 9.9 ms a call (1 %, under the 2 % min_noise): still a tie, the simpler backend is kept."""
+    tuned, rows, report = _tie_tune(0.0099, fast_profiling)
+    simpler, faster = rows["test_simpler_steady"], rows["test_faster_steady"]
+    assert simpler.status == "selected" and tuned.backends["graph0"].name == "test_simpler_steady"
+    assert faster.details["head_to_head"]["speedup"] == pytest.approx(1.0101, rel=0.002)
+    assert faster.details["head_to_head"]["kept"] is False
+    assert "the simpler one is kept" in faster.reason and "0.99x" not in faster.reason

@@ -25,7 +25,13 @@ from aitune.torch.backend.isolation import BACKGROUND_BUILDS, BUILD_DEADLINE
 from aitune.torch.check.checks import check_against_eager, check_probes, verify_round_trip
 from aitune.torch.check.context import EvaluationSettings, GraphContext
 from aitune.torch.check.correctness import comparator_for
-from aitune.torch.measure.profiling import Measurement, ProfilingConfig, measure, measure_pair, paired_speedup
+from aitune.torch.measure.profiling import (
+    Measurement,
+    ProfilingConfig,
+    measure,
+    measure_pair,
+    paired_speedup,
+)
 from aitune.torch.search.crashes import crash_signal
 from aitune.torch.record.object_state import reset_state
 from aitune.torch.report.rows import (
@@ -333,7 +339,7 @@ def eager_candidate(context: GraphContext, profiling: ProfilingConfig) -> Candid
     backend = build_eager(context)
     if context.eager_measurement is None:
         context.show("eager (baseline)", "measure")
-        context.eager_measurement = measure(_caller(backend, context), *_samples(context), context.device, profiling)
+        context.eager_measurement = measure(sample_caller(backend, context), *graph_samples(context), context.device, profiling)
         if context.progress is not None:
             context.progress.candidate_done()
     measurement = context.eager_measurement
@@ -438,19 +444,19 @@ def measure_backend(backend: Backend, context: GraphContext, config: ProfilingCo
     Calls take the recorded samples themselves: a candidate that writes into inputs eager leaves alone was
     rejected by :func:`check_against_eager` before it is measured, so no copy of every sample is held.
     """
-    samples, batch_sizes = _samples(context)
-    eager, measurement = measure_pair(_caller(eager_runner(context), context), samples, _caller(backend, context),
+    samples, batch_sizes = graph_samples(context)
+    eager, measurement = measure_pair(sample_caller(eager_runner(context), context), samples, sample_caller(backend, context),
                                       samples, batch_sizes, context.device, config)
     return dataclasses.replace(measurement, paired=paired_speedup(eager.round_ms, measurement.round_ms))
 
 
-def _samples(context: GraphContext) -> tuple[list, list[int]]:
+def graph_samples(context: GraphContext) -> tuple[list, list[int]]:
     """The graph's samples and their batch sizes (1 when unknown)."""
     samples = list(context.graph.samples)
     return samples, [sample.batch_size or 1 for sample in samples]
 
 
-def _caller(backend: Backend, context: GraphContext):
+def sample_caller(backend: Backend, context: GraphContext):
     """``run(sample)`` calling ``backend`` on one recorded sample."""
     if getattr(context.graph, "cache_input", None) is not None:
         # A key/value cache: one working copy per sample, its recorded state put back in place before each call

@@ -27,6 +27,7 @@ from aitune.torch.search import engine
 from aitune.torch.search.engine import default_backends, promote_fallback, relative_noise, score_for
 from aitune.torch.search.engine import explain_finalists as _explain_finalists  # noqa: F401 - its old import path
 from aitune.torch.search.evaluation import Candidate, eager_candidate, evaluate
+from aitune.torch.search.head_to_head import head_to_head
 from aitune.torch.search.max_batch_size import MaxBatchSizeSearch
 
 logger = logging.getLogger(__name__)
@@ -400,6 +401,32 @@ class TuneStrategy:
         tied = [c for c in passing if not score(top) > score(c) * (1 + noise)]
         return min(tied, key=lambda c: (_simplicity(c.backend), c.row.build_s or 0.0))
 
+    def settle_tie(self, chosen: Candidate, fastest: Candidate, context: GraphContext) -> Candidate:
+        """When :meth:`pick` kept ``chosen`` (simpler) over the faster-looking ``fastest`` within the noise of their
+        speed-ups over eager, time the two against each other (:func:`~aitune.torch.search.head_to_head.head_to_head`,
+        NOTE [head to head]): ``fastest`` wins when its paired speed-up over ``chosen`` reaches 1.0 beyond that
+        figure's own spread (:meth:`PairedSpeedup.reaches`, at least ``min_noise``), otherwise the tie stands.
+        Eager on either side is already paired with the other (its speed-up over eager), so nothing more is timed.
+        The figure lands in both rows' ``details["head_to_head"]``."""
+        if chosen is fastest or any(getattr(c.backend, "passthrough", False) or c.backend is None
+                                    for c in (chosen, fastest)):
+            return chosen
+        paired = head_to_head(chosen, fastest, context, self.profiling_config)
+        if paired is None:
+            return chosen
+        wins = paired.reaches(1.0, self.profiling_config.min_noise)
+        # per row: "speedup" = this candidate over the other, timed in alternation (quartiles from its side)
+        fastest.row.details["head_to_head"] = {"against": chosen.row.description, "speedup": paired.median,
+                                               "q25": paired.q25, "q75": paired.q75, "rounds": paired.rounds,
+                                               "kept": wins}
+        chosen.row.details["head_to_head"] = {"against": fastest.row.description, "speedup": 1 / paired.median,
+                                              "q25": 1 / paired.q75, "q75": 1 / paired.q25,
+                                              "rounds": paired.rounds, "kept": not wins}
+        logger.info("  head to head: %s %.2fx %s (quartiles %.2f-%.2f) -> %s", fastest.row.description,
+                    paired.median, chosen.row.description, paired.q25, paired.q75,
+                    "the faster one is kept" if wins else "a tie, the simpler one is kept")
+        return fastest if wins else chosen
+
     def rank(self, candidates: list[Candidate], *, by_latency: bool = False) -> list[Backend]:
         """The passing, measured candidates' backends, best first (by paired speed-up or latency)."""
         passing = [c for c in candidates if c.passed and c.measurement is not None]
@@ -448,6 +475,9 @@ def _say_why_not_chosen(candidate: Candidate, chosen: Candidate, figure) -> None
         verdict = f"not selected: the strategy chose {chosen.row.description}"
     else:
         verdict = f"not selected: {mine[1]} against {theirs[1]} for the selected {chosen.row.description}"
+        settled = row.details.get("head_to_head")
+        if settled is not None and settled["against"] == chosen.row.description:
+            verdict += f"; timed head to head against it: {settled['speedup']:.2f}x its speed"
         if mine[0] > theirs[0]:
             verdict += (" (within the measured noise of this candidate, the simpler one is kept: eager, then AOT "
                         "over JIT, then the backend's rank)")
