@@ -15,6 +15,7 @@ import torch
 
 import aitune.torch as ait
 from aitune.torch.backend import TorchEagerBackend, TorchInductorJitBackend, TorchInductorJitBackendConfig
+from aitune.torch.backend.compile_settings import resolved_dynamic
 from aitune.torch.backend.inductor_jit import CPP_WRAPPER
 
 from llm_calls import first_decode_call, raising_after_the_run
@@ -300,13 +301,13 @@ def test_positions_of_a_cache_of_sliding_window_layers_only_are_not_held_to_the_
     assert "values" not in model.model.stats["eager_fallbacks"]
     # its layers count tokens in a plain int: a decode graph compiled for one length would compile per position
     decode = next(graph for graph in model.model.graphs if graph.name == "decode")
-    assert TorchInductorJitBackend()._resolved_dynamic(decode) is None  # torch's automatic dynamic shapes
+    assert resolved_dynamic(None, decode) is None  # torch's automatic dynamic shapes
 
 
 def test_a_decode_graph_of_full_attention_layers_compiles_for_one_cache_length(tuned):
     model, _, _ = tuned
     decode = next(graph for graph in model.model.graphs if graph.name == "decode")
-    assert TorchInductorJitBackend()._resolved_dynamic(decode) is False  # NOTE [decode per cache length]
+    assert resolved_dynamic(None, decode) is False  # NOTE [decode per cache length]
 
 
 def test_cache_graphs_are_offered_no_freezing_no_replayed_copies_and_on_cuda_no_cuda_graphs_for_prefill(tuned,

@@ -2,6 +2,8 @@
 compile that starts inside a call of a frozen callable (NOTE [freezing per compile]); every other setting is
 torch's (NOTE [floats as torch traces them]).
 
+Also which shapes a compile treats as symbolic (:func:`resolved_dynamic`, NOTE [decode per cache length]).
+
 Used by the Inductor JIT and TorchAO backends (:mod:`aitune.torch.backend.inductor_jit`,
 :mod:`aitune.torch.backend.ao`).
 """
@@ -10,8 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Any
 
 import torch
+
+from aitune.torch.record.llm import DECODE, find_cache
 
 
 # NOTE [floats as torch traces them]: with ``specialize_float`` off (torch's default) Dynamo makes a module's float
@@ -133,3 +138,33 @@ def parameter_freezing(enabled: bool):
 
         _FREEZING_WHILE_TRACING = _FreezingWhileTracing()
     return _FREEZING_WHILE_TRACING
+
+
+def resolved_dynamic(configured: bool | None, graph) -> bool | None:
+    """The ``dynamic`` argument of ``torch.compile`` for ``graph``: ``configured`` when set (True/False), else
+    False for a decode phase (NOTE [decode per cache length]; None for a cache with sliding-window layers), True
+    for any other graph with a dynamic axis (a prefill phase's prompt length included: torch's automatic dynamic
+    shapes compiled a decoder's prefill no faster, ``benchmarks/prefill_compile.py``), None otherwise."""
+    if configured is not None:
+        return configured
+    if graph is not None and graph.phase == DECODE:
+        # NOTE [decode per cache length]: a decode call's shapes are fixed but for the batch size and the
+        # static cache's length (and the mask sized to it), which differs between generate calls. Symbolic,
+        # that length slowed the decode step (benchmarks/RESULTS.md: 0.72-0.78x of transformers' own
+        # compile, against 0.93-0.96x compiled for one length). So the graph compiles once per batch size
+        # and cache length, as transformers' own compile does; in transformers 5.x a model's static cache
+        # never shrinks between calls (``_prepare_static_cache`` takes the longest so far, ``max_cache_len``
+        # sets the least), so a generate loop meets few lengths, each compiled on its first call, within
+        # dynamo's recompile limit (NOTE [recompile limit]).
+        # A sliding-window layer keeps its token count in a plain int (transformers' StaticSlidingWindowLayer),
+        # which a graph compiled with dynamic=False specialises on: one compile per position, up to the
+        # recompile limit. Such a cache's decode graph compiles with torch's automatic dynamic shapes instead
+        # (static first; what changes between calls, that count, symbolic from the second compile on).
+        if graph.samples and _has_sliding_layers(find_cache(graph.samples[0].kwargs, graph.samples[0].args)):
+            return None
+        return False
+    return True if graph is not None and graph.is_dynamic else None
+
+
+def _has_sliding_layers(cache: Any) -> bool:
+    return any("Sliding" in type(layer).__name__ for layer in getattr(cache, "layers", None) or ())

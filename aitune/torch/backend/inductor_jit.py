@@ -12,7 +12,7 @@ import torch
 
 from aitune.errors import BackendBuildError, ConfigError, one_line
 from aitune.torch.backend.base import Backend, BackendConfig, BuildMode, Check, parse_dtype
-from aitune.torch.backend.compile_settings import parameter_freezing
+from aitune.torch.backend.compile_settings import parameter_freezing, resolved_dynamic
 from aitune.torch.common.requirements import validate_flags
 from aitune.torch.config import config as aitune_config
 from aitune.torch.backend.eager import AutocastMixin
@@ -110,10 +110,6 @@ REDUCE_OVERHEAD_1X1_AS_MM = {"triton.cudagraphs": True, "conv_1x1_as_mm": True}
 # with it, and the plain compile is the fallback variant, built where the C++ wrapper's variant fails its build or
 # its checks (a C++ wrapper variant that passes but is slower than eager does not bring the plain one in).
 CPP_WRAPPER = {"cpp_wrapper": True}
-
-
-def _has_sliding_layers(cache: Any) -> bool:
-    return any("Sliding" in type(layer).__name__ for layer in getattr(cache, "layers", None) or ())
 
 
 def to_contiguous(value: Any) -> Any:
@@ -383,31 +379,10 @@ class TorchInductorJitBackend(AutocastMixin, Backend):
             return Check(False, "memory_format='channels_last' needs a 4-D input")
         return Check(True)
 
-    def _resolved_dynamic(self, graph) -> bool | None:
-        if self.config.dynamic is not None:
-            return self.config.dynamic
-        if graph is not None and graph.phase == DECODE:
-            # NOTE [decode per cache length]: a decode call's shapes are fixed but for the batch size and the
-            # static cache's length (and the mask sized to it), which differs between generate calls. Symbolic,
-            # that length slowed the decode step (benchmarks/RESULTS.md: 0.72-0.78x of transformers' own
-            # compile, against 0.93-0.96x compiled for one length). So the graph compiles once per batch size
-            # and cache length, as transformers' own compile does; in transformers 5.x a model's static cache
-            # never shrinks between calls (``_prepare_static_cache`` takes the longest so far, ``max_cache_len``
-            # sets the least), so a generate loop meets few lengths, each compiled on its first call, within
-            # dynamo's recompile limit (NOTE [recompile limit]).
-            # A sliding-window layer keeps its token count in a plain int (transformers' StaticSlidingWindowLayer),
-            # which a graph compiled with dynamic=False specialises on: one compile per position, up to the
-            # recompile limit. Such a cache's decode graph compiles with torch's automatic dynamic shapes instead
-            # (static first; what changes between calls, that count, symbolic from the second compile on).
-            if graph.samples and _has_sliding_layers(find_cache(graph.samples[0].kwargs, graph.samples[0].args)):
-                return None
-            return False
-        return True if graph is not None and graph.is_dynamic else None
-
     def _build(self, module, graph, device, workdir: Path) -> None:
         self._probe_output_dtypes(module, graph)
         self._clone_outputs = uses_cuda_graphs(self.config.mode, self.config.options)
-        dynamic = self._resolved_dynamic(graph)
+        dynamic = resolved_dynamic(self.config.dynamic, graph)
         self.build_info["dynamic"] = dynamic
         self._channels_last = self.config.memory_format == "channels_last"
         mode, options = self.config.compile_arguments()
