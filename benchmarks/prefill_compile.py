@@ -1,4 +1,5 @@
-"""Compile time of a Llama decoder's prefill graph: ``dynamic=True`` against torch's automatic dynamic shapes.
+"""Compile time of a Llama decoder's prefill graph: ``dynamic=True`` against torch's automatic dynamic shapes and
+against only the prompt-length axis marked dynamic (``torch._dynamo.mark_dynamic``).
 
 Why aitune compiles a prefill graph with ``dynamic=True`` (``resolved_dynamic`` in
 ``aitune/torch/backend/compile_settings.py``): the alternative compiles no faster. Each setting runs in its own process with Inductor's caches off (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``): the
@@ -56,10 +57,13 @@ def one(setting: str, model_name: str, device: str, dtype: str) -> dict:
     model = transformers.LlamaForCausalLM(config).to(device, getattr(torch, dtype)).eval()
     model.generation_config.pad_token_id = 0
     calls = prefill_calls(model, device)
-    compiled = torch.compile(model.model, dynamic={"dynamic-true": True, "automatic": None}[setting])
+    compiled = torch.compile(model.model, dynamic={"dynamic-true": True, "automatic": None, "marked": None}[setting])
+    if setting == "marked":  # only the prompt-length axis symbolic from the first compile on
+        for name in ("input_ids", "position_ids"):
+            torch._dynamo.mark_dynamic(calls[0][name], 1)
 
     def call(kwargs) -> float:
-        kwargs = {name: copy.deepcopy(value) for name, value in kwargs.items()}
+        kwargs = {name: value if torch.is_tensor(value) else copy.deepcopy(value) for name, value in kwargs.items()}
         if device == "cuda":
             torch.cuda.synchronize()
         begin = time.perf_counter()
@@ -88,7 +92,7 @@ def main() -> None:
         return
     env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
     print(f"# prefill compile, {args.model} on {args.device} ({args.dtype}), torch {torch.__version__}")
-    for setting in ("dynamic-true", "automatic"):
+    for setting in ("dynamic-true", "automatic", "marked"):
         out = subprocess.run([sys.executable, "-m", "benchmarks.prefill_compile", "--model", args.model, "--device",
                               args.device, "--dtype", args.dtype, "--one", setting], env=env, capture_output=True,
                              text=True, check=True).stdout.strip().splitlines()[-1]
