@@ -343,7 +343,8 @@ def test_two_candidates_tied_against_a_noisy_eager_are_settled_head_to_head(fast
     assert faster.details["head_to_head"]["speedup"] == pytest.approx(1.25, rel=0.01)
     assert simpler.details["head_to_head"]["speedup"] == pytest.approx(0.8, rel=0.01)
     assert "timed head to head against it: 0.80x its speed" in simpler.reason
-    assert "timed head to head it ran 1.25x" in report.graphs[0].selection_reason
+    assert "Faster() timed head to head against SimplerSteady(): 1.25x its speed (quartiles 1.25-1.25), it is kept" \
+        in report.graphs[0].selection_reason
 
 
 def test_a_head_to_head_within_the_noise_keeps_the_simpler_candidate(fast_profiling, fake_clock):
@@ -354,3 +355,86 @@ def test_a_head_to_head_within_the_noise_keeps_the_simpler_candidate(fast_profil
     assert faster.details["head_to_head"]["speedup"] == pytest.approx(1.0101, rel=0.002)
     assert faster.details["head_to_head"]["kept"] is False
     assert "the simpler one is kept" in faster.reason and "0.99x" not in faster.reason
+
+
+class WindowedEager(JitteryEager):
+    """JitteryEager, 1.3x slower whenever the last backend call was the simpler candidate's: that candidate's
+    speed-up over eager is inflated by its own window, enough to rank first though it is the slower one."""
+
+    slow = False
+
+    def forward(self, x):
+        if self.slow:
+            pause(0.3 * (0.020 + 0.040 * ((self.calls + 1) % 4)))
+        return super().forward(x)
+
+
+class SlowsEager(SimplerSteady):
+    def _infer(self, args, kwargs):
+        self.module.slow = True
+        return super()._infer(args, kwargs)
+
+
+class Faster(SteadyBackend):
+    name = "test_faster_steady"
+    call_s = 0.008
+
+    def _infer(self, args, kwargs):
+        self.module.slow = False
+        return super()._infer(args, kwargs)
+
+
+def _windowed_tune(fast_profiling, simpler, faster):
+    profiling = dataclasses.replace(fast_profiling, time_budget_s=3.0, max_rounds=24)
+    tuned = ait.Module(WindowedEager().eval(), "windowed",
+                       strategy=ait.MaxThroughputStrategy([simpler, faster], profiling_config=profiling))
+    report = ait.tune(tuned, [torch.randn(1, 16)], ready_batches=True)
+    return tuned, {row.backend: row for row in report.rows}, report
+
+
+def test_a_tie_is_settled_also_when_the_simpler_candidate_ranks_first_by_its_own_window(fast_profiling, fake_clock):
+    """The simpler candidate (10 ms) ranks first against eager only because eager ran slower in its rounds; the
+    other (8 ms) is within that figure's noise. Timed against each other, the 8 ms one wins."""
+    tuned, rows, report = _windowed_tune(fast_profiling, SlowsEager(), Faster())
+    simpler, faster = rows["test_simpler_steady"], rows["test_faster_steady"]
+    assert simpler.speedup > faster.speedup  # the simpler one looks fastest against eager
+    assert faster.status == "selected" and tuned.backends["graph0"].name == "test_faster_steady"
+    settled = faster.details["head_to_head"]
+    assert settled["against"] == "SlowsEager()" and settled["kept"] is True and settled["rounds"] >= 3
+    assert settled["speedup"] == settled["q25"] == settled["q75"] == pytest.approx(1.25, rel=0.01)
+    assert "timed head to head against it: 0.80x its speed" in simpler.reason
+    assert "within the noise" not in simpler.reason  # it was slower, not tied
+
+
+class UnevenFaster(Faster):
+    """7 or 9 ms a call, in turn: its head-to-head ratios spread (10/7 and 10/9)."""
+
+    def _infer(self, args, kwargs):
+        self.turn = not getattr(self, "turn", False)
+        pause(-0.001 if self.turn else 0.001)
+        return super()._infer(args, kwargs)
+
+
+def test_the_head_to_head_quartiles_are_inverted_for_the_other_side(fast_profiling, fake_clock):
+    _, rows, _ = _windowed_tune(fast_profiling, SimplerSteady(), UnevenFaster())
+    faster, simpler = rows["test_faster_steady"].details["head_to_head"], rows["test_simpler_steady"].details[
+        "head_to_head"]
+    assert faster["q75"] > faster["q25"]  # a spread, so that an inversion error would show
+    assert simpler["q25"] == pytest.approx(1 / faster["q75"]) and simpler["q75"] == pytest.approx(1 / faster["q25"])
+    assert simpler["speedup"] == pytest.approx(1 / faster["speedup"])
+
+
+def test_a_failed_head_to_head_keeps_the_simpler_candidate_and_says_so(fast_profiling, fake_clock, monkeypatch,
+                                                                       caplog):
+    from aitune.torch.search import head_to_head
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(head_to_head, "measure_pair", refuse)
+    with caplog.at_level(logging.WARNING, logger="aitune"):
+        tuned, rows, report = _tie_tune(0.008, fast_profiling)
+    assert rows["test_simpler_steady"].status == "selected"
+    assert rows["test_faster_steady"].details["head_to_head"] == {"against": "SimplerSteady()", "failed": True}
+    assert "head-to-head measurement of Faster() against SimplerSteady() failed" in report.graphs[0].selection_reason
+    assert "out of memory (simulated)" in caplog.text

@@ -27,7 +27,7 @@ from aitune.torch.search import engine
 from aitune.torch.search.engine import default_backends, promote_fallback, relative_noise, score_for
 from aitune.torch.search.engine import explain_finalists as _explain_finalists  # noqa: F401 - its old import path
 from aitune.torch.search.evaluation import Candidate, eager_candidate, evaluate
-from aitune.torch.search.head_to_head import head_to_head
+from aitune.torch.search.head_to_head import settle_tie
 from aitune.torch.search.max_batch_size import MaxBatchSizeSearch
 
 logger = logging.getLogger(__name__)
@@ -383,10 +383,22 @@ class TuneStrategy:
                 candidate's throughput is judged by its paired speed-up over eager, see :func:`~aitune.torch.search.engine.score_for`).
             score: rank by this (higher is better, > 0) instead; e.g. throughput within a latency budget.
 
-        The tie rule is the same for every strategy: a candidate ties with the top one unless the top one
-        beats it by more than the *top* candidate's relative noise (for paired speed-ups, the spread of its
-        per-round ratios, at least ``min_noise``; a noisy slower candidate cannot widen the tie by its own noise). Among the tied, the simplest wins: plain eager, then AOT over JIT
-        (deployable without the original module), then the backend class's rank, then the shorter build.
+        The tie rule of every strategy: a candidate ties with the top one unless the top one beats it by more
+        than the *top* candidate's relative noise (for paired speed-ups, the spread of its per-round ratios, at
+        least ``min_noise``; a noisy slower candidate cannot widen the tie by its own noise). Among the tied, the
+        simplest wins: plain eager, then AOT over JIT (deployable without the original module), then the backend
+        class's rank, then the shorter build. (:class:`MaxThroughputStrategy` then settles the tie by timing the tied
+        candidates against each other: :meth:`settle_tie`.)
+
+        Raises:
+            AITuneError: when no candidate passed.
+        """
+        tied = self.tied(candidates, by_latency=by_latency, score=score)
+        return min(tied, key=lambda c: (_simplicity(c.backend), c.row.build_s or 0.0))
+
+    def tied(self, candidates: list[Candidate], *, by_latency: bool = False,
+             score: Callable[[Candidate], float] | None = None) -> list[Candidate]:
+        """The passing, measured candidates tied with the top one by :meth:`pick`'s rule (the top one included).
 
         Raises:
             AITuneError: when no candidate passed.
@@ -398,34 +410,13 @@ class TuneStrategy:
         score = score or score_for(by_latency)
         top = max(passing, key=score)
         noise = relative_noise(top, self.profiling_config.min_noise) if paired_scores else top.measurement.noise
-        tied = [c for c in passing if not score(top) > score(c) * (1 + noise)]
-        return min(tied, key=lambda c: (_simplicity(c.backend), c.row.build_s or 0.0))
+        return [c for c in passing if not score(top) > score(c) * (1 + noise)]
 
-    def settle_tie(self, chosen: Candidate, fastest: Candidate, context: GraphContext) -> Candidate:
-        """When :meth:`pick` kept ``chosen`` (simpler) over the faster-looking ``fastest`` within the noise of their
-        speed-ups over eager, time the two against each other (:func:`~aitune.torch.search.head_to_head.head_to_head`,
-        NOTE [head to head]): ``fastest`` wins when its paired speed-up over ``chosen`` reaches 1.0 beyond that
-        figure's own spread (:meth:`PairedSpeedup.reaches`, at least ``min_noise``), otherwise the tie stands.
-        Eager on either side is already paired with the other (its speed-up over eager), so nothing more is timed.
-        The figure lands in both rows' ``details["head_to_head"]``."""
-        if chosen is fastest or any(getattr(c.backend, "passthrough", False) or c.backend is None
-                                    for c in (chosen, fastest)):
-            return chosen
-        paired = head_to_head(chosen, fastest, context, self.profiling_config)
-        if paired is None:
-            return chosen
-        wins = paired.reaches(1.0, self.profiling_config.min_noise)
-        # per row: "speedup" = this candidate over the other, timed in alternation (quartiles from its side)
-        fastest.row.details["head_to_head"] = {"against": chosen.row.description, "speedup": paired.median,
-                                               "q25": paired.q25, "q75": paired.q75, "rounds": paired.rounds,
-                                               "kept": wins}
-        chosen.row.details["head_to_head"] = {"against": fastest.row.description, "speedup": 1 / paired.median,
-                                              "q25": 1 / paired.q75, "q75": 1 / paired.q25,
-                                              "rounds": paired.rounds, "kept": not wins}
-        logger.info("  head to head: %s %.2fx %s (quartiles %.2f-%.2f) -> %s", fastest.row.description,
-                    paired.median, chosen.row.description, paired.q25, paired.q75,
-                    "the faster one is kept" if wins else "a tie, the simpler one is kept")
-        return fastest if wins else chosen
+    def settle_tie(self, chosen: Candidate, tied: list[Candidate],
+                   context: GraphContext) -> tuple[Candidate, list[str]]:
+        """:func:`aitune.torch.search.head_to_head.settle_tie` with this strategy's profiling settings: the tied
+        candidates timed head to head against the simplest (``chosen``). Returns ``(kept, notes)``."""
+        return settle_tie(chosen, tied, context, self.profiling_config)
 
     def rank(self, candidates: list[Candidate], *, by_latency: bool = False) -> list[Backend]:
         """The passing, measured candidates' backends, best first (by paired speed-up or latency)."""
@@ -476,9 +467,11 @@ def _say_why_not_chosen(candidate: Candidate, chosen: Candidate, figure) -> None
     else:
         verdict = f"not selected: {mine[1]} against {theirs[1]} for the selected {chosen.row.description}"
         settled = row.details.get("head_to_head")
-        if settled is not None and settled["against"] == chosen.row.description:
+        if settled is not None and settled["against"] == chosen.row.description and "speedup" in settled:
             verdict += f"; timed head to head against it: {settled['speedup']:.2f}x its speed"
-        if mine[0] > theirs[0]:
+            if mine[0] > theirs[0] and settled["speedup"] >= 1:
+                verdict += " (within the noise of that figure, the simpler one is kept)"
+        elif mine[0] > theirs[0]:
             verdict += (" (within the measured noise of this candidate, the simpler one is kept: eager, then AOT "
                         "over JIT, then the backend's rank)")
     row.reason = "; ".join(filter(None, [verdict, row.reason]))

@@ -13,7 +13,7 @@ class MaxThroughputStrategy(TuneStrategy):
 
     Eager is measured in the same run and competes (unless performance validation is off). A candidate
     must beat the best by more than the measured noise; within the noise the simpler one wins (eager,
-    then AOT over JIT, then shorter build), unless the faster-looking one, timed head to head against it, is
+    then AOT over JIT, then shorter build), unless another tied candidate, timed head to head against it, is
     faster beyond that figure's own noise (:meth:`TuneStrategy.settle_tie`, NOTE [head to head]). With
     ``min_speedup_ratio`` r, only candidates reaching r x eager's throughput compete with eager. With more candidates than ``finalists`` (3), every candidate
     gets a quick measurement and only the finalists the full one (successive halving, see
@@ -42,9 +42,9 @@ class MaxThroughputStrategy(TuneStrategy):
                 or [eager]
         chosen = self.pick(contenders, by_latency=self.by_latency)
         fastest = self.pick_fastest(contenders, by_latency=self.by_latency)
-        simpler = chosen
+        settled: list[str] = []
         if not self.by_latency:  # a latency ranking has no paired figure to settle with
-            chosen = self.settle_tie(chosen, fastest, context)
+            chosen, settled = self.settle_tie(chosen, self.tied(contenders), context)
         any_passed = any(c.passed for c in candidates)  # before finish(): the chosen row becomes "selected"
         self.finish(chosen, pool, latency_figure if self.by_latency else None)
         self.runners_up = self.rank([c for c in contenders if c is not chosen and c is not eager],
@@ -61,12 +61,8 @@ class MaxThroughputStrategy(TuneStrategy):
                 why += " (eager included)"
             if correct_in_all > correct:  # the others passed but were measured only briefly (successive halving)
                 why += f" measured in full ({correct_in_all} passed their checks)"
-        settled = fastest.row.details.get("head_to_head")
-        if chosen is not fastest:
-            why += f" (within the measured noise of {fastest.row.description}, the simpler one is kept"
-            why += f"; timed head to head it ran {settled['speedup']:.2f}x the kept one's speed)" if settled else ")"
-        elif simpler is not chosen:
-            why += (f" (its speed-up over eager was within the noise of the simpler {simpler.row.description}'s; "
-                    f"timed head to head it ran {settled['speedup']:.2f}x that one's speed, quartiles "
-                    f"{settled['q25']:.2f}-{settled['q75']:.2f})")
+        if settled:
+            why += f" (tied within the noise of their speed-ups over eager; {'; '.join(settled)})"
+        elif chosen is not fastest:
+            why += f" (within the measured noise of {fastest.row.description}, the simpler one is kept)"
         return chosen.backend, [c.row for c in pool], why
