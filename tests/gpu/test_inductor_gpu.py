@@ -189,3 +189,39 @@ def test_aitunes_own_cuda_graphs_give_eagers_outputs_per_shape_kept_apart_and_fo
         x = torch.randn(1, 3, 8, 8, device="cuda")
         torch.testing.assert_close(tuned(x), model(x))
     assert "stale" in tuned.stats["eager_fallbacks"]
+
+
+class SmallConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16),
+                                        torch.nn.ReLU(), torch.nn.Conv2d(16, 8, 1), torch.nn.AdaptiveAvgPool2d(1),
+                                        torch.nn.Flatten())
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_two_cuda_graph_candidates_timed_head_to_head_stay_right():
+    """NOTE [head to head] on a GPU: aitune's own captured CUDA graph and reduce-overhead's (CUDA-graph trees),
+    timed against each other in alternation in one process. A min_noise of 10 ties every candidate with the top
+    one and keeps every tie (no head-to-head figure reaches 11x), so the head-to-head runs whatever the speeds
+    (performance validation off: eager, the simplest, is no contender);
+    the figures are recorded, and the tuned module's outputs stay eager's."""
+    torch.manual_seed(0)
+    model = SmallConvNet().cuda().eval()
+    variants = [TorchInductorJitBackend(TorchInductorJitBackendConfig(mode="reduce-overhead")),
+                TorchInductorJitBackend(TorchInductorJitBackendConfig(fullgraph=True, capture_cuda_graphs=True))]
+    strategy = ait.MaxThroughputStrategy(variants, profiling_config=ProfilingConfig(
+        time_budget_s=0.2, min_noise=10.0)).enable_performance_validation(False)  # eager not a contender
+    tuned = ait.Module(model, "convnet-h2h", strategy=strategy)
+    x = torch.randn(1, 3, 32, 32, device="cuda")
+    report = ait.tune(tuned, [x], ignore_failing_modules=False, ready_batches=True)
+    rows = {row.description: row for row in report.rows if row.details.get("head_to_head")}
+    assert len(rows) == 2, report.graphs[0].selection_reason
+    assert all(row.details["head_to_head"]["speedup"] > 0 for row in rows.values())
+    assert "timed head to head" in report.graphs[0].selection_reason
+    with torch.no_grad():
+        for _ in range(3):
+            probe = torch.randn(1, 3, 32, 32, device="cuda")
+            torch.testing.assert_close(tuned(probe), model(probe), atol=1e-3, rtol=1e-3)

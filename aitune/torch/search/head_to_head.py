@@ -9,8 +9,10 @@ was kept, and in a second tune of the same build the order of the two figures re
 in alternation, the two candidates meet the same conditions and eager's jitter is out of the figure. The default
 strategy (:class:`~aitune.torch.tune_strategy.MaxThroughputStrategy`) settles every tie between compiled
 candidates this way (:func:`settle_tie`): at most one extra measurement per tied candidate, the finalists (3).
-Two candidates are active on the device during it (the search otherwise holds one at a time). Not yet exercised
-on a GPU: in the one GPU run since (ResNet-50 b1, H100, 2026-12-07) no tie arose.
+Two candidates are active on the device during it (the search otherwise holds one at a time). On a GPU, two
+CUDA-graph candidates (aitune's own capture and reduce-overhead's graph trees) timed this way in one process stay
+right: ``tests/gpu/test_inductor_gpu.py::test_two_cuda_graph_candidates_timed_head_to_head_stay_right`` (passed
+on an H100, 2026-12-07).
 """
 
 from __future__ import annotations
