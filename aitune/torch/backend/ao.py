@@ -23,7 +23,7 @@ from aitune.torch.backend.base import (
 )
 from aitune.torch.common.requirements import validate_flags
 from aitune.torch.config import config as aitune_config
-from aitune.torch.backend.compile_settings import parameter_freezing
+from aitune.torch.backend.compile_settings import dynamic_for_axes, parameter_freezing
 from aitune.torch.backend.inductor_jit import (
     COMPILE_MODES,
     allow_many_variants,
@@ -377,11 +377,6 @@ class TorchAOBackend(Backend):
         preset = self.preset_for(device, module)
         return (preset_config(preset) if preset is not None else self.config.quantization_config), preset
 
-    def _resolved_dynamic(self, graph) -> bool | None:
-        if self.config.dynamic is not None:
-            return self.config.dynamic
-        return True if graph is not None and graph.is_dynamic else None
-
     def _build(self, module, graph, device, workdir: Path) -> None:
         from torchao.quantization import quantize_
 
@@ -408,7 +403,7 @@ class TorchAOBackend(Backend):
             self._clone_outputs = bool(changed) and self.config.compile and uses_cuda_graphs(self.config.mode, None)
             self._freezing = parameter_freezing(self.config.compile and self.config.freezing)
             if self.config.compile and changed:  # nothing quantized: a no-op row (evaluation), not worth a compile
-                dynamic = self._resolved_dynamic(graph)
+                dynamic = dynamic_for_axes(self.config.dynamic, graph)
                 self.build_info["dynamic"] = dynamic
                 mode, options = compile_arguments(self.config.mode, None, self.config.freezing)
                 allow_many_variants()

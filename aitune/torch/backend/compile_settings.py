@@ -5,8 +5,8 @@ torch's (NOTE [floats as torch traces them]).
 Also which shapes a compile treats as symbolic (:func:`resolved_dynamic`, NOTE [decode per cache length]).
 
 Used by the Inductor JIT and TorchAO backends (:mod:`aitune.torch.backend.inductor_jit`,
-:mod:`aitune.torch.backend.ao`); :func:`resolved_dynamic` by Inductor JIT only (TorchAO and Torch-TensorRT keep
-their own rule: ``dynamic=True`` for any graph with a dynamic axis, a decode phase's too).
+:mod:`aitune.torch.backend.ao`); :func:`resolved_dynamic` by Inductor JIT only, :func:`dynamic_for_axes` (``dynamic=True``
+for any graph with a dynamic axis, a decode phase's too) by TorchAO and Torch-TensorRT.
 """
 
 from __future__ import annotations
@@ -164,6 +164,15 @@ def resolved_dynamic(configured: bool | None, graph) -> bool | None:
         if graph.samples and _has_sliding_layers(find_cache(graph.samples[0].kwargs, graph.samples[0].args)):
             return None
         return False
+    return dynamic_for_axes(configured, graph)
+
+
+def dynamic_for_axes(configured: bool | None, graph) -> bool | None:
+    """The ``dynamic`` argument of ``torch.compile`` by the graph's axes alone: ``configured`` when set, else True
+    for a graph with a dynamic axis, None (torch's automatic dynamic shapes) otherwise. TorchAO's and
+    Torch-TensorRT's rule for every graph, Inductor JIT's outside a decode phase (:func:`resolved_dynamic`)."""
+    if configured is not None:
+        return configured
     return True if graph is not None and graph.is_dynamic else None
 
 

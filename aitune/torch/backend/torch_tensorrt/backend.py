@@ -13,6 +13,7 @@ import torch
 from aitune.errors import CheckpointError
 from aitune.torch.backend.accepted import AcceptedInput, AcceptedInputs
 from aitune.torch.backend.base import Backend, BuildMode, Check, Requirement
+from aitune.torch.backend.compile_settings import dynamic_for_axes
 from aitune.torch.backend.eager import AutocastMixin
 from aitune.torch.backend.flat import FlatIO
 from aitune.torch.backend.torch_tensorrt.compile_step import compile_exported_program, settings_to_json
@@ -61,17 +62,12 @@ class TorchTensorRTJitBackend(AutocastMixin, Backend):
         """TensorRT engines hold the weights as they were at the build."""
         return True
 
-    def _resolved_dynamic(self, graph) -> bool | None:
-        if self.config.dynamic is not None:
-            return self.config.dynamic
-        return True if graph is not None and graph.is_dynamic else None
-
     def _build(self, module, graph, device, workdir: Path) -> None:
         import torch_tensorrt  # noqa: F401 - registers the "torch_tensorrt" torch.compile backend
 
         options = self.config.compile_config.settings(accepted_settings())
         options["device"] = device
-        dynamic = self._resolved_dynamic(graph)
+        dynamic = dynamic_for_axes(self.config.dynamic, graph)
         self.build_info["dynamic"] = dynamic
         self._probe_output_dtypes(module, graph)
         watch_registrations()  # NOTE [registration hooks before compiling] (the engines bake the weights in)
