@@ -311,5 +311,6 @@ def explain_finalists(finalists: list[Candidate], others: list[Candidate]) -> No
         full, first = candidate.row.speedup, candidate.row.details.get("quick_speedup")
         if full is not None and first is not None and full < max(quick):
             candidate.row.reason = "; ".join(filter(None, [
-                f"finalist on its quick measurement ({first:.2f}x eager); the figures shown are the full one",
+                f"finalist on its quick measurement ({first:.2f}x eager); the figures shown are from its full "
+                "measurement",
                 candidate.row.reason]))
