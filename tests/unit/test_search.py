@@ -118,7 +118,7 @@ def test_on_cuda_aitunes_own_cuda_graphs_lead_for_fixed_shapes_and_reduce_overhe
     reduce-overhead without freezing stays the fallback (built when both fail their checks). A graph with a dynamic
     axis (the runner would capture every shape it meets, a memory pool each) keeps reduce-overhead + freezing first
     and the capture as an extra."""
-    from aitune.torch.backend.cuda_graphs import recorded_shapes
+    from aitune.torch.backend.ort_cuda_graph import recorded_shapes
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
     captured = "TorchInductorJitBackend(fullgraph=True,freezing=True,capture_cuda_graphs=True)"
@@ -169,7 +169,7 @@ def test_a_convnet_with_1x1_convolutions_gets_them_as_matrix_multiplies_first_on
     lead for, ``MAX_SEARCH_SHAPES``), reduce-overhead + freezing with ``conv_1x1_as_mm`` is first-tier for a model with 1x1
     convolutions, beside reduce-overhead with and without freezing; for fixed shapes it is an extra; on CPU nothing
     changes."""
-    from aitune.torch.backend.cuda_graphs import MAX_SEARCH_SHAPES
+    from aitune.torch.backend.ort_cuda_graph import MAX_SEARCH_SHAPES
 
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 4, 1)).eval()
     few = ait.Module(net, "net1x1few")

@@ -43,18 +43,6 @@ from aitune.torch.record.pytree import hashable_constant, tree_flatten, tree_unf
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_GRAPHS = 8
-# ONNX Runtime's default search adds its `cuda_graph` variant only for graphs recorded with this few shapes (each
-# shape keeps its buffers and captured graph; other shapes run eager)
-MAX_SEARCH_SHAPES = 4
-
-
-def recorded_shapes(graph) -> int:
-    """How many distinct input shapes (the shapes of a sample's tensor leaves, together) a recorded graph's samples
-    hold; 0 for None or a graph without samples."""
-    if graph is None:
-        return 0
-    return len({tuple(tuple(leaf.shape) for leaf in sample.leaves() if isinstance(leaf, torch.Tensor))
-                for sample in graph.samples})
 
 
 def graph_key(args: tuple, kwargs: dict, *, require_cuda: bool = True) -> Hashable | None:

@@ -24,11 +24,22 @@ import threading
 
 import torch
 
-from aitune.torch.backend.cuda_graphs import MAX_SEARCH_SHAPES, recorded_shapes
 from aitune.torch.backend.ort_config import ONNXRuntimeBackendConfig
 from aitune.torch.backend.ort_io import NUMPY_NAMES, ORT_TYPES
 
 GRAPH_ID = "gpu_graph_id"  # ONNX Runtime's run config key (kOrtRunOptionsConfigCudaGraphAnnotation)
+# the default search adds the CUDA-graph variant only for graphs recorded with this few shapes (each shape keeps its
+# buffers and captured graph; other shapes run eager)
+MAX_SEARCH_SHAPES = 4
+
+
+def recorded_shapes(graph) -> int:
+    """How many distinct input shapes (the shapes of a sample's tensor leaves, together) a recorded graph's samples
+    hold; 0 for None or a graph without samples."""
+    if graph is None:
+        return 0
+    return len({tuple(tuple(leaf.shape) for leaf in sample.leaves() if isinstance(leaf, torch.Tensor))
+                for sample in graph.samples})
 
 
 def graph_capture_refused(exc: BaseException) -> bool:
