@@ -49,6 +49,9 @@ def _env(args) -> int:
               "selected only with allow_reduced_precision=True (or allow_quantization=True)")
     else:
         print("native bf16: no — bf16 would be emulated here, so the search adds no bf16 variant")
+    from aitune.torch.check.native_watch import native_status
+
+    print(f"stale-weight watch's native reader: {native_status()}")
     rows = []
     for name, backend_class in sorted(registered_backends().items()):
         check = backend_class.availability()

@@ -25,6 +25,7 @@ LOCAL_IMPORTS_ALLOWED = {
     ("aitune/cli.py", "aitune.serve"): _CLI,
     ("aitune/cli.py", "aitune.serve.app"): "needs Ray (the optional serve extra); " + _CLI,
     ("aitune/cli.py", "aitune.torch.backend"): _CLI,
+    ("aitune/cli.py", "aitune.torch.check.native_watch"): _CLI,
     ("aitune/cli.py", "aitune.torch.checkpoint"): _CLI,
     ("aitune/cli.py", "aitune.torch.checkpoint.manifest"): _CLI,
     ("aitune/cli.py", "aitune.torch.common.environment"): _CLI,
