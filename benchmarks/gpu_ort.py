@@ -3,8 +3,10 @@
 For ResNet-50 fp16 (torchvision, BatchNorm calibrated; batches 1 and 32, one recorded graph holding both) and
 BERT-base fp16 (random weights, batch 32 x 128 tokens): eager, the hand-picked
 ``torch.compile(mode="reduce-overhead")``, and ``ONNXRuntimeBackend`` variants each built directly with
-``backend.build`` on the recorded graph — plain CUDA EP, ``cuda_graph``, and for BERT ``transformer_fusions="bert"``
-and both. Every path is timed with CUDA events in interleaved rounds (each round times ``--calls`` calls of every
+``backend.build`` on the recorded graph — plain CUDA EP, ``cuda_graph``, for ResNet-50 ``prefer_nhwc`` with and
+without graphs, and for BERT ``transformer_fusions="bert"`` and both. ``--kernel-profile`` adds each path's GPU kernel
+time per call by kind (attention, matmul/conv, layer norm, copies, other), Inductor's default mode beside ONNX
+Runtime's variants without CUDA graphs: where ONNX Runtime's time goes. Every path is timed with CUDA events in interleaved rounds (each round times ``--calls`` calls of every
 path in turn); the figure is the median per-call ms over rounds, with ratios vs eager and vs reduce-overhead, the
 max abs error vs eager, and where ONNX Runtime ran the nodes (``build_info["node_placement"]``). A build that
 fails is reported with its error (a CUDA-graph build refused by ONNX Runtime names the nodes off the CUDA EP).
@@ -35,6 +37,9 @@ RESNET_BATCHES = (1, 32)
 def ort_variants(model_name: str) -> dict[str, dict]:
     """ONNXRuntimeBackendConfig keyword arguments per variant label."""
     variants = {"ort": {}, "ort+cuda_graph": {"cuda_graph": True}}
+    if model_name == "resnet50":
+        variants.update({"ort+nhwc": {"prefer_nhwc": True},
+                         "ort+nhwc+cuda_graph": {"prefer_nhwc": True, "cuda_graph": True}})
     if model_name.startswith("bert"):
         variants.update({"ort+fusions": {"transformer_fusions": "bert"},
                          "ort+fusions+cuda_graph": {"transformer_fusions": "bert", "cuda_graph": True}})
@@ -79,6 +84,61 @@ def timed_rounds(paths: dict, rounds: int, calls: int) -> dict[str, list[float]]
             torch.cuda.synchronize()
             times[label].append(start.elapsed_time(end) / calls)
     return times
+
+
+KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name, lower case), first match wins
+    ("attention", ("fmha", "flash", "attention", "softmax", "mha")),
+    ("matmul/conv", ("gemm", "cutlass", "xmma", "cublas", "sm90", "sm80", "conv", "implicit", "winograd", "cudnn",
+                     "dgrad", "wgrad", "fprop", "mm_", "bmm", "triton_tem")),
+    ("layer norm", ("layernorm", "layer_norm", "skiplayernorm", "native_layer_norm", "rms")),
+    ("copy/transpose", ("copy", "transpose", "memcpy", "nchw", "nhwc", "permute")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(needle in lowered for needle in needles):
+            return kind
+    return "other (elementwise, reductions, fused)"
+
+
+def kernel_profile(paths: dict, calls: int = 10) -> dict[str, dict]:
+    """GPU kernel time per call of each path, by kind of kernel, from ``torch.profiler`` (CUPTI sees every kernel of
+    the process, ONNX Runtime's too): ``{path: {"total_us": .., "kernels": n per call, "by_kind_us": {...},
+    "top": [(name, us per call), ...]}}``. Paths that replay CUDA graphs show as graph launches, so profile paths
+    without them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    result = {}
+    for label, call in paths.items():
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+        by_kind: dict[str, float] = {}
+        by_name: dict[str, float] = {}
+        count = 0
+        for event in prof.events():
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            duration = event.time_range.elapsed_us()  # (a device event's span: the kernel or copy itself)
+            if duration <= 0:
+                continue
+            count += 1
+            by_kind[kernel_kind(event.name)] = by_kind.get(kernel_kind(event.name), 0.0) + duration / calls
+            by_name[event.name] = by_name.get(event.name, 0.0) + duration / calls
+        top = sorted(by_name.items(), key=lambda item: -item[1])[:8]
+        result[label] = {"total_us": sum(by_kind.values()), "kernels": count / calls,
+                         "by_kind_us": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
+                         "top": [(name[:120], round(us, 1)) for name, us in top]}
+        print(f"  kernels of {label}: {result[label]['total_us']:.1f} us GPU per call in "
+              f"{result[label]['kernels']:.0f} kernels; " + ", ".join(
+                  f"{kind} {us:.1f}" for kind, us in result[label]["by_kind_us"].items()), flush=True)
+    return result
 
 
 def build_ort(model, calls_inputs: list[dict], config_kwargs: dict, workdir: Path):
@@ -142,9 +202,19 @@ def run_model(model_name: str, args, workroot: Path) -> dict:
             for label, error in errors.items():
                 summary.setdefault(label, {})["max_abs_error_vs_eager"] = error
             result["cases"][case] = summary
+            if args.kernel_profile:  # why ONNX Runtime is slower: its kernels against Inductor's, no CUDA graphs
+                default = torch.compile(model)
+                profiled = {"inductor (default mode)": lambda inputs=inputs: default(**inputs)}
+                profiled.update({label: (lambda backend=backend, inputs=inputs: backend(**inputs))
+                                 for label, backend in backends.items() if "cuda_graph" not in label})
+                try:
+                    summary["kernel_profile"] = kernel_profile(profiled)
+                except Exception as exc:  # noqa: BLE001 - the timings above stand without it
+                    summary["kernel_profile"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                    print(f"{model_name} {case}: kernel profile failed: {exc}", file=sys.stderr, flush=True)
             print(f"{model_name} {case}: " + ", ".join(
                 f"{label} {row['median_ms']:.3f} ms ({row['speedup_vs_eager']:.2f}x eager)"
-                for label, row in summary.items() if "median_ms" in row), flush=True)
+                for label, row in summary.items() if isinstance(row, dict) and "median_ms" in row), flush=True)
     return result
 
 
@@ -154,6 +224,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=50, help="calls per path per round")
+    parser.add_argument("--kernel-profile", action="store_true",
+                        help="also each path's GPU kernel time by kind (torch.profiler), paths without CUDA graphs")
     args = parser.parse_args(argv)
     models = [name.strip() for name in args.models.split(",") if name.strip()]
     unknown = sorted(set(models) - set(MODELS))

@@ -6,7 +6,8 @@
 # 2. the GPU tests of ONNX Runtime and of generation (pytest);
 # 3. benchmarks/gpu_ort.py: every ONNX Runtime variant against eager and reduce-overhead (ResNet-50 b1/b32,
 #    BERT-base b32 x 128);
-# 4. the default tune of BERT-base b32 with ONNX Runtime's CUDA EP available (benchmarks/gpu_search.py).
+# 4. the default tune of BERT-base b32 with ONNX Runtime's CUDA EP available (benchmarks/gpu_search.py; SEARCH=0
+#    skips it). ORT_ARGS: more arguments of benchmarks/gpu_ort.py (e.g. --kernel-profile).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,8 +24,9 @@ tests=${TESTS:-tests/gpu/test_onnxruntime_gpu.py tests/gpu/test_llm_generation_g
 timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider $tests 2>&1 | tail -40 > "$OUT/tests.log"
 echo "tests rc ${PIPESTATUS[0]}"; tail -5 "$OUT/tests.log"
 timeout ${ORT_TIMEOUT:-230} python3 -m benchmarks.gpu_ort --rounds 3 --calls 30 --json "$OUT/gpu_ort.json" \
-  > "$OUT/gpu_ort.log" 2>&1
-echo "gpu_ort rc $?"; grep -E "^(resnet50|bert)" "$OUT/gpu_ort.log"
+  ${ORT_ARGS:-} > "$OUT/gpu_ort.log" 2>&1
+echo "gpu_ort rc $?"; grep -E "^(resnet50|bert)|kernels of" "$OUT/gpu_ort.log"
+[ "${SEARCH:-1}" = 1 ] || exit 0
 timeout ${SEARCH_TIMEOUT:-140} python3 -m benchmarks.gpu_search --model bert-base --batch 32 --no-second-tune \
   --json "$OUT/bert_b32_search.json" 2>&1 | grep -v -E "UserWarning|warnings.warn|^W[0-9]{4}" \
   > "$OUT/bert_b32_search.log"

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from aitune.errors import ConfigError
-from aitune.torch.backend import BackendConfig, ONNXRuntimeBackend, ONNXRuntimeBackendConfig
+from aitune.torch.backend import BackendConfig, ONNXExecutionProvider, ONNXRuntimeBackend, ONNXRuntimeBackendConfig
 from aitune.torch.backend.ort_placement import NodePlacement, read_placement
 from aitune.torch.check.correctness import OutputComparator
 from aitune.torch.record.samples import record_graphs
@@ -239,3 +239,30 @@ def test_search_space_adds_cuda_graphs_on_cuda_for_few_shapes_only():
     plain = nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(64, 4)).eval()
     assert configs(plain, (1, 4), "cuda") == [(True, None, "all", 0, False), (False, None, "all", 1, True),
                                               (False, None, "extended", 1, False)]
+
+
+def test_a_convolutional_module_also_gets_channels_last_cuda_graphs_on_cuda_with_a_budget():
+    convnet = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten()).eval()
+    [graph] = record_graphs(convnet, [((torch.randn(1, 3, 8, 8),), {})])
+    found = [(b.config.cuda_graph, b.config.prefer_nhwc, b.search_tier, b.search_fallback)
+             for b in ONNXRuntimeBackend().search_space(convnet, graph, torch.device("cuda"))]
+    assert found == [(True, False, 0, False), (False, False, 1, True), (True, True, 1, False), (False, False, 1, False)]
+    assert not any(b.config.prefer_nhwc for b in ONNXRuntimeBackend().search_space(convnet, graph,
+                                                                                    torch.device("cpu")))
+
+
+def test_prefer_nhwc_is_validated_reaches_the_cuda_provider_options_and_round_trips():
+    from aitune.torch.backend.ort_session import provider_list
+
+    config = ONNXRuntimeBackendConfig(prefer_nhwc=True)
+    restored = BackendConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert restored == config and restored.key() != ONNXRuntimeBackendConfig().key()
+    older = ONNXRuntimeBackendConfig().to_dict()
+    del older["data"]["prefer_nhwc"]  # a config stored before the field existed
+    assert BackendConfig.from_dict(older).prefer_nhwc is False
+    for bad in (dict(prefer_nhwc=1), dict(prefer_nhwc=True, execution_provider="cpu")):
+        with pytest.raises(ConfigError, match="prefer_nhwc"):
+            ONNXRuntimeBackendConfig(**bad)
+    assert provider_list(ONNXExecutionProvider.CUDA, 1, True, True) == [
+        ("CUDAExecutionProvider", {"device_id": 1, "enable_cuda_graph": "1", "prefer_nhwc": "1"})]
+    assert provider_list(ONNXExecutionProvider.CUDA, 0) == [("CUDAExecutionProvider", {"device_id": 0})]

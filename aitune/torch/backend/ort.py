@@ -235,7 +235,9 @@ class ONNXRuntimeBackend(Backend):
         encoder = looks_like_transformer_encoder(module)
         if encoder:
             variants.append(ONNXRuntimeBackend(ONNXRuntimeBackendConfig(transformer_fusions="bert")))
-        graphs = [(ONNXRuntimeBackend(config), tier) for config, tier in cuda_graph_variants(encoder, graph, device)]
+        convolutional = any(isinstance(layer, torch.nn.modules.conv._ConvNd) for layer in module.modules())
+        graphs = [(ONNXRuntimeBackend(config), tier)
+                  for config, tier in cuda_graph_variants(encoder, graph, device, convolutional)]
         extended = ONNXRuntimeBackend(ONNXRuntimeBackendConfig(graph_optimization_level="extended"))
         return in_search_order(variants, graphs, [extended])
 
@@ -292,7 +294,7 @@ class ONNXRuntimeBackend(Backend):
 
         cuda_graph = self.config.cuda_graph if cuda_graph is None else cuda_graph
         options = session_options(self.config, profile_prefix)
-        providers = provider_list(self._provider, self._io_device.index or 0, cuda_graph)
+        providers = provider_list(self._provider, self._io_device.index or 0, cuda_graph, self.config.prefer_nhwc)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             session = onnxruntime.InferenceSession(str(self._onnx_path), sess_options=options, providers=providers)

@@ -16,6 +16,7 @@ from aitune.torch.backend.artifact import (
 )
 from aitune.torch.backend.onnx_graph import external_data_files
 from aitune.torch.backend.ort_config import GRAPH_OPTIMIZATION_LEVELS, ONNXExecutionProvider
+from aitune.torch.backend.ort_session import cuda_provider_options
 from aitune.torch.record.onnx_module import onnx_files_digest
 
 
@@ -43,8 +44,8 @@ def onnx_artifact(metadata: dict, directory: Path, config: dict, graph: GraphFac
     device_id = int(graph.device.partition(":")[2] or 0)
     providers: list = {
         ONNXExecutionProvider.CPU: [["CPUExecutionProvider", {}]],
-        ONNXExecutionProvider.CUDA: [["CUDAExecutionProvider", {"device_id": device_id, **(
-            {"enable_cuda_graph": "1"} if settings.get("cuda_graph") else {})}]],
+        ONNXExecutionProvider.CUDA: [["CUDAExecutionProvider", cuda_provider_options(
+            device_id, bool(settings.get("cuda_graph")), bool(settings.get("prefer_nhwc")))]],
         ONNXExecutionProvider.TENSORRT: [["TensorrtExecutionProvider", {"device_id": device_id}],
                                          ["CUDAExecutionProvider", {"device_id": device_id}]],
     }[provider]

@@ -95,6 +95,10 @@ class ONNXRuntimeBackendConfig(BackendConfig):
             (:meth:`~aitune.torch.backend.ort.ONNXRuntimeBackend.rejects`) and run eager. CUDA EP only; where ONNX Runtime
             refuses the capture (nodes off the CUDA EP, in some versions), the build fails with its message (see
             :mod:`~aitune.torch.backend.ort_cuda_graph`).
+        prefer_nhwc: the CUDA EP's ``prefer_nhwc``: convolutions and the ops around them in channels-last layout
+            (NHWC), which cuDNN's fp16 tensor-core kernels take without transposes; ONNX Runtime inserts the layout
+            transposes at the graph's edges (its CUDA EP documentation: "depends on the model"). CUDA EP only; an
+            ONNX Runtime built without NHWC kernels keeps NCHW.
 
     Raises:
         ConfigError: on an invalid field.
@@ -108,6 +112,7 @@ class ONNXRuntimeBackendConfig(BackendConfig):
     graph_optimization_level: str = "all"
     transformer_fusions: str | None = None
     cuda_graph: bool = False
+    prefer_nhwc: bool = False
 
     def validate(self) -> None:
         if not isinstance(self.use_dynamo, bool):
@@ -128,6 +133,12 @@ class ONNXRuntimeBackendConfig(BackendConfig):
         if self.cuda_graph and self.execution_provider not in (None, ONNXExecutionProvider.CUDA):
             raise ConfigError(f"cuda_graph=True needs the CUDA execution provider (execution_provider='cuda' or None "
                               f"on a CUDA device), got execution_provider={self.execution_provider.value!r}")
+        if not isinstance(self.prefer_nhwc, bool):
+            raise ConfigError(f"prefer_nhwc must be a bool, got {self.prefer_nhwc!r}")
+        if self.prefer_nhwc and self.execution_provider not in (None, ONNXExecutionProvider.CUDA):
+            raise ConfigError(f"prefer_nhwc=True is an option of the CUDA execution provider (execution_provider="
+                              f"'cuda' or None on a CUDA device), got execution_provider="
+                              f"{self.execution_provider.value!r}")
         if self.graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
             raise ConfigError(f"graph_optimization_level must be one of {list(GRAPH_OPTIMIZATION_LEVELS)}, "
                               f"got {self.graph_optimization_level!r}")

@@ -48,14 +48,17 @@ def graph_capture_refused(exc: BaseException) -> bool:
     return "graph capture" in str(exc).lower() or "cuda graph" in str(exc).lower()
 
 
-def cuda_graph_variants(encoder: bool, graph, device) -> list[tuple[ONNXRuntimeBackendConfig, int]]:
+def cuda_graph_variants(encoder: bool, graph, device,
+                        convolutional: bool = False) -> list[tuple[ONNXRuntimeBackendConfig, int]]:
     """The CUDA-graph configurations :meth:`ONNXRuntimeBackend.search_space` adds, with their search tiers.
 
     On CUDA only, and for a graph with at most ``MAX_SEARCH_SHAPES`` recorded input shapes (each shape keeps its
     buffers and captured graph). In the first tier: CUDA graphs on the configuration expected to be fastest —
     with the transformer fusions for an ``encoder``, else plain. It costs one more session and two runs per shape
     on top of the export, and removes the per-kernel launch cost that dominates small batches on a GPU (as
-    ``reduce-overhead`` does for Inductor). Plain CUDA graphs next to the fused ones: tier 1 (with a budget).
+    ``reduce-overhead`` does for Inductor). Plain CUDA graphs next to the fused ones: tier 1 (with a budget). For a
+    ``convolutional`` module, also CUDA graphs with the CUDA EP's ``prefer_nhwc`` (channels-last convolutions):
+    tier 1 until a measurement puts it first (``benchmarks/gpu_ort.py`` times it beside the NCHW variant).
     Where ONNX Runtime refuses to capture a graph (nodes on the CPU EP), these builds fail with its message,
     which their report rows show, and the variants without graphs are built instead (:func:`in_search_order`).
     """
@@ -66,6 +69,8 @@ def cuda_graph_variants(encoder: bool, graph, device) -> list[tuple[ONNXRuntimeB
     variants = [(ONNXRuntimeBackendConfig(cuda_graph=True, transformer_fusions="bert" if encoder else None), 0)]
     if encoder:
         variants.append((ONNXRuntimeBackendConfig(cuda_graph=True), 1))
+    if convolutional:
+        variants.append((ONNXRuntimeBackendConfig(cuda_graph=True, prefer_nhwc=True), 1))
     return variants
 
 

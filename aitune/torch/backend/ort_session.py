@@ -28,20 +28,30 @@ def session_options(config: ONNXRuntimeBackendConfig, profile_prefix: Path | Non
     return options
 
 
-def provider_list(provider: ONNXExecutionProvider, device_index: int, cuda_graph: bool = False) -> list:
+def provider_list(provider: ONNXExecutionProvider, device_index: int, cuda_graph: bool = False,
+                  prefer_nhwc: bool = False) -> list:
     """The ``providers`` argument of ``InferenceSession``: the requested EP with its options (``device_id``;
     ``enable_cuda_graph`` for CUDA graphs: NOTE [ONNX Runtime CUDA graphs] in
-    :mod:`~aitune.torch.backend.ort_cuda_graph`). The TensorRT EP is followed by the CUDA EP, which runs what
-    TensorRT does not take."""
-    cuda_options = {"device_id": device_index}
-    if cuda_graph:
-        cuda_options["enable_cuda_graph"] = "1"
+    :mod:`~aitune.torch.backend.ort_cuda_graph`; ``prefer_nhwc``: ONNX Runtime's CUDA EP documentation). The TensorRT
+    EP is followed by the CUDA EP, which runs what TensorRT does not take."""
+    cuda_options = cuda_provider_options(device_index, cuda_graph, prefer_nhwc)
     cuda = ("CUDAExecutionProvider", cuda_options)
     if provider is ONNXExecutionProvider.CUDA:
         return [cuda]
     if provider is ONNXExecutionProvider.TENSORRT:
         return [("TensorrtExecutionProvider", {"device_id": device_index}), cuda]
     return ["CPUExecutionProvider"]
+
+
+def cuda_provider_options(device_index: int, cuda_graph: bool = False, prefer_nhwc: bool = False) -> dict:
+    """The CUDA EP's options: ``{"device_id": index}``, plus ``"enable_cuda_graph": "1"`` and ``"prefer_nhwc": "1"``
+    where asked (ONNX Runtime takes option values as strings). Checkpoints' deployment artifacts list the same."""
+    options: dict = {"device_id": device_index}
+    if cuda_graph:
+        options["enable_cuda_graph"] = "1"
+    if prefer_nhwc:
+        options["prefer_nhwc"] = "1"
+    return options
 
 
 def inactive_provider_message(provider: ONNXExecutionProvider, active: list[str]) -> str:
