@@ -39,7 +39,10 @@ def ort_variants(model_name: str) -> dict[str, dict]:
     variants = {"ort": {}, "ort+cuda_graph": {"cuda_graph": True}}
     if model_name == "resnet50":
         variants.update({"ort+nhwc": {"prefer_nhwc": True},
-                         "ort+nhwc+cuda_graph": {"prefer_nhwc": True, "cuda_graph": True}})
+                         "ort+nhwc+cuda_graph": {"prefer_nhwc": True, "cuda_graph": True},
+                         "ort+nhwc+fuse_bias": {"prefer_nhwc": True, "fuse_conv_bias": True},
+                         "ort+nhwc+fuse_bias+cuda_graph": {"prefer_nhwc": True, "fuse_conv_bias": True,
+                                                           "cuda_graph": True}})
     if model_name.startswith("bert"):
         variants.update({"ort+fusions": {"transformer_fusions": "bert"},
                          "ort+fusions+cuda_graph": {"transformer_fusions": "bert", "cuda_graph": True}})
@@ -168,7 +171,10 @@ def run_model(model_name: str, args, workroot: Path) -> dict:
         expected = {case: model(**inputs) for case, inputs in cases.items()}
         hand = torch.compile(model, mode="reduce-overhead")
         backends = {}
+        chosen = set(args.variants.split(",")) if args.variants else None
         for label, config_kwargs in ort_variants(model_name).items():
+            if chosen is not None and label not in chosen:
+                continue
             try:
                 backend, build_s = build_ort(model, list(cases.values()), config_kwargs, workroot / model_name / label)
             except Exception as exc:  # noqa: BLE001 - reported in the results, the other paths still run
@@ -224,6 +230,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=50, help="calls per path per round")
+    parser.add_argument("--variants", help="only these ONNX Runtime variants (comma-separated labels)")
     parser.add_argument("--kernel-profile", action="store_true",
                         help="also each path's GPU kernel time by kind (torch.profiler), paths without CUDA graphs")
     args = parser.parse_args(argv)

@@ -251,18 +251,20 @@ def test_a_convolutional_module_also_gets_channels_last_cuda_graphs_on_cuda_with
                                                                                     torch.device("cpu")))
 
 
-def test_prefer_nhwc_is_validated_reaches_the_cuda_provider_options_and_round_trips():
+@pytest.mark.parametrize("field", ["prefer_nhwc", "fuse_conv_bias"])
+def test_cuda_ep_options_are_validated_reach_the_provider_options_and_round_trip(field):
     from aitune.torch.backend.ort_session import provider_list
 
-    config = ONNXRuntimeBackendConfig(prefer_nhwc=True)
+    config = ONNXRuntimeBackendConfig(**{field: True})
     restored = BackendConfig.from_dict(json.loads(json.dumps(config.to_dict())))
     assert restored == config and restored.key() != ONNXRuntimeBackendConfig().key()
     older = ONNXRuntimeBackendConfig().to_dict()
-    del older["data"]["prefer_nhwc"]  # a config stored before the field existed
-    assert BackendConfig.from_dict(older).prefer_nhwc is False
-    for bad in (dict(prefer_nhwc=1), dict(prefer_nhwc=True, execution_provider="cpu")):
-        with pytest.raises(ConfigError, match="prefer_nhwc"):
+    del older["data"][field]  # a config stored before the field existed
+    assert getattr(BackendConfig.from_dict(older), field) is False
+    for bad in ({field: 1}, {field: True, "execution_provider": "cpu"}):
+        with pytest.raises(ConfigError, match=field):
             ONNXRuntimeBackendConfig(**bad)
-    assert provider_list(ONNXExecutionProvider.CUDA, 1, True, True) == [
-        ("CUDAExecutionProvider", {"device_id": 1, "enable_cuda_graph": "1", "prefer_nhwc": "1"})]
-    assert provider_list(ONNXExecutionProvider.CUDA, 0) == [("CUDAExecutionProvider", {"device_id": 0})]
+    assert provider_list(ONNXExecutionProvider.CUDA, 1, True, config) == [
+        ("CUDAExecutionProvider", {"device_id": 1, "enable_cuda_graph": "1", field: "1"})]
+    assert provider_list(ONNXExecutionProvider.CUDA, 0, False, ONNXRuntimeBackendConfig()) == [
+        ("CUDAExecutionProvider", {"device_id": 0})]

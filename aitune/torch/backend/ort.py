@@ -294,7 +294,7 @@ class ONNXRuntimeBackend(Backend):
 
         cuda_graph = self.config.cuda_graph if cuda_graph is None else cuda_graph
         options = session_options(self.config, profile_prefix)
-        providers = provider_list(self._provider, self._io_device.index or 0, cuda_graph, self.config.prefer_nhwc)
+        providers = provider_list(self._provider, self._io_device.index or 0, cuda_graph, self.config)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             session = onnxruntime.InferenceSession(str(self._onnx_path), sess_options=options, providers=providers)

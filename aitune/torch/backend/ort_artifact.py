@@ -45,7 +45,7 @@ def onnx_artifact(metadata: dict, directory: Path, config: dict, graph: GraphFac
     providers: list = {
         ONNXExecutionProvider.CPU: [["CPUExecutionProvider", {}]],
         ONNXExecutionProvider.CUDA: [["CUDAExecutionProvider", cuda_provider_options(
-            device_id, bool(settings.get("cuda_graph")), bool(settings.get("prefer_nhwc")))]],
+            device_id, bool(settings.get("cuda_graph")), settings)]],
         ONNXExecutionProvider.TENSORRT: [["TensorrtExecutionProvider", {"device_id": device_id}],
                                          ["CUDAExecutionProvider", {"device_id": device_id}]],
     }[provider]

@@ -29,12 +29,11 @@ def session_options(config: ONNXRuntimeBackendConfig, profile_prefix: Path | Non
 
 
 def provider_list(provider: ONNXExecutionProvider, device_index: int, cuda_graph: bool = False,
-                  prefer_nhwc: bool = False) -> list:
-    """The ``providers`` argument of ``InferenceSession``: the requested EP with its options (``device_id``;
-    ``enable_cuda_graph`` for CUDA graphs: NOTE [ONNX Runtime CUDA graphs] in
-    :mod:`~aitune.torch.backend.ort_cuda_graph`; ``prefer_nhwc``: ONNX Runtime's CUDA EP documentation). The TensorRT
-    EP is followed by the CUDA EP, which runs what TensorRT does not take."""
-    cuda_options = cuda_provider_options(device_index, cuda_graph, prefer_nhwc)
+                  config: ONNXRuntimeBackendConfig | None = None) -> list:
+    """The ``providers`` argument of ``InferenceSession``: the requested EP with its options
+    (:func:`cuda_provider_options`). The TensorRT EP is followed by the CUDA EP, which runs what TensorRT does not
+    take."""
+    cuda_options = cuda_provider_options(device_index, cuda_graph, config)
     cuda = ("CUDAExecutionProvider", cuda_options)
     if provider is ONNXExecutionProvider.CUDA:
         return [cuda]
@@ -43,14 +42,22 @@ def provider_list(provider: ONNXExecutionProvider, device_index: int, cuda_graph
     return ["CPUExecutionProvider"]
 
 
-def cuda_provider_options(device_index: int, cuda_graph: bool = False, prefer_nhwc: bool = False) -> dict:
-    """The CUDA EP's options: ``{"device_id": index}``, plus ``"enable_cuda_graph": "1"`` and ``"prefer_nhwc": "1"``
-    where asked (ONNX Runtime takes option values as strings). Checkpoints' deployment artifacts list the same."""
+CUDA_OPTION_FIELDS = ("prefer_nhwc", "fuse_conv_bias")  # config fields passed as CUDA EP options of the same name
+
+
+def cuda_provider_options(device_index: int, cuda_graph: bool = False,
+                          config: ONNXRuntimeBackendConfig | dict | None = None) -> dict:
+    """The CUDA EP's options (ONNX Runtime's CUDA EP documentation; values as strings): ``{"device_id": index}``,
+    ``"enable_cuda_graph": "1"`` for CUDA graphs (NOTE [ONNX Runtime CUDA graphs] in
+    :mod:`~aitune.torch.backend.ort_cuda_graph`), and ``"1"`` for each of ``CUDA_OPTION_FIELDS`` set in ``config``
+    (a config, or its stored settings as a dict). Checkpoints' deployment artifacts list the same."""
     options: dict = {"device_id": device_index}
     if cuda_graph:
         options["enable_cuda_graph"] = "1"
-    if prefer_nhwc:
-        options["prefer_nhwc"] = "1"
+    for name in CUDA_OPTION_FIELDS:
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, False)
+        if value:
+            options[name] = "1"
     return options
 
 
