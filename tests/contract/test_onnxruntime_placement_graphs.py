@@ -241,12 +241,12 @@ def test_search_space_adds_cuda_graphs_on_cuda_for_few_shapes_only():
                                               (False, None, "extended", 1, False)]
 
 
-def test_a_convolutional_module_also_gets_channels_last_cuda_graphs_on_cuda_with_a_budget():
+def test_a_convolutional_module_gets_channels_last_cuda_graphs_first_on_cuda():
     convnet = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten()).eval()
     [graph] = record_graphs(convnet, [((torch.randn(1, 3, 8, 8),), {})])
     found = [(b.config.cuda_graph, b.config.prefer_nhwc, b.search_tier, b.search_fallback)
              for b in ONNXRuntimeBackend().search_space(convnet, graph, torch.device("cuda"))]
-    assert found == [(True, False, 0, False), (False, False, 1, True), (True, True, 1, False), (False, False, 1, False)]
+    assert found == [(True, True, 0, False), (False, False, 1, True), (True, False, 1, False), (False, False, 1, False)]
     assert not any(b.config.prefer_nhwc for b in ONNXRuntimeBackend().search_space(convnet, graph,
                                                                                     torch.device("cpu")))
 
