@@ -139,13 +139,19 @@ def test_the_value_gate_tells_nan_and_inf_from_a_sum_that_overflows():
     overflow) is served, nan and inf anywhere (also +inf and -inf together, whose sum is nan) run eager, in
     every floating dtype, for strided views and for tensors that require grad; a tensor off the CPU is not read.
     Both ways through ``rejects``: a float model's fast path (``finite_only``: the finite check is the only one),
-    and the general loops (a gate that also checks an integer input, here one the calls never hold)."""
+    and the general loops (a gate that also checks an integer input, here one the calls never hold); each with
+    torch's reduction and with the native check (NOTE [native watch]) where it is built here."""
     from aitune.torch.backend.accepted import ValueGate
+    from aitune.torch.check.native_watch import all_finite_check
 
-    general = ValueGate(finite=[(0, "x")], integers=[(5, "ids", 0, 9)])
-    fast = ValueGate(finite=[(0, "x")])
-    assert fast.finite_only and not general.finite_only and general.leaf_indices == [0, 5]
-    for gate in (fast, general):
+    gates = []
+    for native in {None, all_finite_check()}:
+        general = ValueGate(finite=[(0, "x")], integers=[(5, "ids", 0, 9)])
+        fast = ValueGate(finite=[(0, "x")])
+        assert fast.finite_only and not general.finite_only and general.leaf_indices == [0, 5]
+        general.native_finite = fast.native_finite = native
+        gates += [fast, general]
+    for gate in gates:
         def check(tensor, gate=gate):
             return gate.rejects([tensor, *[None] * 5])  # (the general gate's integer input: absent)
 

@@ -134,3 +134,33 @@ def test_the_watch_module_reads_no_version_per_tensor_when_native(monkeypatch, n
     for _ in range(3):
         assert watch.changed() is None
     assert reads == []
+
+
+@linux_only
+def test_all_finite_answers_for_contiguous_cpu_floats_and_leaves_the_rest_to_torch(native):
+    check = native_watch.all_finite_check()
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        values = torch.randn(3, 1001).to(dtype)
+        assert check(values) is True
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            spoiled = values.clone()
+            spoiled[2, 1000] = bad  # the last element: no part of the loop skipped
+            assert check(spoiled) is False, (dtype, bad)
+        assert check(torch.full((8,), torch.finfo(dtype).max, dtype=dtype)) is True  # huge but finite
+    assert check(torch.empty(0)) is True
+    for unread in (torch.ones(4, 4).t(), torch.ones(3, dtype=torch.int64), torch.ones(2, device="meta"),
+                   torch.ones(2, dtype=torch.complex64)):
+        assert check(unread) is None, unread
+    with pytest.raises(TypeError, match="not a tensor"):
+        check([1.0])
+
+
+def test_a_gate_for_a_graph_recorded_on_the_cpu_uses_the_native_check_where_built(native):
+    from aitune.torch.backend.accepted import ValueGate
+    from aitune.torch.record.samples import record_graphs
+
+    module = nn.Linear(4, 2).eval()
+    [graph] = record_graphs(module, [((torch.randn(3, 4),), {})])
+    gate = ValueGate.for_graph(graph, quantizing=False)
+    assert gate.native_finite is native.all_finite
+    assert "nan/inf" in gate.rejects([torch.tensor([[1.0, float("nan"), 0.0, 0.0]])])

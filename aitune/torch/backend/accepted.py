@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from aitune.torch.check.native_watch import all_finite_check
 from aitune.torch.common.dtypes import dtype_name
 from aitune.torch.record.llm import POSITION_INPUTS, find_cache, in_cache
 from aitune.torch.record.samples import BATCH
@@ -193,6 +194,8 @@ class ValueGate:
     positions: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
     leaf_indices: list[int] = dataclasses.field(init=False)  # the leaves any check reads
     finite_only: bool = dataclasses.field(init=False)  # only the finite check (a float model's gate): a fast path
+    # the native all_finite (NOTE [native watch]), set by for_graph for a graph recorded on the CPU; None: torch's
+    native_finite: Callable | None = dataclasses.field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.leaf_indices = sorted({entry[0] for entry in (*self.integers, *self.finite, *self.magnitudes,
@@ -235,6 +238,8 @@ class ValueGate:
             elif getattr(spec, "finite", True):
                 finite.append((spec.leaf_index, spec.path))
         gate = cls(integers=integers, finite=finite, magnitudes=magnitudes, positions=positions)
+        if finite and _recorded_on_the_cpu(graph):  # (resolved here, at tuning or loading: it may build once)
+            gate.native_finite = all_finite_check()
         return gate if gate.leaf_indices else None
 
     def rejects(self, leaves: list[Any], capacity: int | None = None) -> str | None:
@@ -260,7 +265,7 @@ class ValueGate:
                 return reason
         for index, path in self.finite:  # (is_cpu: a finite-only gate has not dropped the device's tensors above)
             tensor = leaves[index]
-            if tensor is not None and tensor.is_cpu and _non_finite(tensor):
+            if tensor is not None and tensor.is_cpu and _non_finite(tensor, self.native_finite):
                 return f"input '{path}' holds nan/inf, which no recorded call had"
         for index, path, limit in self.magnitudes:
             tensor = leaves[index]
@@ -292,11 +297,25 @@ class ValueGate:
         return None
 
 
-def _non_finite(tensor: torch.Tensor) -> bool:
-    """Does a floating tensor hold nan or inf? One reduction and one read: a finite sum means every element is
-    finite (nan and inf propagate); a sum that overflowed is told apart by the full check."""
+def _non_finite(tensor: torch.Tensor, native: Callable | None = None) -> bool:
+    """Does a floating tensor hold nan or inf? ``native`` (the extension's ``all_finite``) answers for a contiguous
+    CPU tensor in one C call; otherwise one reduction and one read: a finite sum means every element is finite (nan
+    and inf propagate); a sum that overflowed is told apart by the full check."""
+    if native is not None:
+        finite = native(tensor)
+        if finite is not None:
+            return not finite
     total = tensor.sum() if tensor.dtype in _SUM_AS_IS else tensor.sum(dtype=torch.float32)
     return not math.isfinite(total.item()) and not bool(torch.isfinite(tensor).all())
+
+
+def _recorded_on_the_cpu(graph) -> bool:
+    """Did a recorded call of ``graph`` pass a CPU tensor (the only inputs the value gate reads)? True where nothing
+    was recorded (a graph loaded without samples): the gate may meet CPU tensors."""
+    samples = getattr(graph, "samples", None)
+    if not samples:
+        return True
+    return any(isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" for leaf in samples[0].leaves())
 
 
 def _rolls(graph) -> bool:
