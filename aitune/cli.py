@@ -51,7 +51,7 @@ def _env(args) -> int:
         print("native bf16: no — bf16 would be emulated here, so the search adds no bf16 variant")
     from aitune.torch.check.native_watch import native_status
 
-    print(f"stale-weight watch's native reader: {native_status()}")
+    print(f"stale-weight watch's native reader: {native_status(build=getattr(args, 'build_native', False))}")
     rows = []
     for name, backend_class in sorted(registered_backends().items()):
         check = backend_class.availability()
@@ -310,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     env = commands.add_parser("env", help="what runs here: every backend's availability, versions, device, and "
                                           "candidates remembered as crashing here")
+    env.add_argument("--build-native", action="store_true",
+                     help="build aitune's native weight watch now if it is not built yet (NOTE [native watch]; "
+                          "otherwise the first tune or load that needs it builds it)")
     env.add_argument("--clear-crashes", action="store_true",
                      help="forget the recorded crashes (their candidates are tried again)")
     env.add_argument("--clear-rankings", action="store_true",

@@ -7,7 +7,7 @@ torchvision's ResNet-50 (320 parameters and buffers; without torchvision, 53 con
 head: the same 320 tensors) or a small MLP (4), on the CPU or CUDA (the watch reads host
 memory only: the device does not matter beyond the tensors' facts).
 
-    PYTHONPATH=. python -m benchmarks.state_watch_cost [--model resnet50|mlp] [--device cpu|cuda]
+    PYTHONPATH=. python -m benchmarks.state_watch_cost [--model resnet50|mlp] [--device cpu|cuda] [--finite]
 """
 
 from __future__ import annotations
@@ -38,12 +38,40 @@ def model_of(name: str, device: str) -> torch.nn.Module:
     return model.to(device).eval()
 
 
+def finite_check_costs(rounds: int) -> None:
+    """The value gate's nan/inf check of a CPU float32 input: the extension's loop against torch's reduction (a sum
+    and its read), per input size, interleaved; where the loop stops paying is ``ALL_FINITE_MAX_ELEMENTS``."""
+    from aitune.torch.backend.accepted import _non_finite
+
+    module = native_watch.native_module()
+    if module is None:
+        print("the native extension is not in use here: nothing to compare")
+        return
+    print(f"nan/inf check of a CPU float32 input, µs per call (median of {rounds} rounds, interleaved; "
+          f"{torch.get_num_threads()} threads); the gate uses the loop up to {native_watch.ALL_FINITE_MAX_ELEMENTS}")
+    for elements in (256, 4096, 16384, 65536, 3 * 224 * 224, 1 << 20):
+        tensor = torch.randn(elements)
+        calls = max(20, 200_000 // elements)
+        paths = {"native loop": lambda: module.all_finite(tensor), "torch": lambda: _non_finite(tensor)}
+        times: dict[str, list[float]] = {label: [] for label in paths}
+        for _ in range(rounds):
+            for label, path in paths.items():
+                started = time.perf_counter_ns()
+                for _ in range(calls):
+                    path()
+                times[label].append((time.perf_counter_ns() - started) / 1000 / calls)
+        native, reduction = (statistics.median(times[label]) for label in paths)
+        print(f"  {elements:8d} elements: native loop {native:8.2f}   torch {reduction:8.2f}   "
+              f"torch / native {reduction / native:5.2f}x")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet50", choices=("resnet50", "mlp"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--finite", action="store_true", help="also the value gate's nan/inf check, per input size")
     args = parser.parse_args()
     model = model_of(args.model, args.device)
     print(f"torch {torch.__version__}; native watch: {native_watch.native_status()}")
@@ -75,6 +103,8 @@ def main() -> int:
         print(f"  {label:7s} {median:8.2f} µs   ({median * 1000 / max(tensors, 1):6.1f} ns per tensor)")
     if len(medians) == 2:
         print(f"  python / native: {medians['python'] / medians['native']:.1f}x")
+    if args.finite:
+        finite_check_costs(args.rounds)
     return 0
 
 

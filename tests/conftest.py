@@ -22,7 +22,7 @@ def pytest_configure(config):
     _SESSION_CACHE.append(tempfile.mkdtemp(prefix="aitune-tests-"))
     os.environ["AITUNE_CACHE_DIR"] = _SESSION_CACHE[0]
     # the native weight watch (NOTE [native watch]) is built once for the session, its subprocesses included
-    os.environ["AITUNE_NATIVE_DIR"] = os.path.join(_SESSION_CACHE[0], "native")
+    os.environ.setdefault("AITUNE_NATIVE_DIR", os.path.join(_SESSION_CACHE[0], "native"))
 
 
 def pytest_sessionfinish(session, exitstatus):

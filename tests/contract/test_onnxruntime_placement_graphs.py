@@ -241,30 +241,35 @@ def test_search_space_adds_cuda_graphs_on_cuda_for_few_shapes_only():
                                               (False, None, "extended", 1, False)]
 
 
-def test_a_convolutional_module_gets_channels_last_cuda_graphs_first_on_cuda():
+def test_a_half_precision_convnet_gets_channels_last_cuda_graphs_first_on_cuda():
+    def found(module, dtype, device="cuda"):
+        [graph] = record_graphs(module, [((torch.randn(1, 3, 8, 8, dtype=dtype),), {})])
+        return [(b.config.cuda_graph, b.config.prefer_nhwc, b.search_tier, b.search_fallback)
+                for b in ONNXRuntimeBackend().search_space(module, graph, torch.device(device))]
+
     convnet = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten()).eval()
-    [graph] = record_graphs(convnet, [((torch.randn(1, 3, 8, 8),), {})])
-    found = [(b.config.cuda_graph, b.config.prefer_nhwc, b.search_tier, b.search_fallback)
-             for b in ONNXRuntimeBackend().search_space(convnet, graph, torch.device("cuda"))]
-    assert found == [(True, True, 0, False), (False, False, 1, True), (True, False, 1, False), (False, False, 1, False)]
-    assert not any(b.config.prefer_nhwc for b in ONNXRuntimeBackend().search_space(convnet, graph,
-                                                                                    torch.device("cpu")))
+    assert found(convnet.half(), torch.float16) == [
+        (True, True, 0, False), (False, False, 1, True), (True, False, 1, False), (False, False, 1, False)]
+    fp32 = [row[:2] for row in found(convnet.float(), torch.float32)]  # not measured in fp32: NCHW first, no NHWC
+    assert fp32[0] == (True, False) and not any(nhwc for _, nhwc in fp32)
+    assert not any(row[1] for row in found(convnet.half(), torch.float16, "cpu"))
+    [graph] = record_graphs(convnet.float(), [((torch.randn(1, 3, 8, 8),), {})])
+    assert ONNXRuntimeBackend().search_space(None, graph, torch.device("cuda"))  # no module given: no error
 
 
-@pytest.mark.parametrize("field", ["prefer_nhwc", "fuse_conv_bias"])
-def test_cuda_ep_options_are_validated_reach_the_provider_options_and_round_trip(field):
+def test_prefer_nhwc_is_validated_reaches_the_cuda_provider_options_and_round_trips():
     from aitune.torch.backend.ort_session import provider_list
 
-    config = ONNXRuntimeBackendConfig(**{field: True})
+    config = ONNXRuntimeBackendConfig(prefer_nhwc=True)
     restored = BackendConfig.from_dict(json.loads(json.dumps(config.to_dict())))
     assert restored == config and restored.key() != ONNXRuntimeBackendConfig().key()
     older = ONNXRuntimeBackendConfig().to_dict()
-    del older["data"][field]  # a config stored before the field existed
-    assert getattr(BackendConfig.from_dict(older), field) is False
-    for bad in ({field: 1}, {field: True, "execution_provider": "cpu"}):
-        with pytest.raises(ConfigError, match=field):
+    del older["data"]["prefer_nhwc"]  # a config stored before the field existed
+    assert BackendConfig.from_dict(older).prefer_nhwc is False
+    for bad in (dict(prefer_nhwc=1), dict(prefer_nhwc=True, execution_provider="cpu")):
+        with pytest.raises(ConfigError, match="prefer_nhwc"):
             ONNXRuntimeBackendConfig(**bad)
     assert provider_list(ONNXExecutionProvider.CUDA, 1, True, config) == [
-        ("CUDAExecutionProvider", {"device_id": 1, "enable_cuda_graph": "1", field: "1"})]
+        ("CUDAExecutionProvider", {"device_id": 1, "enable_cuda_graph": "1", "prefer_nhwc": "1"})]
     assert provider_list(ONNXExecutionProvider.CUDA, 0, False, ONNXRuntimeBackendConfig()) == [
         ("CUDAExecutionProvider", {"device_id": 0})]

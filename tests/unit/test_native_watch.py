@@ -1,9 +1,14 @@
-"""The stale-weight watch's native reader (NOTE [native watch] in aitune/torch/check/native_watch.py): its sums equal
-what Python reads, the watch notices what the Python path notices (and a ``.data`` swap at once), and where it cannot
-be built or is switched off the watch still works, reading from Python."""
+"""The native reader behind the stale-weight watch and the value gate's finite check (NOTE [native watch] in
+aitune/torch/check/native_watch.py): its sums equal what Python reads, the watch notices what the Python path notices
+(a ``.data`` swap and a ``swap_tensors`` at once), a failed build or check is reported, kept and never takes the
+caller down, and where it is off the watch still works, reading from Python.
+
+On Linux with a C++ compiler and torch's headers the extension must build: the ``native`` fixture fails there
+rather than skip, so a build that breaks fails these tests."""
 
 import json
 import sys
+import weakref
 
 import pytest
 import torch
@@ -13,8 +18,6 @@ from aitune.torch.check import guard as guard_module
 from aitune.torch.check import native_watch
 from aitune.torch.check.guard import FULL_SCAN_EVERY, StateWatch
 
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the native watch is built on Linux only")
-
 
 def _net():
     torch.manual_seed(0)
@@ -23,11 +26,15 @@ def _net():
 
 @pytest.fixture
 def native():
-    """The session's native module (built once, in $AITUNE_NATIVE_DIR: tests/conftest.py); skips where this machine
-    cannot build it, naming why."""
+    """The session's extension (built once, in $AITUNE_NATIVE_DIR: tests/conftest.py). Skips only where it cannot be
+    built here at all (not Linux, no compiler, no torch headers, switched off); fails where it should build and did
+    not."""
     module = native_watch.native_module()
     if module is None:
-        pytest.skip(f"native watch unavailable: {native_watch.native_status()}")
+        blocked = native_watch._unavailable()
+        if blocked is not None:
+            pytest.skip(f"native watch unavailable here: {blocked}")
+        pytest.fail(f"the native watch should build here and did not: {native_watch.native_status()}")
     return module
 
 
@@ -37,14 +44,17 @@ def fresh_state(monkeypatch):
     monkeypatch.setattr(native_watch, "_STATE", {})
 
 
-@linux_only
+def _weighted(values) -> int:
+    return sum((index + 1) * value for index, value in enumerate(values)) % 2 ** 64
+
+
 def test_the_reader_sums_what_python_reads_before_and_after_each_kind_of_change(native):
     net = _net()
     tensors = [*net.parameters(), *net.buffers()]
     reader = native_watch.state_reader(tensors)
 
     def python_sums():
-        return sum(t._version for t in tensors), sum(t.data_ptr() for t in tensors)
+        return sum(t._version for t in tensors), _weighted(t.data_ptr() for t in tensors)
 
     first = reader()
     assert first[:2] == python_sums()
@@ -58,7 +68,14 @@ def test_the_reader_sums_what_python_reads_before_and_after_each_kind_of_change(
     assert reader()[2] != kinds
 
 
-@linux_only
+def test_two_tensors_that_swap_their_data_change_the_pointer_sum(native):
+    a, b = torch.ones(4), torch.zeros(4)
+    reader = native_watch.state_reader([a, b])
+    before = reader()
+    a.data, b.data = b.data, a.data  # a plain sum of pointers would not change
+    assert reader()[1] != before[1]
+
+
 def test_the_watch_notices_a_data_swap_at_the_next_call_with_the_native_reader(native):
     net = _net()
     watch = StateWatch(net)
@@ -67,6 +84,24 @@ def test_the_watch_notices_a_data_swap_at_the_next_call_with_the_native_reader(n
     assert watch.changed() is None and watch.changed() is None
     net[3].bias.data = net[3].bias.data.clone()  # not the first tensor: the Python path samples such a swap
     assert "'3.bias' holds new data" in watch.changed()
+
+
+def test_swapped_tensor_implementations_are_read_as_they_are_now(native):
+    """torch.utils.swap_tensors (nn.Module._apply's path for wrapper subclasses, and for every parameter under
+    torch.__future__.set_swap_module_params_on_conversion) replaces the implementation behind a tensor object: the
+    reader unpacks it anew on every call, never through a pointer to the old, freed one."""
+    net = _net()
+    watch = StateWatch(net)
+    torch.utils.swap_tensors(net[3].weight, nn.Parameter(torch.randn(4, 32)))
+    assert "'3.weight' holds new data" in watch.changed()
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    linear = nn.Linear(4, 4)
+    linear.weight = nn.Parameter(TwoTensor(torch.randn(4, 4), torch.randn(4, 4)))
+    subclassed = StateWatch(linear)
+    linear.to(torch.float64)  # swaps the subclass weight's implementation, frees the old one
+    for _ in range(3):
+        assert "is now float64" in subclassed.changed()
 
 
 def test_without_the_native_reader_the_watch_reads_from_python(monkeypatch, fresh_state):
@@ -84,22 +119,64 @@ def test_without_the_native_reader_the_watch_reads_from_python(monkeypatch, fres
     assert reasons[-1] is not None and "holds new data" in reasons[-1]
 
 
-@linux_only
-def test_a_failed_build_is_reported_kept_and_not_retried(monkeypatch, fresh_state, tmp_path):
+def _fake_compiler(tmp_path, native) -> str:
+    """A "compiler" that copies the session's built library to its ``-o`` target: the build path runs for real in
+    seconds, and what it checks is a library that works."""
+    script = tmp_path / "fake_cxx.py"
+    script.write_text("import shutil, sys\n"
+                      "args = sys.argv[1:]\n"
+                      f"shutil.copy({native.__file__!r}, args[args.index('-o') + 1])\n")
+    return f"{sys.executable} {script}"
+
+
+def test_a_child_check_that_crashes_is_recorded_kept_and_not_retried(monkeypatch, tmp_path, native):
+    monkeypatch.setattr(native_watch, "_STATE", {})  # (after the fixture's build: this process has not decided)
+    monkeypatch.setenv(native_watch.DIR_VARIABLE, str(tmp_path / "native"))
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path, native))
+    monkeypatch.setattr(native_watch, "_CHECK", "import os; os.abort()")  # an extension that kills its importer
+    status = native_watch.native_status()
+    assert "its check in a child process failed (exit -6)" in status and "reads from Python" in status
+    [verdict] = (tmp_path / "native").glob("*/verdict.json")
+    assert json.loads(verdict.read_text())["ok"] is False
+    assert not list((tmp_path / "native").glob("*/aitune_native_watch*"))  # the unchecked library is not kept
+    calls = []
+    monkeypatch.setattr(native_watch, "_run", lambda *args, **kwargs: calls.append(args))
+    monkeypatch.setattr(native_watch, "_STATE", {})  # another process: the verdict is read, nothing runs again
+    assert "exit -6" in native_watch.native_status() and calls == []
+    assert StateWatch(_net()).reader is None
+
+
+def test_a_working_build_is_kept_and_imported_by_later_processes(monkeypatch, tmp_path, native):
+    monkeypatch.setattr(native_watch, "_STATE", {})  # (after the fixture's build: this process has not decided)
+    monkeypatch.setenv(native_watch.DIR_VARIABLE, str(tmp_path / "native"))
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path, native))
+    assert native_watch.native_status(build=False).startswith("not built yet")
+    assert not (tmp_path / "native").exists()  # asking did not build
+    assert native_watch.native_status() == "in use (one C call per served call)"
+    [verdict] = (tmp_path / "native").glob("*/verdict.json")
+    assert json.loads(verdict.read_text())["ok"] is True
+    monkeypatch.setattr(native_watch, "_STATE", {})
+    monkeypatch.setattr(native_watch, "_run", lambda *args, **kwargs: pytest.fail("rebuilt"))
+    assert native_watch.native_status(build=False) == "in use (one C call per served call)"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the native watch is built on Linux only")
+def test_a_failed_build_and_an_unwritable_folder_never_take_the_caller_down(monkeypatch, fresh_state, tmp_path):
     monkeypatch.setenv(native_watch.DIR_VARIABLE, str(tmp_path / "native"))
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails every build
     status = native_watch.native_status()
     assert "the C++ build failed" in status and "the watch reads from Python" in status
-    verdicts = list((tmp_path / "native").glob("*/verdict.json"))
-    assert len(verdicts) == 1 and json.loads(verdicts[0].read_text())["ok"] is False
-    calls = []
-    monkeypatch.setattr(native_watch.subprocess, "run", lambda *a, **k: calls.append(a))
-    monkeypatch.setattr(native_watch, "_STATE", {})  # another process: the verdict is read, nothing is rebuilt
-    assert "the C++ build failed" in native_watch.native_status() and calls == []
     assert StateWatch(_net()).reader is None
+    monkeypatch.setattr(native_watch, "_STATE", {})
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the folder would go")
+    monkeypatch.setenv(native_watch.DIR_VARIABLE, str(blocked / "native"))
+    assert "cannot write" in native_watch.native_status()
+    monkeypatch.setattr(native_watch, "_STATE", {})
+    monkeypatch.setattr(native_watch, "_load", lambda: 1 / 0)  # anything unexpected on the way
+    assert "ZeroDivisionError" in native_watch.native_status() and StateWatch(_net()).reader is None
 
 
-@linux_only
 def test_inference_tensors_and_empty_lists_get_no_reader(native):
     with torch.inference_mode():
         inference = [torch.ones(2)]
@@ -109,23 +186,21 @@ def test_inference_tensors_and_empty_lists_get_no_reader(native):
         native.StateReader([torch.ones(1), 3])
 
 
-@linux_only
 def test_the_reader_holds_its_tensors_until_it_is_dropped(native):
     import gc
-    import weakref
 
     tensors = [torch.ones(3) for _ in range(4)]
     alive = [weakref.ref(tensor) for tensor in tensors]
     reader = native_watch.state_reader(tensors)
     del tensors
     gc.collect()
-    assert all(ref() is not None for ref in alive) and reader()[0] == 0  # its TensorImpls are still the tensors'
+    assert all(ref() is not None for ref in alive) and reader()[0] == 0
     del reader
     gc.collect()
     assert all(ref() is None for ref in alive)  # and released with it
 
 
-def test_the_watch_module_reads_no_version_per_tensor_when_native(monkeypatch, native):
+def test_the_watch_reads_no_version_per_tensor_from_python_when_native(monkeypatch, native):
     """The reason for the extension: with it, a served call does not read each tensor's version from Python."""
     net = _net()
     watch = StateWatch(net)
@@ -136,8 +211,7 @@ def test_the_watch_module_reads_no_version_per_tensor_when_native(monkeypatch, n
     assert reads == []
 
 
-@linux_only
-def test_all_finite_answers_for_contiguous_cpu_floats_and_leaves_the_rest_to_torch(native):
+def test_all_finite_answers_for_small_contiguous_cpu_floats_and_leaves_the_rest_to_torch(native):
     check = native_watch.all_finite_check()
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         values = torch.randn(3, 1001).to(dtype)
@@ -149,18 +223,18 @@ def test_all_finite_answers_for_contiguous_cpu_floats_and_leaves_the_rest_to_tor
         assert check(torch.full((8,), torch.finfo(dtype).max, dtype=dtype)) is True  # huge but finite
     assert check(torch.empty(0)) is True
     for unread in (torch.ones(4, 4).t(), torch.ones(3, dtype=torch.int64), torch.ones(2, device="meta"),
-                   torch.ones(2, dtype=torch.complex64)):
-        assert check(unread) is None, unread
+                   torch.ones(2, dtype=torch.complex64), torch.ones(native_watch.ALL_FINITE_MAX_ELEMENTS + 1)):
+        assert check(unread) is None, unread.shape
     with pytest.raises(TypeError, match="not a tensor"):
-        check([1.0])
+        native.all_finite([1.0])
 
 
-def test_a_gate_for_a_graph_recorded_on_the_cpu_uses_the_native_check_where_built(native):
+def test_a_gate_for_a_graph_recorded_on_the_cpu_uses_the_native_check(native):
     from aitune.torch.backend.accepted import ValueGate
     from aitune.torch.record.samples import record_graphs
 
     module = nn.Linear(4, 2).eval()
     [graph] = record_graphs(module, [((torch.randn(3, 4),), {})])
     gate = ValueGate.for_graph(graph, quantizing=False)
-    assert gate.native_finite is native.all_finite
+    assert gate.native_finite is not None and gate.native_finite(torch.ones(2)) is True
     assert "nan/inf" in gate.rejects([torch.tensor([[1.0, float("nan"), 0.0, 0.0]])])

@@ -38,6 +38,7 @@ from aitune.torch.backend.ort_cuda_graph import (
     PersistentBindings,
     cuda_graph_variants,
     graph_capture_refused,
+    half_precision_conv2d,
     in_search_order,
 )
 from aitune.torch.backend.ort_io import NUMPY_NAMES, ORT_TYPES, CudaArray
@@ -235,9 +236,8 @@ class ONNXRuntimeBackend(Backend):
         encoder = looks_like_transformer_encoder(module)
         if encoder:
             variants.append(ONNXRuntimeBackend(ONNXRuntimeBackendConfig(transformer_fusions="bert")))
-        convolutional = any(isinstance(layer, torch.nn.modules.conv._ConvNd) for layer in module.modules())
         graphs = [(ONNXRuntimeBackend(config), tier)
-                  for config, tier in cuda_graph_variants(encoder, graph, device, convolutional)]
+                  for config, tier in cuda_graph_variants(encoder, graph, device, half_precision_conv2d(module, graph))]
         extended = ONNXRuntimeBackend(ONNXRuntimeBackendConfig(graph_optimization_level="extended"))
         return in_search_order(variants, graphs, [extended])
 

@@ -99,10 +99,6 @@ class ONNXRuntimeBackendConfig(BackendConfig):
             (NHWC), which cuDNN's fp16 tensor-core kernels take without transposes; ONNX Runtime inserts the layout
             transposes at the graph's edges (its CUDA EP documentation: "depends on the model"). CUDA EP only; an
             ONNX Runtime built without NHWC kernels keeps NCHW.
-        fuse_conv_bias: the CUDA EP's ``fuse_conv_bias``: a convolution's bias added inside the cuDNN frontend's
-            convolution kernel instead of a separate ``cudnnAddTensor`` kernel (which took 133 of 511 µs of ResNet-50
-            b1's kernel time with ``prefer_nhwc``: ``benchmarks/gpu_ort.py --kernel-profile``); each new shape's
-            first run compiles the fused kernel. CUDA EP only.
 
     Raises:
         ConfigError: on an invalid field.
@@ -117,7 +113,6 @@ class ONNXRuntimeBackendConfig(BackendConfig):
     transformer_fusions: str | None = None
     cuda_graph: bool = False
     prefer_nhwc: bool = False
-    fuse_conv_bias: bool = False
 
     def validate(self) -> None:
         if not isinstance(self.use_dynamo, bool):
@@ -138,14 +133,12 @@ class ONNXRuntimeBackendConfig(BackendConfig):
         if self.cuda_graph and self.execution_provider not in (None, ONNXExecutionProvider.CUDA):
             raise ConfigError(f"cuda_graph=True needs the CUDA execution provider (execution_provider='cuda' or None "
                               f"on a CUDA device), got execution_provider={self.execution_provider.value!r}")
-        for name in ("prefer_nhwc", "fuse_conv_bias"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ConfigError(f"{name} must be a bool, got {value!r}")
-            if value and self.execution_provider not in (None, ONNXExecutionProvider.CUDA):
-                raise ConfigError(f"{name}=True is an option of the CUDA execution provider (execution_provider="
-                                  f"'cuda' or None on a CUDA device), got execution_provider="
-                                  f"{self.execution_provider.value!r}")
+        if not isinstance(self.prefer_nhwc, bool):
+            raise ConfigError(f"prefer_nhwc must be a bool, got {self.prefer_nhwc!r}")
+        if self.prefer_nhwc and self.execution_provider not in (None, ONNXExecutionProvider.CUDA):
+            raise ConfigError(f"prefer_nhwc=True is an option of the CUDA execution provider (execution_provider="
+                              f"'cuda' or None on a CUDA device), got execution_provider="
+                              f"{self.execution_provider.value!r}")
         if self.graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
             raise ConfigError(f"graph_optimization_level must be one of {list(GRAPH_OPTIMIZATION_LEVELS)}, "
                               f"got {self.graph_optimization_level!r}")

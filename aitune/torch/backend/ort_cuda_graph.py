@@ -48,18 +48,29 @@ def graph_capture_refused(exc: BaseException) -> bool:
     return "graph capture" in str(exc).lower() or "cuda graph" in str(exc).lower()
 
 
+def half_precision_conv2d(module, graph) -> bool:
+    """Does ``module`` hold a 2-D convolution and ``graph`` take fp16/bf16 floating inputs (the case measured for
+    ``prefer_nhwc``: :func:`cuda_graph_variants`)? False for a module of None."""
+    if module is None or graph is None:
+        return False
+    floating = [spec.dtype for spec in getattr(graph, "tensor_specs", ()) if spec.dtype.is_floating_point]
+    return bool(floating) and all(dtype in (torch.float16, torch.bfloat16) for dtype in floating) and \
+        any(isinstance(layer, torch.nn.Conv2d) for layer in module.modules())
+
+
 def cuda_graph_variants(encoder: bool, graph, device,
-                        convolutional: bool = False) -> list[tuple[ONNXRuntimeBackendConfig, int]]:
+                        channels_last: bool = False) -> list[tuple[ONNXRuntimeBackendConfig, int]]:
     """The CUDA-graph configurations :meth:`ONNXRuntimeBackend.search_space` adds, with their search tiers.
 
     On CUDA only, and for a graph with at most ``MAX_SEARCH_SHAPES`` recorded input shapes (each shape keeps its
     buffers and captured graph). In the first tier: CUDA graphs on the configuration expected to be fastest —
     with the transformer fusions for an ``encoder``, else plain. It costs one more session and two runs per shape
     on top of the export, and removes the per-kernel launch cost that dominates small batches on a GPU (as
-    ``reduce-overhead`` does for Inductor). Plain CUDA graphs next to the fused ones: tier 1 (with a budget). For a
-    ``convolutional`` module, the first-tier variant adds the CUDA EP's ``prefer_nhwc`` (channels-last
-    convolutions: 1.33x the NCHW variant at ResNet-50 b1 fp16, 1.25x at b32, on an H200 with onnxruntime-gpu
-    1.31.1, ``benchmarks/gpu_ort.py``), the NCHW one tier 1.
+    ``reduce-overhead`` does for Inductor). Plain CUDA graphs next to the fused ones: tier 1 (with a budget). With
+    ``channels_last`` (:func:`half_precision_conv2d`: a half-precision convnet), the first-tier variant adds the CUDA
+    EP's ``prefer_nhwc`` (channels-last convolutions, which cuDNN's fp16 kernels take without layout transposes; it
+    beat the NCHW variant on ResNet-50 fp16 at batch 1 and 32: ``benchmarks/gpu_ort.py``, RESULTS.md), the NCHW one
+    tier 1; other convnets (fp32, 1-D or 3-D convolutions: not measured) keep NCHW first.
     Where ONNX Runtime refuses to capture a graph (nodes on the CPU EP), these builds fail with its message,
     which their report rows show, and the variants without graphs are built instead (:func:`in_search_order`).
     """
@@ -67,7 +78,7 @@ def cuda_graph_variants(encoder: bool, graph, device,
         return []
     if not 0 < recorded_shapes(graph) <= MAX_SEARCH_SHAPES:
         return []
-    if convolutional and not encoder:
+    if channels_last and not encoder:
         return [(ONNXRuntimeBackendConfig(cuda_graph=True, prefer_nhwc=True), 0),
                 (ONNXRuntimeBackendConfig(cuda_graph=True), 1)]
     variants = [(ONNXRuntimeBackendConfig(cuda_graph=True, transformer_fusions="bert" if encoder else None), 0)]

@@ -42,22 +42,17 @@ def provider_list(provider: ONNXExecutionProvider, device_index: int, cuda_graph
     return ["CPUExecutionProvider"]
 
 
-CUDA_OPTION_FIELDS = ("prefer_nhwc", "fuse_conv_bias")  # config fields passed as CUDA EP options of the same name
-
-
 def cuda_provider_options(device_index: int, cuda_graph: bool = False,
                           config: ONNXRuntimeBackendConfig | dict | None = None) -> dict:
     """The CUDA EP's options (ONNX Runtime's CUDA EP documentation; values as strings): ``{"device_id": index}``,
     ``"enable_cuda_graph": "1"`` for CUDA graphs (NOTE [ONNX Runtime CUDA graphs] in
-    :mod:`~aitune.torch.backend.ort_cuda_graph`), and ``"1"`` for each of ``CUDA_OPTION_FIELDS`` set in ``config``
-    (a config, or its stored settings as a dict). Checkpoints' deployment artifacts list the same."""
+    :mod:`~aitune.torch.backend.ort_cuda_graph`), and ``"prefer_nhwc": "1"`` where ``config`` (a config, or its stored
+    settings as a dict) sets it. Checkpoints' deployment artifacts list the same."""
     options: dict = {"device_id": device_index}
     if cuda_graph:
         options["enable_cuda_graph"] = "1"
-    for name in CUDA_OPTION_FIELDS:
-        value = config.get(name) if isinstance(config, dict) else getattr(config, name, False)
-        if value:
-            options[name] = "1"
+    if (config.get("prefer_nhwc") if isinstance(config, dict) else getattr(config, "prefer_nhwc", False)):
+        options["prefer_nhwc"] = "1"
     return options
 
 

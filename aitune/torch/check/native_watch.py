@@ -3,39 +3,48 @@ and torch version.
 
 NOTE [native watch]: :class:`~aitune.torch.check.guard.StateWatch` must notice an in-place edit of any parameter
 or buffer at the next call (README, "Weights changed after tuning are noticed"), so it reads every tensor's version
-counter on every call. From Python that costs ~55 ns a tensor on this project's CPU (an attribute lookup and an
-int object per tensor: 17.7 µs for ResNet-50's 320 parameters and buffers) and ~170 ns on the GPU machine's host
-(55 µs a call, the largest stage of the tuned module's host time: ``benchmarks/wrapper_cost.py --stages``).
-PyTorch has no call that reads many version counters at once, and no hook on in-place writes. ``native_watch.cpp``
-is that call: ``StateReader(tensors).state()`` sums the version counters, data pointers and dtype/device codes of
-a fixed list of tensors in C++ (0.4 µs for 320 tensors here), so the watch can also compare every data pointer
-on every call, where the Python path samples them (``FULL_SCAN_EVERY``). The same extension's ``all_finite(tensor)``
-serves the value gate's nan/inf check of CPU inputs (exponent bits, no torch op: ~0.2 µs against ~2 µs for a
-``sum`` and its ``item`` on a small tensor).
+counter on every call. From Python that costs an attribute lookup and an int object per tensor, tens of ns each:
+for ResNet-50's 320 parameters and buffers it was the largest stage of the tuned module's host time on a GPU
+(``benchmarks/wrapper_cost.py --stages``). PyTorch has no call that reads many version counters at once, and no hook
+on in-place writes. ``native_watch.cpp`` is that call: ``StateReader(tensors).state()`` returns the sum of the
+version counters and position-weighted sums of the data pointers and dtype/device codes of a fixed list of tensors
+(each tensor's current ``TensorImpl`` unpacked per call: one swapped by ``torch.utils.swap_tensors`` is read as it
+is now), so the watch also compares every data pointer on every call, where the Python path samples them
+(``FULL_SCAN_EVERY``). ``benchmarks/state_watch_cost.py`` times both paths. The same extension's
+``all_finite(tensor)`` serves the value gate's nan/inf check of small CPU inputs (exponent bits, no torch op);
+above ``ALL_FINITE_MAX_ELEMENTS`` torch's vectorised, multi-threaded reduction is faster and is used instead.
 
 How it is built and trusted:
 
-- compiled with the system's C++ compiler (``$CXX``, else ``c++``/``g++``) against the running torch's headers, with
-  CPython's C API and c10's ``TensorImpl`` only (no pybind11; ~13 s on this project's 2-core CPU), into
-  ``<cache_dir>/native/<key>/`` (``$AITUNE_NATIVE_DIR/<key>/`` where set), the key hashing the source, torch's
-  version, Python's ABI tag and the compiler;
-- then imported once in a child process that checks its three sums against the ones Python reads, before and after
-  an in-place edit, a ``.data`` swap and a dtype change (an extension built against another torch ABI could crash on
-  import: a child's crash is recorded, not ours); the verdict (``verdict.json``) is kept beside the library, so
-  later processes import it directly, and a failed build or check is not retried for that key;
-- only on Linux; ``AITUNE_NATIVE_WATCH=0`` switches it off. Where it is off or fails (no compiler, no torch
-  headers, an inference tensor among the weights), the watch reads from Python as before: same promises, the
-  pointer scan sampled. ``aitune env`` says which.
+- compiled with the system's C++ compiler (``$CXX``, else ``c++``/``g++``) against the running torch's headers
+  (CPython's C API and torch's Python tensor unpacking; tens of seconds, most of it torch's headers), into
+  ``<cache_dir>/native/<key>/`` (``$AITUNE_NATIVE_DIR/<key>/`` where set), the key hashing the source, the compile
+  flags, the child's check, torch's version and build, Python's ABI tag and the compiler; processes that need it at
+  once wait for one build (a file lock);
+- then imported in a child process that checks its sums against the ones Python reads, before and after an in-place
+  edit, a ``.data`` swap, a ``swap_tensors`` and a dtype change, and ``all_finite`` against torch (an extension
+  built against another torch ABI could crash on import: a child's crash is recorded, not the caller's); the verdict
+  (``verdict.json``) is kept beside the library, so later processes import it directly. A failed compile or check
+  is not retried for that key (delete the verdict to retry); a timeout or a build that could not start is not
+  kept;
+- built when a tune or ``ait.load`` first needs it (a weight-baking backend's watch, a CPU graph's value gate):
+  that call waits for the build once per machine and torch version; ``aitune env --build-native`` builds it ahead;
+- only on Linux; ``AITUNE_NATIVE_WATCH=0`` switches it off. Where it is off or cannot be built (no compiler, no
+  torch headers), the watch reads from Python as before: the same promises, the pointer scan sampled. ``aitune
+  env`` says which.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import logging
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -57,6 +66,10 @@ ENV_SWITCH = "AITUNE_NATIVE_WATCH"
 DIR_VARIABLE = "AITUNE_NATIVE_DIR"
 BUILD_TIMEOUT_S = 300
 CHECK_TIMEOUT_S = 120
+# all_finite's loop against torch's reduction (a sum and its read, ~2 µs fixed; vectorised and multi-threaded): the
+# loop wins on small inputs and loses on image batches (benchmarks/state_watch_cost.py --finite measures both)
+ALL_FINITE_MAX_ELEMENTS = 16384
+FLAGS = ("-O3", "-shared", "-fPIC", "-w")
 
 _STATE: dict = {}  # "module": the imported extension or None, "reason": why None (once per process)
 _LOCK = threading.Lock()
@@ -69,7 +82,8 @@ module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
 tensors = [torch.nn.Parameter(torch.randn(3, 4)), torch.randn(5)[1:], torch.zeros(2, dtype=torch.int64)]
 reader = module.StateReader(tensors)
 def python_sums():
-    return (sum(t._version for t in tensors), sum(t.data_ptr() for t in tensors))
+    return (sum(t._version for t in tensors),
+            sum((i + 1) * t.data_ptr() for i, t in enumerate(tensors)) % 2 ** 64)
 def check(what):
     versions, pointers, _ = reader.state()
     assert (versions, pointers) == python_sums(), (what, reader.state(), python_sums())
@@ -80,6 +94,9 @@ with torch.no_grad():
 check("in place"); assert reader.state()[0] == before[0] + 1
 tensors[1].data = torch.randn(4)
 check(".data swapped"); assert reader.state()[1] != before[1]
+swapped = reader.state()
+torch.utils.swap_tensors(tensors[0], torch.nn.Parameter(torch.randn(3, 4)))
+check("swap_tensors"); assert reader.state()[1] != swapped[1]
 kinds = reader.state()[2]
 tensors[2].data = tensors[2].data.to(torch.int32)
 check("dtype"); assert reader.state()[2] != kinds
@@ -102,10 +119,10 @@ print("ok")
 
 
 def state_reader(tensors: list[torch.Tensor]) -> Callable[[], tuple[int, int, int]] | None:
-    """A callable returning ``(sum of version counters, sum of data pointers, sum of dtype/device codes)`` of
-    ``tensors`` (the list as given now; the reader keeps references to them), or None where the extension is off or
-    unavailable (NOTE [native watch]) or a tensor has no version counter (an inference tensor). The first call in a
-    process may build the extension (seconds, once per machine and torch version)."""
+    """A callable returning ``(sum of version counters, position-weighted sum of data pointers, position-weighted sum
+    of dtype/device codes)`` of ``tensors`` (modulo 2**64; the reader keeps references to them), or None where the
+    extension is off or unavailable (NOTE [native watch]) or a tensor has no version counter (an inference tensor).
+    The first call in a process may build the extension (once per machine and torch version)."""
     module = native_module()
     if module is None or not tensors:
         return None
@@ -117,28 +134,49 @@ def state_reader(tensors: list[torch.Tensor]) -> Callable[[], tuple[int, int, in
 
 
 def all_finite_check() -> Callable[[torch.Tensor], bool | None] | None:
-    """The extension's ``all_finite(tensor)``: True/False for a contiguous CPU tensor of a floating dtype (False: it
-    holds nan or inf), None where it cannot tell (the caller then asks torch); None itself where the extension is off
-    or unavailable. For the value gate (NOTE [value gate] in :mod:`aitune.torch.backend.accepted`): one C call
-    instead of a torch reduction and a read of its result. May build the extension (see :func:`state_reader`)."""
+    """A check of a CPU input for nan/inf for the value gate (NOTE [value gate] in
+    :mod:`aitune.torch.backend.accepted`): True/False for a contiguous CPU tensor of a floating dtype with at most
+    ``ALL_FINITE_MAX_ELEMENTS`` elements (False: it holds nan or inf), None where it does not answer (the caller then
+    asks torch); None itself where the extension is off or unavailable. May build the extension (see
+    :func:`state_reader`)."""
     module = native_module()
-    return getattr(module, "all_finite", None) if module is not None else None
+    native = getattr(module, "all_finite", None) if module is not None else None
+    if native is None:
+        return None
+
+    def check(tensor: torch.Tensor) -> bool | None:
+        return native(tensor) if tensor.numel() <= ALL_FINITE_MAX_ELEMENTS else None
+
+    return check
 
 
 def native_module():
     """The imported extension, or None (why: :func:`native_status`). Built, checked and imported at the first call
-    of the process."""
+    of the process; nothing raised on the way reaches the caller (the watch then reads from Python)."""
     if "module" not in _STATE:
         with _LOCK:
             if "module" not in _STATE:
-                module, reason = _load()
+                try:
+                    module, reason = _load()
+                except Exception as error:  # noqa: BLE001 - a speed-up must never fail the call that wanted it
+                    logger.debug("native weight watch unavailable", exc_info=True)
+                    module, reason = None, f"{type(error).__name__}: {error}"
                 _STATE["reason"] = reason
                 _STATE["module"] = module
     return _STATE["module"]
 
 
-def native_status() -> str:
-    """One line for ``aitune env``: whether the native watch is in use here, or why not."""
+def native_status(build: bool = True) -> str:
+    """One line for ``aitune env``: whether the native reader is in use here, or why not. ``build=False``: say so
+    where it was not built yet, without building it."""
+    if not build and "module" not in _STATE:
+        blocked = _unavailable()
+        if blocked is not None:
+            return f"not in use: {blocked}; the watch reads from Python"
+        verdict = _read_verdict(_directory(_compiler()) / "verdict.json")
+        if verdict is None:
+            return ("not built yet: the first tune or load that needs it builds it (once per torch version), or "
+                    "`aitune env --build-native` now")
     module = native_module()
     return "in use (one C call per served call)" if module is not None else \
         f"not in use: {_STATE.get('reason')}; the watch reads from Python"
@@ -151,39 +189,83 @@ def native_dir() -> Path:
     return Path(config.cache_dir) / "native"
 
 
+def _compiler() -> list[str] | None:
+    if os.environ.get("CXX", "").strip():
+        return shlex.split(os.environ["CXX"])
+    found = shutil.which("c++") or shutil.which("g++")
+    return [found] if found else None
+
+
+def _unavailable() -> str | None:
+    """Why the extension cannot be used here at all (before any build), or None."""
+    if os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "no", "off"):
+        return f"switched off by {ENV_SWITCH}"
+    if not sys.platform.startswith("linux"):
+        return f"built on Linux only (this is {sys.platform})"
+    if _compiler() is None:
+        return "no C++ compiler found (set $CXX or install g++)"
+    header = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "autograd" / "python_variable.h"
+    if not header.exists():
+        return f"torch's C++ headers are missing ({header})"
+    return None
+
+
+def _directory(compiler: list[str] | None) -> Path:
+    return native_dir() / _key(compiler or [])
+
+
 def _load():
     """``(module, None)`` or ``(None, why)``."""
-    if os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "no", "off"):
-        return None, f"switched off by {ENV_SWITCH}"
-    if not sys.platform.startswith("linux"):
-        return None, f"built on Linux only (this is {sys.platform})"
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    torch_root = Path(torch.__file__).parent
-    if compiler is None:
-        return None, "no C++ compiler found (set $CXX or install g++)"
-    if not (torch_root / "include" / "torch" / "csrc" / "autograd" / "python_variable.h").exists():
-        return None, f"torch's C++ headers are missing under {torch_root / 'include'}"
-    directory = native_dir() / _key(compiler)
+    blocked = _unavailable()
+    if blocked is not None:
+        return None, blocked
+    compiler = _compiler()
+    directory = _directory(compiler)
     library = directory / f"{MODULE_NAME}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     verdict_path = directory / "verdict.json"
     verdict = _read_verdict(verdict_path)
     if verdict is None:
-        verdict = _build_and_check(compiler, torch_root, directory, library)
-        _write_verdict(verdict_path, verdict)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            return None, f"cannot write {directory}: {error}"
+        with _build_lock(directory):
+            verdict = _read_verdict(verdict_path)  # another process may have built it while this one waited
+            if verdict is None:
+                verdict = _build_and_check(compiler, directory, library)
+                if verdict.get("keep", True):
+                    _write_verdict(verdict_path, verdict)
     if not verdict.get("ok"):
-        return None, f"{verdict.get('reason', 'failed')} (kept in {verdict_path}; delete it to try again)"
-    try:
-        spec = importlib.util.spec_from_file_location(MODULE_NAME, library)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    except (ImportError, OSError) as error:
-        return None, f"importing {library} failed: {error}"
+        kept = "kept in" if verdict.get("keep", True) else "not kept; tried again by the next process:"
+        return None, f"{verdict.get('reason', 'failed')} ({kept} {verdict_path}; delete it to try again)"
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module, None
 
 
-def _key(compiler: str) -> str:
-    facts = [SOURCE.read_bytes().hex(), torch.__version__, sysconfig.get_config_var("EXT_SUFFIX") or "",
-             str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")), compiler, sys.version]
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """An exclusive lock on ``directory/.lock`` for the build (``fcntl``, Linux); no lock where it cannot be taken."""
+    try:
+        import fcntl
+
+        handle = open(directory / ".lock", "a+")  # noqa: SIM115 - closed below
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        handle.close()
+
+
+def _key(compiler: list[str]) -> str:
+    facts = [SOURCE.read_bytes().hex(), " ".join(FLAGS), _CHECK, torch.__version__,
+             str(getattr(torch.version, "git_version", "")), str(Path(torch.__file__).parent),
+             sysconfig.get_config_var("EXT_SUFFIX") or "", str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")),
+             " ".join(compiler), sys.version]
     return hashlib.sha256("\n".join(facts).encode()).hexdigest()[:16]
 
 
@@ -197,7 +279,6 @@ def _read_verdict(path: Path) -> dict | None:
 
 def _write_verdict(path: Path, verdict: dict) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
         temporary.write_text(json.dumps(verdict, indent=1))
         os.replace(temporary, path)
@@ -205,45 +286,61 @@ def _write_verdict(path: Path, verdict: dict) -> None:
         logger.debug("could not keep the native watch's verdict in %s: %s", path, error)
 
 
-def _build_and_check(compiler: str, torch_root: Path, directory: Path, library: Path) -> dict:
-    """Compile into a private name, check it in a child process, then move it into place (atomic: processes that
-    build at the same time each move a complete library)."""
-    started = time.perf_counter()
-    logger.info("building aitune's native weight watch once for torch %s (NOTE [native watch]; seconds)",
-                torch.__version__)
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``command`` in its own process group (a timeout kills the compiler's own children too), output as text."""
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True, env=_child_environment())
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        return {"ok": False, "reason": f"cannot write {directory}: {error}"}
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout.decode(errors="replace"),
+                                       stderr.decode(errors="replace"))
+
+
+def _child_environment() -> dict:
+    """The environment of the compiler and of the child check: this one, with this process's import path (the child
+    must import the same torch) and without aitune's just-in-time tuning hook."""
+    environment = {name: value for name, value in os.environ.items() if name != "AUTOWRAPT_BOOTSTRAP"}
+    environment["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+    return environment
+
+
+def _build_and_check(compiler: list[str], directory: Path, library: Path) -> dict:
+    """Compile into a private name, check it in a child process, then move it into place. ``keep``: False for a
+    failure that may not recur (a timeout, a command that could not start)."""
+    started = time.perf_counter()
+    logger.info("building aitune's native weight watch once for torch %s (NOTE [native watch]; up to a minute)",
+                torch.__version__)
     private = directory / f".build-{uuid.uuid4().hex}{library.suffix}"
+    torch_root = Path(torch.__file__).parent
     lib = torch_root / "lib"
     abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", None)
-    command = [compiler, "-O3", "-shared", "-fPIC", "-w", *([f"-D_GLIBCXX_USE_CXX11_ABI={int(abi)}"] if abi is not None
-                                                           else []),
+    command = [*compiler, *FLAGS, *([f"-D_GLIBCXX_USE_CXX11_ABI={int(abi)}"] if abi is not None else []),
                f"-I{torch_root / 'include'}", f"-I{torch_root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
                f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", str(private), f"-L{lib}",
                "-ltorch_python", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
-    log = []
     try:
         for standard in ("-std=c++20", "-std=c++17"):  # (torch's own extensions build with C++20 since 2.10)
-            result = subprocess.run([command[0], standard, *command[1:]], capture_output=True, text=True,
-                                    timeout=BUILD_TIMEOUT_S, stdin=subprocess.DEVNULL)
-            log.append(result.stderr[-2000:])
+            result = _run([*compiler, standard, *command[len(compiler):]], BUILD_TIMEOUT_S)
             if result.returncode == 0:
                 break
         else:
-            return {"ok": False, "reason": f"the C++ build failed: {log[-1].strip().splitlines()[-1:]}",
-                    "log": log}
-        check = subprocess.run([sys.executable, "-c", _CHECK, str(private)], capture_output=True, text=True,
-                               timeout=CHECK_TIMEOUT_S, stdin=subprocess.DEVNULL)
+            lines = result.stderr.strip().splitlines() or ["no output"]
+            first_error = next((line for line in lines if "error" in line.lower()), lines[-1]).strip()[:300]
+            return {"ok": False, "reason": f"the C++ build failed: {first_error}", "log": result.stderr[-4000:]}
+        check = _run([sys.executable, "-c", _CHECK, str(private)], CHECK_TIMEOUT_S)
         if check.returncode != 0 or check.stdout.strip() != "ok":
-            return {"ok": False, "reason": f"its check in a child process failed (exit {check.returncode}): "
-                                           f"{(check.stderr.strip().splitlines() or [''])[-1][:300]}"}
+            last = (check.stderr.strip().splitlines() or [""])[-1][:300]
+            return {"ok": False, "reason": f"its check in a child process failed (exit {check.returncode}): {last}"}
         os.replace(private, library)
     except subprocess.TimeoutExpired as error:
-        return {"ok": False, "reason": f"{error.cmd[0]} ran past {error.timeout} s"}
+        return {"ok": False, "keep": False, "reason": f"{Path(str(error.cmd[0])).name} ran past {error.timeout} s"}
     except OSError as error:
-        return {"ok": False, "reason": f"the build could not run: {error}"}
+        return {"ok": False, "keep": False, "reason": f"the build could not run: {error}"}
     finally:
         private.unlink(missing_ok=True)
     seconds = time.perf_counter() - started
