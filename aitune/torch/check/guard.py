@@ -36,11 +36,10 @@ Two mechanisms protect a tuned module once it serves calls:
     every tensor's ``.data`` without touching the versions) and a global counter bumped by PyTorch's
     parameter/buffer registration hooks (``assign=True``); every ``FULL_SCAN_EVERY`` (16) calls it also sums
     all data pointers, which catches a ``.data`` replaced on one tensor or a ``.to()`` of one submodule within
-    16 calls. No hashing. Cost: about 55 ns per parameter/buffer per call on this project's CPU (ResNet-50's 320:
-    ~18 µs). Where aitune's small C++ extension is built (NOTE [native watch] in
-    :mod:`aitune.torch.check.native_watch`), one C call reads every tensor's version counter, data pointer, dtype and
-    device instead (2.1 µs a call for those 320 here, 5.6 µs on the GPU machine's host against 36 µs from Python;
-    ``benchmarks/state_watch_cost.py``), so a ``.data`` replaced is noticed at the next call too.
+    16 calls. No hashing. Cost: tens of ns per parameter/buffer per call. Where aitune's small C++ extension is
+    built (NOTE [native watch] in :mod:`aitune.torch.check.native_watch`), one C call reads every tensor's version
+    counter, data pointer, dtype and device instead, several times faster (``benchmarks/state_watch_cost.py`` times
+    both), so a ``.data`` replaced is noticed at the next call too.
 """
 
 from __future__ import annotations
