@@ -73,10 +73,12 @@ def _env(args) -> int:
     remembered = rankings.records()
     if remembered:
         print(f"\n{len(remembered)} ranking(s) of earlier searches ({rankings.root}): re-tunes of the same graph "
-              "rebuild only the earlier winners — `aitune env --clear-rankings` searches all candidates again:")
+              "rebuild only the earlier winners (the first by speed-up and those tied with it; the selection "
+              "settles a tie head to head, so it may have chosen a tied one) — `aitune env --clear-rankings` "
+              "searches all candidates again:")
         print(tabulate([[record.get("module"), record.get("graph"), record.get("strategy", ""),
                          record["ranked"][0].get("description"), record.get("when")] for record in remembered],
-                       headers=["module", "graph", "strategy", "ranked first", "when"], tablefmt="github"))
+                       headers=["module", "graph", "strategy", "first by speed-up", "when"], tablefmt="github"))
     return 0
 
 

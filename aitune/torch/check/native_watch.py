@@ -1,5 +1,5 @@
-"""The stale-weight watch's per-call read (and the value gate's nan/inf check) in one C call, built once per machine
-and torch version.
+"""The stale-weight watch's per-call read (and the value gate's nan/inf check) in one C call, built once per torch
+installation.
 
 NOTE [native watch]: :class:`~aitune.torch.check.guard.StateWatch` must notice an in-place edit of any parameter
 or buffer at the next call (README, "Weights changed after tuning are noticed"), so it reads every tensor's version
@@ -28,7 +28,7 @@ How it is built and trusted:
   is not retried for that key (delete the verdict to retry); a timeout or a build that could not start is not
   kept;
 - built when a tune or ``ait.load`` first needs it (a weight-baking backend's watch, a CPU graph's value gate):
-  that call waits for the build once per machine and torch version; ``aitune env --build-native`` builds it ahead;
+  that call waits for the build once per torch installation; ``aitune env --build-native`` builds it ahead;
 - only on Linux; ``AITUNE_NATIVE_WATCH=0`` switches it off. Where it is off or cannot be built (no compiler, no
   torch headers), the watch reads from Python as before: the same promises, the pointer scan sampled. ``aitune
   env`` says which.
@@ -122,7 +122,7 @@ def state_reader(tensors: list[torch.Tensor]) -> Callable[[], tuple[int, int, in
     """A callable returning ``(sum of version counters, position-weighted sum of data pointers, position-weighted sum
     of dtype/device codes)`` of ``tensors`` (modulo 2**64; the reader keeps references to them), or None where the
     extension is off or unavailable (NOTE [native watch]) or a tensor has no version counter (an inference tensor).
-    The first call in a process may build the extension (once per machine and torch version)."""
+    The first call in a process may build the extension (once per torch installation)."""
     module = native_module()
     if module is None or not tensors:
         return None
@@ -175,7 +175,7 @@ def native_status(build: bool = True) -> str:
             return f"not in use: {blocked}; the watch reads from Python"
         verdict = _read_verdict(_directory(_compiler()) / "verdict.json")
         if verdict is None:
-            return ("not built yet: the first tune or load that needs it builds it (once per torch version), or "
+            return ("not built yet: the first tune or load that needs it builds it (once per torch installation), or "
                     "`aitune env --build-native` now")
     module = native_module()
     return "in use (one C call per served call)" if module is not None else \
