@@ -34,7 +34,7 @@ from aitune.torch.record.llm import (
     slow_route_facts,
 )
 from aitune.torch.record.pytree import LEAF, tree_flatten, tree_unflatten
-from aitune.torch.record.samples import make_graph_key
+from aitune.torch.record.samples import graph_device, make_graph_key
 
 logger = logging.getLogger(__name__)
 
@@ -484,15 +484,6 @@ def _on_host(values) -> bool:
     """Is any of ``values`` a CPU tensor (the value gate reads only those: a route with none skips it)? By
     ``get_device()``, as the route keys: -1 for the CPU, and for meta tensors too, which then count."""
     return any(isinstance(value, torch.Tensor) and value.get_device() < 0 for value in values)
-
-
-def graph_device(graph) -> torch.device:
-    """The device of a graph's first recorded tensor input (CPU when it has none)."""
-    for sample in graph.samples[:1]:
-        for leaf in sample.leaves():
-            if isinstance(leaf, torch.Tensor):
-                return leaf.device
-    return torch.device("cpu")
 
 
 def _contiguous(value):

@@ -17,7 +17,7 @@ import torch
 from aitune.torch.check.native_watch import all_finite_check
 from aitune.torch.common.dtypes import dtype_name
 from aitune.torch.record.llm import POSITION_INPUTS, find_cache, in_cache
-from aitune.torch.record.samples import BATCH
+from aitune.torch.record.samples import BATCH, graph_device
 
 
 @dataclasses.dataclass
@@ -238,7 +238,8 @@ class ValueGate:
             elif getattr(spec, "finite", True):
                 finite.append((spec.leaf_index, spec.path))
         gate = cls(integers=integers, finite=finite, magnitudes=magnitudes, positions=positions)
-        if finite and _recorded_on_the_cpu(graph):  # (resolved here, at tuning or loading: it may build once)
+        # the gate reads CPU inputs only; resolved here, at tuning or loading (it may build the extension once)
+        if finite and graph_device(graph).type == "cpu":
             gate.native_finite = all_finite_check()
         return gate if gate.leaf_indices else None
 
@@ -307,15 +308,6 @@ def _non_finite(tensor: torch.Tensor, native: Callable | None = None) -> bool:
             return not finite
     total = tensor.sum() if tensor.dtype in _SUM_AS_IS else tensor.sum(dtype=torch.float32)
     return not math.isfinite(total.item()) and not bool(torch.isfinite(tensor).all())
-
-
-def _recorded_on_the_cpu(graph) -> bool:
-    """Did a recorded call of ``graph`` pass a CPU tensor (the only inputs the value gate reads)? True where nothing
-    was recorded (a graph loaded without samples): the gate may meet CPU tensors."""
-    samples = getattr(graph, "samples", None)
-    if not samples:
-        return True
-    return any(isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" for leaf in samples[0].leaves())
 
 
 def _rolls(graph) -> bool:

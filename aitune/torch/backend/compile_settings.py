@@ -5,8 +5,8 @@ torch's (NOTE [floats as torch traces them]).
 Also which shapes a compile treats as symbolic (:func:`resolved_dynamic`, NOTE [decode per cache length]).
 
 Used by the Inductor JIT and TorchAO backends (:mod:`aitune.torch.backend.inductor_jit`,
-:mod:`aitune.torch.backend.ao`); :func:`resolved_dynamic` by Inductor JIT only, :func:`dynamic_for_axes` (``dynamic=True``
-for any graph with a dynamic axis, a decode phase's too) by TorchAO and Torch-TensorRT.
+:mod:`aitune.torch.backend.ao`); :func:`resolved_dynamic` by Inductor JIT only, :func:`dynamic_for_axes`
+(``dynamic=True`` for any graph with a dynamic axis, a decode phase's too) by TorchAO and Torch-TensorRT.
 """
 
 from __future__ import annotations

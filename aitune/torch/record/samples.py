@@ -180,6 +180,15 @@ def _embedding_inputs(module: torch.nn.Module, leaves: list) -> Iterator[dict[in
             handle.remove()
 
 
+def graph_device(graph) -> torch.device:
+    """The device of a graph's first recorded tensor input (CPU when it has none, or no samples)."""
+    for sample in graph.samples[:1]:
+        for leaf in sample.leaves():
+            if isinstance(leaf, torch.Tensor):
+                return leaf.device
+    return torch.device("cpu")
+
+
 def record_graphs(module: torch.nn.Module, calls: Iterable[tuple[tuple, dict]], **recorder_options) -> list[GraphSpec]:
     """Record ``calls`` (each ``(args, kwargs)``) of ``module`` under ``no_grad``; returns the graphs in order.
 

@@ -339,7 +339,8 @@ def eager_candidate(context: GraphContext, profiling: ProfilingConfig) -> Candid
     backend = build_eager(context)
     if context.eager_measurement is None:
         context.show("eager (baseline)", "measure")
-        context.eager_measurement = measure(sample_caller(backend, context), *graph_samples(context), context.device, profiling)
+        context.eager_measurement = measure(sample_caller(backend, context), *graph_samples(context), context.device,
+                                            profiling)
         if context.progress is not None:
             context.progress.candidate_done()
     measurement = context.eager_measurement
@@ -445,8 +446,8 @@ def measure_backend(backend: Backend, context: GraphContext, config: ProfilingCo
     rejected by :func:`check_against_eager` before it is measured, so no copy of every sample is held.
     """
     samples, batch_sizes = graph_samples(context)
-    eager, measurement = measure_pair(sample_caller(eager_runner(context), context), samples, sample_caller(backend, context),
-                                      samples, batch_sizes, context.device, config)
+    eager, measurement = measure_pair(sample_caller(eager_runner(context), context), samples,
+                                      sample_caller(backend, context), samples, batch_sizes, context.device, config)
     return dataclasses.replace(measurement, paired=paired_speedup(eager.round_ms, measurement.round_ms))
 
 

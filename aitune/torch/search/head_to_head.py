@@ -2,17 +2,16 @@
 
 NOTE [head to head]: each candidate's speed-up over eager is paired with eager (NOTE [paired speed-up] in
 :mod:`aitune.torch.measure.profiling`), so its spread is mostly eager's own jitter when eager is many times
-slower: ResNet-50 at batch 1 on an H100 (2026-12-07, ``benchmarks/gpu_search.py``), eager 8.3 ms a call and
-launch-bound, gave per-round ratios of 8.4-16.7x for a candidate whose own rounds took 0.51 ms (p50), and a tie
-with one at 0.83 ms whose figure was 10.0x (11.8x against 10.0x: within the first one's spread); the simpler one
-was kept, and in a second tune of the same build the order of the two figures reversed. Timed against each other,
+slower: on a GPU, a launch-bound eager ResNet-50 at batch 1 gave a candidate whose own rounds were 1.6x faster than
+another's a speed-up within the other's spread, the simpler (slower) one was kept, and a second tune of the same
+build reversed the order of the two figures (``benchmarks/gpu_search.py``; benchmarks/RESULTS.md, the
+thirty-second session). Timed against each other,
 in alternation, the two candidates meet the same conditions and eager's jitter is out of the figure. The default
 strategy (:class:`~aitune.torch.tune_strategy.MaxThroughputStrategy`) settles every tie between compiled
 candidates this way (:func:`settle_tie`): at most one extra measurement per tied candidate, the finalists (3).
 Two candidates are active on the device during it (the search otherwise holds one at a time). On a GPU, two
 CUDA-graph candidates (aitune's own capture and reduce-overhead's graph trees) timed this way in one process stay
-right: ``tests/gpu/test_inductor_gpu.py::test_two_cuda_graph_candidates_timed_head_to_head_stay_right`` (passed
-on an H100, 2026-12-07).
+right: ``tests/gpu/test_inductor_gpu.py::test_two_cuda_graph_candidates_timed_head_to_head_stay_right``.
 """
 
 from __future__ import annotations

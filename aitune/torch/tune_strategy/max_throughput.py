@@ -15,8 +15,8 @@ class MaxThroughputStrategy(TuneStrategy):
     must beat the best by more than the measured noise; within the noise the simpler one wins (eager,
     then AOT over JIT, then shorter build), unless another tied candidate, timed head to head against it, is
     faster beyond that figure's own noise (:meth:`TuneStrategy.settle_tie`, NOTE [head to head]). With
-    ``min_speedup_ratio`` r, only candidates reaching r x eager's throughput compete with eager. With more candidates than ``finalists`` (3), every candidate
-    gets a quick measurement and only the finalists the full one (successive halving, see
+    ``min_speedup_ratio`` r, only candidates reaching r x eager's throughput compete with eager. With more
+    candidates than ``finalists`` (3), every candidate gets a quick measurement and only the finalists the full one (successive halving, see
     :meth:`TuneStrategy.search`). This is the default strategy.
     """
 
