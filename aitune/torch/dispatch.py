@@ -22,6 +22,7 @@ from aitune.torch.backend.base import Backend
 from aitune.torch.backend.eager import TorchEagerBackend
 from aitune.torch.check.baked_state import BakedState, Policy
 from aitune.torch.check.guard import StateWatch
+from aitune.torch.check.native_watch import call_key_function
 from aitune.torch.record.llm import (
     REWINDABLE_LAYERS,
     PhaseCall,
@@ -105,7 +106,7 @@ class Dispatch:
 
     __slots__ = ("module", "name", "signature", "graphs", "_by_key", "_by_flat_key", "_by_id", "_routes", "watch",
                  "fallbacks", "backend_calls", "_warned", "eager_fallback_error", "baked", "phases",
-                 "_phase_routes", "_phase_plans")
+                 "_phase_routes", "_phase_plans", "_native_key")
 
     def __init__(self, module: torch.nn.Module, name: str, signature, entries=(),
                  eager_fallback_error: str | None = None) -> None:
@@ -126,7 +127,14 @@ class Dispatch:
                 key = flat_call_key(sample.args, sample.kwargs)
                 if key is not None:
                     self._by_flat_key[key] = tuned
-        self._routes: dict = {}  # raw call key -> (TunedGraph, plan, _on_host) (NOTE [dispatch fast path])
+        self._routes: dict = {}  # raw call key -> (TunedGraph, plan, _on_host, quiet) (NOTE [dispatch fast path])
+        # NOTE [native call key]: the extension's call_key (aitune/torch/check/native_watch.cpp) keys a flat call in
+        # one C call: each tensor's dtype, rank and device, and whether it is contiguous with elements ("regular":
+        # a route whose key says so for every tensor skips the per-call loop over them). Where it does not key a
+        # call (NotImplemented: a tensor subclass that dispatches to Python, sparse, nested) or the extension is
+        # unavailable, flat_call_key does. _by_flat_key keeps flat_call_key's keys (made rarely: here and when a
+        # route is made).
+        self._native_key = call_key_function() if self.graphs else None
         self.watch: StateWatch | None = None  # set by watch_state when a backend bakes the weights in
         self.baked: BakedState | None = None  # what the backends took for granted (set by watch_state)
         self.fallbacks: dict[str, int] = {}  # reason kind -> calls that ran eager for it
@@ -211,12 +219,18 @@ class Dispatch:
             args, kwargs = normal
             tuned, leaves, checked, phase, host_values = self._phase_route(phase, args, kwargs)
         else:
-            raw_key = flat_call_key(args, kwargs)
+            native = self._native_key
+            raw_key = native(args, kwargs) if native is not None else NotImplemented
+            keyed = raw_key is not NotImplemented
+            if not keyed:
+                raw_key = flat_call_key(args, kwargs)
             route = self._routes.get(raw_key) if raw_key is not None else None
             if route is not None:
-                tuned, normalize, host_values = route
+                tuned, normalize, host_values, quiet = route
                 args, kwargs = normalize(args, kwargs)
                 leaves = checked = flat = [*args, *kwargs.values()]  # every leaf (tensors and plain constants)
+                if quiet:  # (every tensor contiguous with elements: the loop below has nothing to find)
+                    checked = ()
             else:
                 raw_args, raw_kwargs = args, kwargs
                 args, kwargs = self.signature.normalize(args, kwargs)
@@ -225,7 +239,7 @@ class Dispatch:
                     if not raw_args and tuple(raw_kwargs) not in self._phase_plans:
                         self._phase_plans[tuple(raw_kwargs)] = self.signature.plan(raw_args, raw_kwargs)
                 else:
-                    tuned, leaves = self._route(raw_key, args, kwargs, raw_args, raw_kwargs)
+                    tuned, leaves = self._route(raw_key, keyed, args, kwargs, raw_args, raw_kwargs)
                     checked = leaves
                     if tuned is not None and tuned.graph.phase is not None:  # a phase call, other nested inputs
                         phase = slow_route_facts(args, kwargs, tuned.graph.phase)
@@ -363,11 +377,13 @@ class Dispatch:
             f"serve such a cache, tune this phase with eager: "
             f"strategies={{{graph.name!r}: ait.OneBackendStrategy(TorchEagerBackend())}}") from cause
 
-    def _route(self, raw_key, args, kwargs, raw_args, raw_kwargs) -> tuple[TunedGraph | None, list]:
+    def _route(self, raw_key, keyed: bool, args, kwargs, raw_args, raw_kwargs) -> tuple[TunedGraph | None, list]:
         """The graph of a normalised call (None: no tuned graph takes it) and the call's flattened leaves. A flat
         call's route (its leaves are its canonical args and kwargs values in order) is kept under ``raw_key``,
         so the next call shaped the same way finds it without flattening, and normalises it with the plan made
-        from this call (``raw_args``/``raw_kwargs``: the call as given)."""
+        from this call (``raw_args``/``raw_kwargs``: the call as given). ``keyed``: ``raw_key`` is the extension's
+        (NOTE [native call key]), which tells a contiguous tensor with elements from others: such a route's calls
+        skip the loop over their tensors."""
         fast_key = flat_call_key(args, kwargs)
         tuned = self._by_flat_key.get(fast_key) if fast_key is not None else None
         if tuned is None:
@@ -376,7 +392,10 @@ class Dispatch:
                 leaves
         plan = self.signature.plan(raw_args, raw_kwargs) if raw_key is not None else None
         if plan is not None:  # (None: positional-only parameters or *args: such calls take the general path)
-            self._routes[raw_key] = (tuned, plan, _on_host((*args, *kwargs.values())))
+            leaves = (*args, *kwargs.values())
+            quiet = keyed and all(leaf.numel() != 0 and leaf.is_contiguous() for leaf in leaves
+                                  if isinstance(leaf, torch.Tensor))
+            self._routes[raw_key] = (tuned, plan, _on_host(leaves), quiet)
         return tuned, [*args, *kwargs.values()]
 
     def _phase_route(self, phase: PhaseCall, args, kwargs) -> tuple[TunedGraph | None, list, list, PhaseCall, bool]:

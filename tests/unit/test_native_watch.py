@@ -54,26 +54,43 @@ def test_the_reader_sums_what_python_reads_before_and_after_each_kind_of_change(
     reader = native_watch.state_reader(tensors)
 
     def python_sums():
-        return sum(t._version for t in tensors), _weighted(t.data_ptr() for t in tensors)
+        return (sum(t._version for t in tensors),
+                _weighted(t.untyped_storage()._cdata + t.storage_offset() * t.element_size() for t in tensors))
 
-    first = reader()
-    assert first[:2] == python_sums()
+    def pointers():
+        return _weighted(t.data_ptr() for t in tensors)
+
+    first = reader.state()
+    assert first[:2] == python_sums() and reader.pointers() == pointers()
     with torch.no_grad():
         net[3].bias.add_(1)  # the last tensor edited in place
-    assert reader()[:2] == python_sums() and reader()[0] == first[0] + 1
+    assert reader.state()[:2] == python_sums() and reader.state()[0] == first[0] + 1
     net[1].running_mean.data = net[1].running_mean.data.clone()  # one buffer's .data replaced
-    assert reader()[:2] == python_sums() and reader()[1] != first[1]
-    kinds = reader()[2]
+    assert reader.state()[:2] == python_sums() and reader.state()[1] != first[1]
+    assert reader.pointers() == pointers()
+    kinds = reader.state()[2]
     net[0].weight.data = net[0].weight.data.double()
-    assert reader()[2] != kinds
+    assert reader.state()[2] != kinds
+
+
+def test_a_storage_address_is_never_reused_while_the_reader_holds_it(native):
+    """The reader compares storage addresses: it holds a weak reference to each storage it was made with, so a
+    tensor whose .data was replaced twice (the first new storage freed) cannot come back to the first address
+    unnoticed, however the allocator reuses memory."""
+    tensors = [torch.ones(4)]
+    reader = native_watch.state_reader(tensors)
+    before = reader.state()[1]
+    for _ in range(50):
+        tensors[0].data = torch.ones(4)  # each new storage replaces (and frees) the previous one
+        assert reader.state()[1] != before
 
 
 def test_two_tensors_that_swap_their_data_change_the_pointer_sum(native):
     a, b = torch.ones(4), torch.zeros(4)
     reader = native_watch.state_reader([a, b])
-    before = reader()
+    before, pointers = reader.state(), reader.pointers()
     a.data, b.data = b.data, a.data  # a plain sum of pointers would not change
-    assert reader()[1] != before[1]
+    assert reader.state()[1] != before[1] and reader.pointers() != pointers
 
 
 def test_the_watch_notices_a_data_swap_at_the_next_call_with_the_native_reader(native):
@@ -194,7 +211,7 @@ def test_the_reader_holds_its_tensors_until_it_is_dropped(native):
     reader = native_watch.state_reader(tensors)
     del tensors
     gc.collect()
-    assert all(ref() is not None for ref in alive) and reader()[0] == 0
+    assert all(ref() is not None for ref in alive) and reader.state()[0] == 0
     del reader
     gc.collect()
     assert all(ref() is None for ref in alive)  # and released with it

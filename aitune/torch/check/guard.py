@@ -404,9 +404,13 @@ class StateWatch:
         self.first_facts = (self.pointers[0], self.tensors[0].dtype, self.tensors[0].get_device()) \
             if self.tensors else None
         self.calls = 0
-        # NOTE [native watch]: one C call reads every version counter, data pointer, dtype and device
-        self.reader = state_reader(self.tensors)
-        self.reader_state = self.reader() if self.reader is not None else None
+        # NOTE [native watch]: one C call reads every version counter, storage, dtype and device; the data pointers
+        # another, every FULL_SCAN_EVERY calls
+        native = state_reader(self.tensors)
+        self.reader = native.state if native is not None else None
+        self.pointer_reader = native.pointers if native is not None else None
+        self.reader_state = self.reader() if native is not None else None
+        self.pointer_state = self.pointer_reader() if native is not None else None
 
     def changed(self) -> str | None:
         """None while the state is as tuned; else (and from then on) what changed, e.g.
@@ -414,12 +418,17 @@ class StateWatch:
         if self.reason is not None:
             return self.reason
         reader = self.reader
+        self.calls += 1
         if reader is not None:
-            if reader() == self.reader_state and _REGISTRATIONS[0] == self.registrations:
-                return None
+            try:
+                if (reader() == self.reader_state and _REGISTRATIONS[0] == self.registrations
+                        and (self.calls % FULL_SCAN_EVERY or self.pointer_reader() == self.pointer_state)):
+                    return None
+            except RuntimeError:  # a tensor swapped for one whose storage cannot be read: Python reads from now on
+                logger.debug("native weight watch dropped for this module", exc_info=True)
+                self.reader = reader = None
         else:
             tensors = self.tensors
-            self.calls += 1
             first = self.first
             if (sum(map(VERSION, tensors)) == self.version_sum and _REGISTRATIONS[0] == self.registrations
                     and (first is None or (first.data_ptr(), first.dtype, first.get_device()) == self.first_facts)
@@ -430,6 +439,7 @@ class StateWatch:
             self.registrations = _REGISTRATIONS[0]
             if reader is not None:
                 self.reader_state = reader()
+                self.pointer_state = self.pointer_reader()
         return self.reason
 
     def changed_now(self) -> str | None:

@@ -1,29 +1,40 @@
 // aitune's per-call checks in one C call each (aitune/torch/check/native_watch.py, NOTE [native watch]).
 //
-// StateReader(tensors) keeps a reference to each tensor (the Python objects); state() returns
-// (sum of version counters, index-weighted sum of data pointers, index-weighted sum of dtype/device codes) over
-// them, the facts StateWatch compares per call. Each call unpacks every tensor's current TensorImpl again: a tensor
+// StateReader(tensors) keeps a reference to each tensor (the Python objects) and a weak one to each tensor's storage;
+// state() returns (sum of version counters, index-weighted sum of storage addresses and offsets, index-weighted sum
+// of dtype/device codes) over them, the facts StateWatch compares per call; pointers() the index-weighted sum of
+// their data pointers, which it compares every FULL_SCAN_EVERY calls. Each call unpacks every tensor's current TensorImpl again: a tensor
 // whose TensorImpl was swapped (torch.utils.swap_tensors, which nn.Module._apply uses for wrapper subclasses) is
 // read as it is now, never through a pointer to the old one. Weighting by position makes two tensors that swapped
 // their data differ. Reading the same facts from Python costs an attribute lookup and an int object per tensor.
 // all_finite(tensor) is the value gate's nan/inf check of a small CPU input without a torch op and a read of its
-// result. Only CPython's C API and torch's Python tensor unpacking are used: no bindings of our own.
+// result. call_key(args, kwargs) is the dispatch's route key of a call (NOTE [native call key] in
+// aitune/torch/dispatch.py); AttributeReader(dicts, keys, values, sized, sizes).same() is BakedState's per-call
+// check that the attributes forward reads are the objects captured (NOTE [native attribute check] in
+// aitune/torch/check/baked_state.py). Only CPython's C API and torch's Python tensor unpacking are used: no
+// bindings of our own.
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
 #include <exception>
+#include <vector>
 
 namespace {
 
 struct StateReader {
   PyObject_HEAD
   PyObject* tensors;  // a list of the tensors, as given (references kept)
+  // a weak reference to each tensor's storage at construction: the storage's data is freed as usual when unused,
+  // but its StorageImpl's memory is not, so no later storage can take its address (state() compares addresses)
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>* held;
 };
 
+// (sum of version counters, position-weighted sum of storage addresses plus byte offsets, position-weighted sum
+// of dtype/device codes): no read of the storage itself, one cache line fewer per tensor than its data pointer.
 PyObject* reader_state(PyObject* self, PyObject*) {
   PyObject* tensors = reinterpret_cast<StateReader*>(self)->tensors;
-  uint64_t versions = 0, pointers = 0, kinds = 0;
+  uint64_t versions = 0, storages = 0, kinds = 0;
   try {
     const Py_ssize_t count = PyList_GET_SIZE(tensors);
     for (Py_ssize_t index = 0; index < count; ++index) {
@@ -32,10 +43,10 @@ PyObject* reader_state(PyObject* self, PyObject*) {
       if (!impl->is_inference()) {  // (an inference tensor has no version counter; made so after the check below)
         versions += impl->version_counter().current_version();
       }
-      if (impl->has_storage()) {
-        pointers += weight * (reinterpret_cast<uintptr_t>(impl->storage().data()) +
-                              static_cast<uint64_t>(impl->storage_offset()) * impl->itemsize());
-      }
+      // (unsafe_storage: TensorImpl's own field, no virtual call; the constructor accepted only tensors whose
+      // storage() is that field)
+      storages += weight * (reinterpret_cast<uintptr_t>(impl->unsafe_storage().unsafeGetStorageImpl()) +
+                            static_cast<uint64_t>(impl->storage_offset()) * impl->itemsize());
       const c10::Device device = impl->device();
       kinds += weight * (static_cast<uint64_t>(impl->dtype().toScalarType()) * 1000003u +
                          static_cast<uint64_t>(device.type()) * 1009u + static_cast<uint64_t>(device.index() + 1));
@@ -44,11 +55,35 @@ PyObject* reader_state(PyObject* self, PyObject*) {
     PyErr_SetString(PyExc_RuntimeError, error.what());
     return nullptr;
   }
-  return Py_BuildValue("(KKK)", static_cast<unsigned long long>(versions), static_cast<unsigned long long>(pointers),
+  return Py_BuildValue("(KKK)", static_cast<unsigned long long>(versions), static_cast<unsigned long long>(storages),
                        static_cast<unsigned long long>(kinds));
 }
 
+// The position-weighted sum of the tensors' data pointers (a storage resized in place keeps its address but not
+// its data pointer).
+PyObject* reader_pointers(PyObject* self, PyObject*) {
+  PyObject* tensors = reinterpret_cast<StateReader*>(self)->tensors;
+  uint64_t pointers = 0;
+  try {
+    const Py_ssize_t count = PyList_GET_SIZE(tensors);
+    for (Py_ssize_t index = 0; index < count; ++index) {
+      c10::TensorImpl* impl = THPVariable_Unpack(PyList_GET_ITEM(tensors, index)).unsafeGetTensorImpl();
+      const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+      if (storage != nullptr) {
+        pointers += (static_cast<uint64_t>(index) + 1) *
+                    (reinterpret_cast<uintptr_t>(storage->data()) +
+                     static_cast<uint64_t>(impl->storage_offset()) * impl->itemsize());
+      }
+    }
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+  return PyLong_FromUnsignedLongLong(static_cast<unsigned long long>(pointers));
+}
+
 void reader_dealloc(PyObject* self) {
+  delete reinterpret_cast<StateReader*>(self)->held;
   Py_XDECREF(reinterpret_cast<StateReader*>(self)->tensors);
   Py_TYPE(self)->tp_free(self);
 }
@@ -81,12 +116,36 @@ PyObject* reader_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     Py_DECREF(tensors);
     return nullptr;
   }
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>* held = nullptr;
+  try {
+    held = new std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>();
+    for (Py_ssize_t index = 0; index < PyList_GET_SIZE(tensors); ++index) {
+      c10::TensorImpl* impl = THPVariable_Unpack(PyList_GET_ITEM(tensors, index)).unsafeGetTensorImpl();
+      if (impl->has_storage()) {
+        // state() reads the storage field directly: only where storage() (virtual) is that field
+        if (&impl->storage() != &impl->unsafe_storage()) {
+          delete held;
+          PyErr_Format(PyExc_TypeError, "StateReader: item %zd keeps its storage elsewhere", index);
+          Py_DECREF(tensors);
+          return nullptr;
+        }
+        held->push_back(impl->storage().getWeakStorageImpl());
+      }
+    }
+  } catch (const std::exception& error) {
+    delete held;
+    PyErr_Format(PyExc_TypeError, "StateReader: a tensor's storage cannot be read: %s", error.what());
+    Py_DECREF(tensors);
+    return nullptr;
+  }
   auto* reader = reinterpret_cast<StateReader*>(type->tp_alloc(type, 0));
   if (reader == nullptr) {
+    delete held;
     Py_DECREF(tensors);
     return nullptr;
   }
   reader->tensors = tensors;
+  reader->held = held;
   return reinterpret_cast<PyObject*>(reader);
 }
 
@@ -140,18 +199,212 @@ PyObject* all_finite(PyObject*, PyObject* item) {
   }
 }
 
+// ---- call_key(args, kwargs): the route key of a call whose arguments are all tensors or plain constants.
+// Returns the key, None where an argument is neither (the caller's general path), or NotImplemented where a tensor
+// is not a plain strided tensor (a subclass that dispatches to Python, sparse, nested, symbolic sizes): the caller
+// then keys the call itself. A key is (len(args), parts): per tensor (scalar type, dim, device type, device index,
+// regular) as ints, regular being 1 for a contiguous tensor with elements, per constant (type, value), keyword
+// arguments with their name first.
+PyObject* tensor_part(PyObject* name, PyObject* item, bool* plain) {
+  const at::Tensor& tensor = THPVariable_Unpack(item);
+  c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  if (impl->is_python_dispatch() || impl->layout() != c10::kStrided || impl->has_symbolic_sizes_strides() ||
+      impl->is_nested()) {
+    *plain = false;
+    return nullptr;
+  }
+  const c10::Device device = impl->device();
+  const long dtype = static_cast<long>(impl->dtype().toScalarType());
+  const long dim = static_cast<long>(impl->dim());
+  const long type = static_cast<long>(device.type());
+  const long index = static_cast<long>(device.index());
+  const long regular = impl->numel() != 0 && impl->is_contiguous() ? 1 : 0;
+  if (name != nullptr) return Py_BuildValue("(Olllll)", name, dtype, dim, type, index, regular);
+  return Py_BuildValue("(lllll)", dtype, dim, type, index, regular);
+}
+
+bool plain_constant(PyObject* value) {
+  return value == Py_None || PyBool_Check(value) || PyLong_CheckExact(value) || PyFloat_CheckExact(value) ||
+         PyUnicode_CheckExact(value);
+}
+
+PyObject* call_key(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+  if (argc != 2 || !PyTuple_Check(argv[0]) || !PyDict_Check(argv[1])) {
+    PyErr_SetString(PyExc_TypeError, "call_key(args: tuple, kwargs: dict)");
+    return nullptr;
+  }
+  PyObject* args = argv[0];
+  PyObject* kwargs = argv[1];
+  const Py_ssize_t count = PyTuple_GET_SIZE(args);
+  PyObject* parts = PyTuple_New(count + PyDict_GET_SIZE(kwargs));
+  if (parts == nullptr) return nullptr;
+  try {
+    Py_ssize_t at = 0;
+    bool plain = true;
+    auto add = [&](PyObject* name, PyObject* value) -> int {  // 1: added, 0: not flat, -1: error or not plain
+      PyObject* part = nullptr;
+      if (THPVariable_Check(value)) {
+        part = tensor_part(name, value, &plain);
+        if (part == nullptr) return -1;
+      } else if (plain_constant(value)) {
+        PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(value));
+        part = name != nullptr ? PyTuple_Pack(3, name, type, value) : PyTuple_Pack(2, type, value);
+        if (part == nullptr) return -1;
+      } else {
+        return 0;
+      }
+      PyTuple_SET_ITEM(parts, at++, part);
+      return 1;
+    };
+    for (Py_ssize_t index = 0; index < count; ++index) {
+      const int added = add(nullptr, PyTuple_GET_ITEM(args, index));
+      if (added != 1) {
+        Py_DECREF(parts);
+        if (added == 0) Py_RETURN_NONE;
+        if (!plain) Py_RETURN_NOTIMPLEMENTED;
+        return nullptr;
+      }
+    }
+    Py_ssize_t position = 0;
+    PyObject *name, *value;
+    while (PyDict_Next(kwargs, &position, &name, &value)) {
+      const int added = add(name, value);
+      if (added != 1) {
+        Py_DECREF(parts);
+        if (added == 0) Py_RETURN_NONE;
+        if (!plain) Py_RETURN_NOTIMPLEMENTED;
+        return nullptr;
+      }
+    }
+  } catch (const std::exception& error) {
+    Py_DECREF(parts);
+    PyErr_Clear();
+    Py_RETURN_NOTIMPLEMENTED;  // (whatever torch could not answer: the caller's own reads decide)
+  }
+  PyObject* key = Py_BuildValue("(nN)", count, parts);
+  return key;
+}
+
+// ---- AttributeReader(dicts, keys, values, sized, sizes): same() is True while dicts[i][keys[i]] is values[i] for
+// every i (identity: no Python code runs) and len(sized[j]) == sizes[j] for every j; False otherwise (a key missing
+// included), and the caller then compares by value itself.
+struct AttributeReader {
+  PyObject_HEAD
+  PyObject* dicts;   // list of dict
+  PyObject* keys;    // list of str
+  PyObject* values;  // list of objects
+  PyObject* sized;   // list of dict
+  Py_ssize_t* sizes;
+};
+
+PyObject* attributes_same(PyObject* self, PyObject*) {
+  auto* reader = reinterpret_cast<AttributeReader*>(self);
+  const Py_ssize_t count = PyList_GET_SIZE(reader->dicts);
+  for (Py_ssize_t index = 0; index < count; ++index) {
+    PyObject* now = PyDict_GetItemWithError(PyList_GET_ITEM(reader->dicts, index), PyList_GET_ITEM(reader->keys, index));
+    if (now != PyList_GET_ITEM(reader->values, index)) {
+      if (now == nullptr && PyErr_Occurred()) PyErr_Clear();
+      Py_RETURN_FALSE;
+    }
+  }
+  const Py_ssize_t sized = PyList_GET_SIZE(reader->sized);
+  for (Py_ssize_t index = 0; index < sized; ++index) {
+    if (PyDict_GET_SIZE(PyList_GET_ITEM(reader->sized, index)) != reader->sizes[index]) Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+void attributes_dealloc(PyObject* self) {
+  auto* reader = reinterpret_cast<AttributeReader*>(self);
+  Py_XDECREF(reader->dicts);
+  Py_XDECREF(reader->keys);
+  Py_XDECREF(reader->values);
+  Py_XDECREF(reader->sized);
+  PyMem_Free(reader->sizes);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* attributes_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject *dicts_in, *keys_in, *values_in, *sized_in, *sizes_in;
+  if (kwargs != nullptr && PyDict_Size(kwargs) != 0) {
+    PyErr_SetString(PyExc_TypeError, "AttributeReader takes no keyword arguments");
+    return nullptr;
+  }
+  if (!PyArg_ParseTuple(args, "OOOOO", &dicts_in, &keys_in, &values_in, &sized_in, &sizes_in)) return nullptr;
+  PyObject* lists[4] = {PySequence_List(dicts_in), PySequence_List(keys_in), PySequence_List(values_in),
+                        PySequence_List(sized_in)};
+  PyObject* sizes = PySequence_List(sizes_in);
+  auto fail = [&](const char* message) -> PyObject* {
+    if (message != nullptr) PyErr_SetString(PyExc_TypeError, message);
+    for (PyObject* list : lists) Py_XDECREF(list);
+    Py_XDECREF(sizes);
+    return nullptr;
+  };
+  for (PyObject* list : lists) {
+    if (list == nullptr) return fail(nullptr);
+  }
+  if (sizes == nullptr) return fail(nullptr);
+  const Py_ssize_t count = PyList_GET_SIZE(lists[0]);
+  if (PyList_GET_SIZE(lists[1]) != count || PyList_GET_SIZE(lists[2]) != count ||
+      PyList_GET_SIZE(lists[3]) != PyList_GET_SIZE(sizes)) {
+    return fail("AttributeReader: dicts, keys and values (and sized and sizes) must have equal lengths");
+  }
+  for (Py_ssize_t index = 0; index < count; ++index) {
+    if (!PyDict_Check(PyList_GET_ITEM(lists[0], index)) || !PyUnicode_CheckExact(PyList_GET_ITEM(lists[1], index))) {
+      return fail("AttributeReader: dicts must be dicts and keys str");
+    }
+  }
+  const Py_ssize_t sized = PyList_GET_SIZE(lists[3]);
+  auto* counts = static_cast<Py_ssize_t*>(PyMem_Malloc(sizeof(Py_ssize_t) * (sized > 0 ? sized : 1)));
+  if (counts == nullptr) {
+    PyErr_NoMemory();
+    return fail(nullptr);
+  }
+  for (Py_ssize_t index = 0; index < sized; ++index) {
+    counts[index] = PyLong_AsSsize_t(PyList_GET_ITEM(sizes, index));
+    if (!PyDict_Check(PyList_GET_ITEM(lists[3], index)) || (counts[index] == -1 && PyErr_Occurred())) {
+      PyMem_Free(counts);
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "AttributeReader: sized must be dicts, sizes ints");
+      return fail(nullptr);
+    }
+  }
+  Py_DECREF(sizes);
+  sizes = nullptr;
+  auto* reader = reinterpret_cast<AttributeReader*>(type->tp_alloc(type, 0));
+  if (reader == nullptr) {
+    PyMem_Free(counts);
+    return fail(nullptr);
+  }
+  reader->dicts = lists[0];
+  reader->keys = lists[1];
+  reader->values = lists[2];
+  reader->sized = lists[3];
+  reader->sizes = counts;
+  return reinterpret_cast<PyObject*>(reader);
+}
+
 PyMethodDef module_methods[] = {
     {"all_finite", all_finite, METH_O,
      "all_finite(tensor) -> True/False for a contiguous CPU float tensor (any nan/inf: False), else None"},
+    {"call_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call_key)), METH_FASTCALL,
+     "call_key(args, kwargs) -> the route key of a flat call, None (nested), NotImplemented (key it yourself)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyMethodDef reader_methods[] = {
     {"state", reader_state, METH_NOARGS,
-     "(sum of version counters, position-weighted sum of data pointers, position-weighted sum of dtype/device "
-     "codes) over the tensors, as ints (modulo 2**64)"},
+     "(sum of version counters, position-weighted sum of storage addresses plus byte offsets, position-weighted sum "
+     "of dtype/device codes) over the tensors, as ints (modulo 2**64)"},
+    {"pointers", reader_pointers, METH_NOARGS,
+     "position-weighted sum of the tensors' data pointers, as an int (modulo 2**64)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyMethodDef attribute_methods[] = {
+    {"same", attributes_same, METH_NOARGS,
+     "True while every dicts[i][keys[i]] is values[i] and every len(sized[j]) == sizes[j]"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyTypeObject StateReaderType = {PyVarObject_HEAD_INIT(nullptr, 0) "aitune_native_watch.StateReader"};
+PyTypeObject AttributeReaderType = {PyVarObject_HEAD_INIT(nullptr, 0) "aitune_native_watch.AttributeReader"};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "aitune_native_watch", nullptr, -1, module_methods};
 
@@ -165,11 +418,24 @@ PyMODINIT_FUNC PyInit_aitune_native_watch() {
   StateReaderType.tp_methods = reader_methods;
   StateReaderType.tp_doc = "StateReader(tensors): state() of a fixed list of tensors in one call";
   if (PyType_Ready(&StateReaderType) < 0) return nullptr;
+  AttributeReaderType.tp_basicsize = sizeof(AttributeReader);
+  AttributeReaderType.tp_flags = Py_TPFLAGS_DEFAULT;
+  AttributeReaderType.tp_new = attributes_new;
+  AttributeReaderType.tp_dealloc = attributes_dealloc;
+  AttributeReaderType.tp_methods = attribute_methods;
+  AttributeReaderType.tp_doc = "AttributeReader(dicts, keys, values, sized, sizes): same() by identity in one call";
+  if (PyType_Ready(&AttributeReaderType) < 0) return nullptr;
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   Py_INCREF(&StateReaderType);
   if (PyModule_AddObject(module, "StateReader", reinterpret_cast<PyObject*>(&StateReaderType)) < 0) {
     Py_DECREF(&StateReaderType);
+    Py_DECREF(module);
+    return nullptr;
+  }
+  Py_INCREF(&AttributeReaderType);
+  if (PyModule_AddObject(module, "AttributeReader", reinterpret_cast<PyObject*>(&AttributeReaderType)) < 0) {
+    Py_DECREF(&AttributeReaderType);
     Py_DECREF(module);
     return nullptr;
   }

@@ -81,12 +81,15 @@ spec = importlib.util.spec_from_file_location("aitune_native_watch", sys.argv[1]
 module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
 tensors = [torch.nn.Parameter(torch.randn(3, 4)), torch.randn(5)[1:], torch.zeros(2, dtype=torch.int64)]
 reader = module.StateReader(tensors)
+def weighted(values):
+    return sum((i + 1) * value for i, value in enumerate(values)) % 2 ** 64
 def python_sums():
     return (sum(t._version for t in tensors),
-            sum((i + 1) * t.data_ptr() for i, t in enumerate(tensors)) % 2 ** 64)
+            weighted(t.untyped_storage()._cdata + t.storage_offset() * t.element_size() for t in tensors),
+            weighted(t.data_ptr() for t in tensors))
 def check(what):
-    versions, pointers, _ = reader.state()
-    assert (versions, pointers) == python_sums(), (what, reader.state(), python_sums())
+    versions, storages, _ = reader.state()
+    assert (versions, storages, reader.pointers()) == python_sums(), (what, reader.state(), python_sums())
 check("fresh")
 before = reader.state()
 with torch.no_grad():
@@ -100,6 +103,9 @@ check("swap_tensors"); assert reader.state()[1] != swapped[1]
 kinds = reader.state()[2]
 tensors[2].data = tensors[2].data.to(torch.int32)
 check("dtype"); assert reader.state()[2] != kinds
+pointers = reader.pointers()
+tensors[2].untyped_storage().resize_(64)
+check("storage resized"); assert reader.pointers() != pointers
 for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
     values = torch.randn(37).to(dtype)
     assert module.all_finite(values) is True, dtype
@@ -114,20 +120,41 @@ try:
     raise SystemExit("an inference tensor was accepted")
 except TypeError:
     pass
+x = torch.randn(2, 3)
+count, parts = module.call_key((x, 2, None), {"flag": True, "y": x.double()})
+assert count == 3 and parts[1:4] == ((int, 2), (type(None), None), ("flag", bool, True)), parts
+assert parts[0][1:] == (2, 0, -1, 1) and parts[4][0] == "y" and parts[4][2:] == (2, 0, -1, 1), parts
+assert parts[0][0] != parts[4][1] and module.call_key((x.clone(), 2, None), {"flag": True, "y": x.double()}) == \
+    (count, parts)
+assert module.call_key((x, [1]), {}) is None and module.call_key((x.t(),), {})[1][0][1:] == (2, 0, -1, 0)
+assert module.call_key((torch.empty(0),), {})[1][0][1:] == (1, 0, -1, 0) and module.call_key((), {}) == (0, ())
+assert module.call_key((x.to_sparse(),), {}) is NotImplemented
+holder = {"a": 1.5, "b": "text"}
+value = holder["a"]
+reader = module.AttributeReader([holder, holder], ["a", "b"], [value, holder["b"]], [holder], [2])
+assert reader.same() is True
+holder["a"] = float("1.5")
+assert reader.same() is False
+holder["a"] = value; holder["c"] = 0
+assert reader.same() is False
+del holder["c"]; del holder["b"]
+assert reader.same() is False
 print("ok")
 """
 
 
-def state_reader(tensors: list[torch.Tensor]) -> Callable[[], tuple[int, int, int]] | None:
-    """A callable returning ``(sum of version counters, position-weighted sum of data pointers, position-weighted sum
-    of dtype/device codes)`` of ``tensors`` (modulo 2**64; the reader keeps references to them), or None where the
-    extension is off or unavailable (NOTE [native watch]) or a tensor has no version counter (an inference tensor).
-    The first call in a process may build the extension (once per torch installation)."""
+def state_reader(tensors: list[torch.Tensor]):
+    """The extension's ``StateReader`` of ``tensors`` (it keeps references to them and weak ones to their storages),
+    or None where the extension is off or unavailable (NOTE [native watch]) or a tensor has no version counter (an
+    inference tensor). Its ``state()`` returns ``(sum of version counters, position-weighted sum of storage
+    addresses plus byte offsets, position-weighted sum of dtype/device codes)``, its ``pointers()`` the
+    position-weighted sum of the data pointers (ints modulo 2**64). The first call in a process may build the
+    extension (once per torch installation)."""
     module = native_module()
     if module is None or not tensors:
         return None
     try:
-        return module.StateReader(tensors).state
+        return module.StateReader(tensors)
     except TypeError as error:
         logger.debug("native weight watch not used for this module: %s", error)
         return None
@@ -148,6 +175,29 @@ def all_finite_check() -> Callable[[torch.Tensor], bool | None] | None:
         return native(tensor) if tensor.numel() <= ALL_FINITE_MAX_ELEMENTS else None
 
     return check
+
+
+def call_key_function() -> Callable[[tuple, dict], object] | None:
+    """The extension's ``call_key(args, kwargs)`` (NOTE [native call key] in :mod:`aitune.torch.dispatch`), or None
+    where the extension is off or unavailable. May build the extension (see :func:`state_reader`)."""
+    module = native_module()
+    return getattr(module, "call_key", None) if module is not None else None
+
+
+def attribute_reader(dicts: list[dict], keys: list[str], values: list, sized: list[dict],
+                     sizes: list[int]) -> Callable[[], bool] | None:
+    """A callable returning True while every ``dicts[i][keys[i]] is values[i]`` and every ``len(sized[j]) ==
+    sizes[j]`` (one C call; the reader keeps references to all of them), or None where the extension is off or
+    unavailable (NOTE [native attribute check] in :mod:`aitune.torch.check.baked_state`). May build the extension
+    (see :func:`state_reader`)."""
+    module = native_module()
+    if module is None:
+        return None
+    try:
+        return module.AttributeReader(dicts, keys, values, sized, sizes).same
+    except TypeError as error:
+        logger.debug("native attribute check not used for this module: %s", error)
+        return None
 
 
 def native_module():
