@@ -6,8 +6,11 @@
 # 2. the default tune of BERT-base b32, then of ResNet-50 b1, in one cache directory: the ResNet-50 tune is then the
 #    first of that model with the AOTInductor crash (if any) already remembered from the BERT tune;
 # 3. benchmarks/wrapper_cost.py on ResNet-50 b1 with aitune's captured variant: host µs per call, stage by stage.
-# 4. the GPU tests of Inductor and CUDA graphs (the weight watch runs in them).
-# STEPS: a subset of "watch search wrapper tests" (default: all).
+# 4. the GPU tests of Inductor and CUDA graphs (the weight watch runs in them);
+# 5. "proxy": benchmarks/dispatch_host_cost.py, the dispatch's host cost on that machine's CPU alone (no GPU work).
+# STEPS: a subset of "watch search wrapper tests proxy" (default: the first four). BASELINE=DIR: the wrapper and
+# proxy steps also run with the aitune package in DIR (a copy of an earlier tree's aitune/, e.g. made with
+# `git archive REV aitune | tar -x -C DIR`) first on the import path, for a before/after on the same machine.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,9 +28,26 @@ if [[ " $steps " == *" search "* ]]; then
     echo "search $1 b$2 rc ${PIPESTATUS[0]}"; tail -25 "$OUT/search_$1_b$2.log"
   done
 fi
+repo=$PWD
+trees=("$PWD")
+[[ -n "${BASELINE:-}" ]] && trees+=("$PWD/$BASELINE")
 if [[ " $steps " == *" wrapper "* ]]; then
-  timeout ${WRAPPER_TIMEOUT:-200} python3 -m benchmarks.wrapper_cost --device cuda --model resnet50 --rounds 3 \
-    --calls 200 --grad off --stages 1000 --config captured+freezing+cl 2>&1 | quiet | tee "$OUT/wrapper_cost.log"
+  for tree in "${trees[@]}"; do
+    name=$( [[ "$tree" == "$PWD" ]] && echo now || echo baseline )
+    # (run from another directory: `python -m` puts the working directory first on the import path)
+    (cd /tmp && PYTHONPATH=$tree:$repo python3 -c "import aitune; print('aitune from', aitune.__file__)"
+    PYTHONPATH=$tree:$repo timeout ${WRAPPER_TIMEOUT:-200} python3 -m benchmarks.wrapper_cost --device cuda \
+      --model resnet50 --rounds 3 --calls 200 --grad off --stages 1000 --config captured+freezing+cl 2>&1 | quiet \
+      | tee "$OUT/wrapper_cost_$name.log")
+  done
+fi
+if [[ " $steps " == *" proxy "* ]]; then
+  for tree in "${trees[@]}"; do
+    name=$( [[ "$tree" == "$PWD" ]] && echo now || echo baseline )
+    (cd /tmp && PYTHONPATH=$tree:$repo python3 -c "import aitune; print('aitune from', aitune.__file__)"
+    PYTHONPATH=$tree:$repo timeout ${PROXY_TIMEOUT:-200} python3 -m benchmarks.dispatch_host_cost --rounds 5 \
+      --calls 2000 2>&1 | quiet | tee "$OUT/dispatch_host_cost_$name.log")
+  done
 fi
 if [[ " $steps " == *" tests "* ]]; then
   timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py \

@@ -35,7 +35,7 @@ from aitune.torch.record.llm import (
     slow_route_facts,
 )
 from aitune.torch.record.pytree import LEAF, tree_flatten, tree_unflatten
-from aitune.torch.record.samples import graph_device, make_graph_key
+from aitune.torch.record.samples import flat_call_key, graph_device, make_graph_key, on_host
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class Dispatch:
                 key = flat_call_key(sample.args, sample.kwargs)
                 if key is not None:
                     self._by_flat_key[key] = tuned
-        self._routes: dict = {}  # raw call key -> (TunedGraph, plan, _on_host, quiet) (NOTE [dispatch fast path])
+        self._routes: dict = {}  # raw call key -> (TunedGraph, plan, on_host, quiet) (NOTE [dispatch fast path])
         # NOTE [native call key]: the extension's call_key (aitune/torch/check/native_watch.cpp) keys a flat call in
         # one C call: each tensor's dtype, rank and device, and whether it is contiguous with elements ("regular":
         # a route whose key says so for every tensor skips the per-call loop over them). Where it does not key a
@@ -395,7 +395,7 @@ class Dispatch:
             leaves = (*args, *kwargs.values())
             quiet = keyed and all(leaf.numel() != 0 and leaf.is_contiguous() for leaf in leaves
                                   if isinstance(leaf, torch.Tensor))
-            self._routes[raw_key] = (tuned, plan, _on_host(leaves), quiet)
+            self._routes[raw_key] = (tuned, plan, on_host(leaves), quiet)
         return tuned, [*args, *kwargs.values()]
 
     def _phase_route(self, phase: PhaseCall, args, kwargs) -> tuple[TunedGraph | None, list, list, PhaseCall, bool]:
@@ -416,7 +416,7 @@ class Dispatch:
                 if child.kind == LEAF:
                     offsets[name] = offset
                 offset += child.num_leaves
-            entry = self._phase_routes[phase.route] = (tuned, offsets, offset, _on_host(map(kwargs.get, offsets)))
+            entry = self._phase_routes[phase.route] = (tuned, offsets, offset, on_host(map(kwargs.get, offsets)))
         tuned, offsets, count, host = entry
         if tuned is None and phase.assumed:  # no graph for the phase assumed: read it
             read = phase_call(args, kwargs)
@@ -471,38 +471,6 @@ class Dispatch:
         if self.eager_fallback_error is not None:
             raise BackendRuntimeError(self.eager_fallback_error)
         return self.module(*args, **kwargs)
-
-
-_CONSTANT_TYPES = (int, float, bool, str, type(None))
-
-
-def flat_call_key(args: tuple, kwargs: dict):
-    """Graph key of a call with only tensor / plain-constant arguments; None when anything is nested.
-
-    A tensor's device enters as ``(get_device(), is_cuda)`` (index, -1 on the CPU): ~90 ns against ~290 ns for
-    ``tensor.device.type``, which builds a ``torch.device`` per access (torch 2.13)."""
-    parts = []
-    for value in args:
-        if isinstance(value, torch.Tensor):
-            parts.append((value.dtype, value.dim(), value.get_device(), value.is_cuda))
-        elif type(value) in _CONSTANT_TYPES:
-            parts.append((type(value), value))
-        else:
-            return None
-    for name, value in kwargs.items():
-        if isinstance(value, torch.Tensor):
-            parts.append((name, value.dtype, value.dim(), value.get_device(), value.is_cuda))
-        elif type(value) in _CONSTANT_TYPES:
-            parts.append((name, type(value), value))
-        else:
-            return None
-    return len(args), tuple(parts)
-
-
-def _on_host(values) -> bool:
-    """Is any of ``values`` a CPU tensor (the value gate reads only those: a route with none skips it)? By
-    ``get_device()``, as the route keys: -1 for the CPU, and for meta tensors too, which then count."""
-    return any(isinstance(value, torch.Tensor) and value.get_device() < 0 for value in values)
 
 
 def _contiguous(value):

@@ -439,7 +439,8 @@ def test_only_class_level_values_count_as_defaults_an_instance_may_shadow():
     plain values (``scale = 1.0``), not names the class lacks (globals such as ``F``, parameters such as
     ``weight``): counting those watched every module's attribute count on every call (~11 of ~30 µs per call
     for a ResNet-50, benchmarks/baked_state_cost.py)."""
-    from aitune.torch.check.baked_state import _class_defaults, _read_names
+    from aitune.torch.check.baked_state import _class_defaults
+    from aitune.torch.check.read_names import read_names as _read_names
 
     assert _class_defaults(nn.Linear, _read_names(nn.Linear)) == set()
     assert _class_defaults(nn.Conv2d, _read_names(nn.Conv2d)) == set()

@@ -55,9 +55,7 @@ mostly the attribute comparison; the values check adds its share every ``VALUES_
 from __future__ import annotations
 
 import enum
-import functools
 import operator
-import types
 from typing import Any
 
 import torch
@@ -67,6 +65,7 @@ from torch.utils.hooks import RemovableHandle
 from aitune.torch.check.generation_names import generation_bookkeeping
 from aitune.torch.check.guard import VERSION, named_state
 from aitune.torch.check.native_watch import attribute_reader
+from aitune.torch.check.read_names import optional_names, read_names
 from aitune.torch.record.pytree import tree_flatten
 from aitune.torch.record.state import MODULE_INTERNALS
 
@@ -169,7 +168,7 @@ class BakedState:
         self.hooks = _hooks_of(self.modules)
 
     def _capture_attributes(self) -> None:
-        reads = {klass: _read_names(klass) for klass in {type(module) for module in self.modules}}
+        reads = {klass: read_names(klass) for klass in {type(module) for module in self.modules}}
         elsewhere = frozenset().union(*reads.values()) - {"training"}  # names any of the classes reads off any object
         self.dicts = [vars(module) for module in self.modules]
         self.watched = [sorted(key for key in attributes if key not in _INTERNAL
@@ -193,7 +192,7 @@ class BakedState:
         # (torch.nn's built-in layers among them, a third of a ResNet-50's modules, only every VALUES_CHECK_EVERY
         # calls, like their hyper-parameters: counting their attributes on every call was ~11 µs of its ~30)
         sized = [(module, attributes) for module, attributes in zip(self.modules, self.dicts)
-                 if not _optional_names(type(module)) <= attributes.keys()
+                 if not optional_names(type(module)) <= attributes.keys()
                  or _class_defaults(type(module), reads[type(module)]) - attributes.keys()]
         self.sized = [attributes for module, attributes in sized if not _built_in(module)]
         self.sizes = list(map(len, self.sized))
@@ -231,12 +230,10 @@ class BakedState:
             return None
 
     def _attribute_reader(self):
-        """NOTE [native attribute check]: the per-call attributes (those of ``fast_getters``) and the attribute
-        counts of ``sized`` read in one C call that compares each value by identity with the object read here
-        (:func:`~aitune.torch.check.native_watch.attribute_reader`; ~7 ns an attribute where the getters took ~35
-        on this project's CPU, ``benchmarks/dispatch_host_cost.py``). While it answers True nothing it reads
-        changed; False sends the call to the Python comparison (by value), and where that finds the module as
-        captured, the reader is made again from the objects there now. None: the extension is unavailable."""
+        """NOTE [native attribute check]: ``fast_getters``' attributes and ``sized``'s counts in one C call, by identity
+        with the objects read here (:func:`~aitune.torch.check.native_watch.attribute_reader`; ~7 ns an attribute
+        against ~35 for the getters, this project's CPU). False sends the call to the comparison by value, after
+        which an unchanged module gets a new reader of the objects there now. None: no extension here."""
         dicts, keys, values = [], [], []
         for attributes, names in zip(self.fast_dicts, self.fast_keys):
             for name in names:
@@ -429,70 +426,6 @@ def _built_in(module: torch.nn.Module) -> bool:
     """A layer class of ``torch.nn`` itself (``torch.nn.modules.conv.Conv2d``), whose hyper-parameters are set
     at construction: checked with the sampled values, not per call."""
     return type(module).__module__.startswith("torch.nn.")
-
-
-def _read_names(klass: type) -> frozenset[str]:
-    """Names ``klass.forward`` can read: attribute and global names and string constants of its code, of nested
-    code, of wrapped or enclosed functions, and of the class's own methods and properties it names, transitively
-    (``self._conv_forward`` -> ``self.stride``). ``torch.nn.Module``'s own methods are not followed."""
-    return _read_names_cached(klass)[0]
-
-
-def _optional_names(klass: type) -> frozenset[str]:
-    """Names ``klass``'s forward reads by string (``getattr(self, "name", default)``, ``hasattr``): attributes
-    that may be added after tuning and still be read."""
-    return _read_names_cached(klass)[1]
-
-
-@functools.lru_cache(maxsize=None)
-def _read_names_cached(klass: type) -> tuple[frozenset[str], frozenset[str]]:
-    names: set[str] = set()
-    strings: set[str] = set()
-    todo = [klass.__dict__["forward"] for klass in klass.__mro__ if "forward" in klass.__dict__
-            and klass is not torch.nn.Module]
-    seen: set[int] = set()
-    while todo:
-        function = todo.pop()
-        for code in _codes_of(function, seen):
-            for name in code.co_names:
-                if name not in names:
-                    names.add(name)
-                    todo.extend(klass_dict[name] for klass_dict in _own_dicts(klass) if name in klass_dict)
-            strings.update(value for value in code.co_consts if isinstance(value, str) and value.isidentifier())
-    return frozenset(names | strings), frozenset(strings)
-
-
-def _own_dicts(klass: type) -> list:
-    return [base.__dict__ for base in klass.__mro__ if base not in (torch.nn.Module, object)]
-
-
-def _codes_of(function: Any, seen: set[int]) -> list:
-    """Code objects behind a function, method, property, static/class method, or decorator wrapper."""
-    found, todo = [], [function]
-    while todo:
-        item = todo.pop()
-        if item is None or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, property):
-            todo.extend((item.fget, item.fset))
-        elif isinstance(item, (staticmethod, classmethod)):
-            todo.append(item.__func__)
-        elif isinstance(item, types.CodeType):
-            found.append(item)
-            todo.extend(value for value in item.co_consts if isinstance(value, types.CodeType))
-        elif isinstance(item, types.FunctionType):
-            todo.append(item.__code__)
-            todo.append(getattr(item, "__wrapped__", None))
-            todo.extend(cell.cell_contents for cell in item.__closure__ or () if _callable_cell(cell))
-    return found
-
-
-def _callable_cell(cell: Any) -> bool:
-    try:
-        return isinstance(cell.cell_contents, (types.FunctionType, property, staticmethod, classmethod))
-    except ValueError:  # an empty cell
-        return False
 
 
 _DELETED = object()
