@@ -228,6 +228,30 @@ def test_attributes_read_by_forward_are_obeyed(net):
         assert fallbacks(tuned, "module") == before + 3
 
 
+def test_an_attribute_set_again_to_an_equal_object_keeps_the_backend_serving(net):
+    """NOTE [native attribute check]: the attributes are compared by identity in C first; an equal value in a new
+    object sends one call to the comparison by value, which finds the module as tuned, and the next calls compare
+    with the new object."""
+    name, model, tuned = net
+    x = torch.randn(4, 16)
+    before, served = fallbacks(tuned, "module"), tuned.backend_calls
+    original = model.scale
+    with torch.no_grad():
+        expected = tuned(x)  # the backend's answer while nothing changed
+    model.scale = float("1.0")  # == 1.0, another float object
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(tuned(x), expected, rtol=0, atol=0)
+        baked = tuned._self_dispatch.baked
+        if name in BAKED and baked.native_attributes:
+            assert baked.attribute_reader() is True  # made again from the objects there now
+    finally:
+        model.scale = original
+    assert fallbacks(tuned, "module") == before
+    assert tuned.backend_calls == served + (0 if name == "eager" else 4)
+
+
 def test_a_changed_module_costs_one_wasted_backend_run_then_is_checked_before_the_launch(net):
     """NOTE [module check after launch] in aitune/torch/dispatch.py: a baked backend's module check follows its
     launch; the first call that finds the module changed discards the backend's output, later calls check first

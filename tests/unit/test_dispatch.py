@@ -263,3 +263,44 @@ def test_a_served_inductor_call_keeps_what_its_build_runs_under(autocast, fast_p
         torch.testing.assert_close(served, exact, rtol=1e-5, atol=1e-5)
         backend.run(*tuned._self_dispatch.signature.normalize((x,), {}))  # grad mode on: the contexts again
         assert entered == [1]
+
+
+class RecordsInputs(BakedCopy):
+    """BakedCopy that notes whether each served call's input was contiguous (what its artifact received)."""
+
+    name = "test_records_inputs"
+
+    def _infer(self, args, kwargs):
+        self.received = [value.is_contiguous() for value in [*args, *kwargs.values()] if isinstance(value, torch.Tensor)]
+        return super()._infer(args, kwargs)
+
+
+@pytest.mark.parametrize("native_key", [True, False])
+def test_routes_keyed_in_c_or_python_serve_the_same_calls(native_key, fast_profiling):
+    """NOTE [native call key]: a route keyed by the extension skips the per-tensor loop only where its key says every
+    tensor is contiguous with elements; a non-contiguous call takes its own route, is served made contiguous, and a
+    zero-size call runs eager, whichever function keyed them (the extension's, or flat_call_key without it)."""
+    from aitune.torch.check import native_watch
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    strategy = ait.OneBackendStrategy(RecordsInputs(), profiling_config=fast_profiling)
+    tuned = ait.Module(model, "keyed", strategy=strategy.enable_performance_validation(False),
+                       guard=ait.GuardConfig(enabled=False))
+    ait.tune(tuned, [torch.randn(3, 4)], ready_batches=True)
+    dispatch = tuned._self_dispatch
+    if not native_key:
+        dispatch._native_key = None  # (as where the extension is unavailable)
+    elif native_watch.native_module() is None:
+        pytest.skip(f"the extension is not built here: {native_watch.native_status(build=False)}")
+    backend = tuned.backends["graph0"]
+    contiguous, transposed, empty = torch.randn(3, 4), torch.randn(4, 3).t(), torch.randn(0, 4)
+    with torch.no_grad():
+        for round_ in (1, 2):  # the second round takes the routes made in the first
+            for x in (contiguous, transposed):
+                torch.testing.assert_close(tuned(x), model(x))
+                assert backend.received == [True]
+            torch.testing.assert_close(tuned(empty), model(empty))
+            assert tuned.backend_calls == 2 * round_
+    assert tuned.stats["eager_fallbacks"] == {"empty": 2}
+    quiet = sorted(route[3] for route in dispatch._routes.values())  # (non-contiguous and empty: one route)
+    assert quiet == ([False, True] if native_key else [False])

@@ -255,3 +255,29 @@ def test_a_gate_for_a_graph_recorded_on_the_cpu_uses_the_native_check(native):
     gate = ValueGate.for_graph(graph, quantizing=False)
     assert gate.native_finite is not None and gate.native_finite(torch.ones(2)) is True
     assert "nan/inf" in gate.rejects([torch.tensor([[1.0, float("nan"), 0.0, 0.0]])])
+
+
+def test_a_storage_resized_in_place_is_noticed_within_sixteen_calls(native):
+    """The per-call read compares each storage's address, which a storage resized in place keeps; the data pointers
+    are compared every FULL_SCAN_EVERY calls."""
+    net = _net()
+    watch = StateWatch(net)
+    net[1].running_var.untyped_storage().resize_(64 * 4)  # new memory, same storage, no version bump
+    reasons = [watch.changed() for _ in range(FULL_SCAN_EVERY)]
+    assert reasons[-1] is not None and "'1.running_var' holds new data" in reasons[-1]
+
+
+def test_a_reader_that_fails_hands_the_watch_to_python(native):
+    """A tensor swapped for one whose storage cannot be read makes the reader raise: the watch drops it and reads
+    from Python from then on, noticing what Python notices (it never raises into the call)."""
+    net = _net()
+    watch = StateWatch(net)
+
+    def failing():
+        raise RuntimeError("storage cannot be read")
+
+    watch.reader = failing
+    assert watch.changed() is None and watch.reader is None
+    with torch.no_grad():
+        net[0].weight.add_(1)
+    assert "'0.weight' was changed in place" in watch.changed()

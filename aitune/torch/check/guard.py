@@ -38,8 +38,9 @@ Two mechanisms protect a tuned module once it serves calls:
     all data pointers, which catches a ``.data`` replaced on one tensor or a ``.to()`` of one submodule within
     16 calls. No hashing. Cost: tens of ns per parameter/buffer per call. Where aitune's small C++ extension is
     built (NOTE [native watch] in :mod:`aitune.torch.check.native_watch`), one C call reads every tensor's version
-    counter, data pointer, dtype and device instead, several times faster (``benchmarks/state_watch_cost.py`` times
-    both), so a ``.data`` replaced is noticed at the next call too.
+    counter, storage, dtype and device instead, several times faster (``benchmarks/state_watch_cost.py`` times
+    both), so a ``.data`` replaced is noticed at the next call too; the data pointers, every ``FULL_SCAN_EVERY``
+    calls.
 """
 
 from __future__ import annotations

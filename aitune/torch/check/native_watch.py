@@ -7,10 +7,14 @@ counter on every call. From Python that costs an attribute lookup and an int obj
 for ResNet-50's 320 parameters and buffers it was the largest stage of the tuned module's host time on a GPU
 (``benchmarks/wrapper_cost.py --stages``). PyTorch has no call that reads many version counters at once, and no hook
 on in-place writes. ``native_watch.cpp`` is that call: ``StateReader(tensors).state()`` returns the sum of the
-version counters and position-weighted sums of the data pointers and dtype/device codes of a fixed list of tensors
-(each tensor's current ``TensorImpl`` unpacked per call: one swapped by ``torch.utils.swap_tensors`` is read as it
-is now), so the watch also compares every data pointer on every call, where the Python path samples them
-(``FULL_SCAN_EVERY``). ``benchmarks/state_watch_cost.py`` times both paths. The same extension's
+version counters and position-weighted sums of the storages' addresses (with byte offsets) and dtype/device codes of
+a fixed list of tensors (each tensor's current ``TensorImpl`` unpacked per call: one swapped by
+``torch.utils.swap_tensors`` is read as it is now), so the watch compares every tensor's storage on every call,
+where the Python path samples the data pointers (``FULL_SCAN_EVERY``). The reader holds a weak reference to each
+storage it started with: the data is freed as usual, the address is never reused while the reader lives, so a new
+storage always reads differently. ``pointers()`` sums the data pointers themselves (one cache line more a tensor:
+~40 % of the read), which the watch compares every ``FULL_SCAN_EVERY`` calls (a storage resized in place keeps its
+address). ``benchmarks/state_watch_cost.py`` times both paths. The same extension's
 ``all_finite(tensor)`` serves the value gate's nan/inf check of small CPU inputs (exponent bits, no torch op);
 above ``ALL_FINITE_MAX_ELEMENTS`` torch's vectorised, multi-threaded reduction is faster and is used instead.
 
