@@ -129,7 +129,8 @@ def main(argv=None) -> int:
     print(f"tuned {tuned_p50:.2f}   run {run_p50:.2f}   tuned - run {tuned_p50 - run_p50:.2f}   per round {per_round}"
           f"   served by the backend: {tuned.backend_calls}   guard: {tuned.stats['guard'].get('graph0')}")
     if args.stages:
-        print_stages("ResNet-50-sized module, StoredOutput", stages(tuned, backend, lambda: tuned(x), args.stages))
+        print_stages("ResNet-50-sized module, StoredOutput; medians over the calls",
+                     stages(tuned, backend, lambda: tuned(x), args.stages, median=True))
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import pstats
+import statistics
 import time
 from typing import Callable, Iterator
 
@@ -70,6 +71,25 @@ def _patched(totals: dict, module, backend):
             stack.enter_context(patched(owner, name, _timed(totals, label, getattr(owner, name))))
 
         patch(dispatch_module.Dispatch, "call", "Dispatch.call (total)")
+        # host time from entering the dispatch to entering the backend's run: what a GPU waits for before the launch
+        entered: list = []
+        call, run = dispatch_module.Dispatch.call, backend.run
+
+        def marked_call(*args, **kwargs):
+            entered.append(_CLOCK())
+            try:
+                return call(*args, **kwargs)
+            finally:
+                entered.clear()
+
+        def marked_run(*args, **kwargs):
+            if entered:
+                label = "before the launch (Dispatch.call entry to backend.run entry)"
+                totals[label] = totals.get(label, 0) + _CLOCK() - entered[0]
+                entered.clear()  # (a guard check's second run is not a launch)
+            return run(*args, **kwargs)
+
+        stack.enter_context(patched(dispatch_module.Dispatch, "call", marked_call))
         patch(dispatch_module, "phase_call", "phase_call (phase, cache fill)")
         patch(dispatch_module.Dispatch, "_phase_route", "_phase_route")  # (a re-routing call counts twice)
         patch(dispatch_module, "counter_snapshot", "counter_snapshot (rewind copy)")
@@ -78,6 +98,7 @@ def _patched(totals: dict, module, backend):
         patch(StateWatch, "changed", "StateWatch.changed")
         patch(ValueGate, "rejects", "ValueGate.rejects")
         patch(RuntimeGuard, "due", "RuntimeGuard.due")
+        stack.enter_context(patched(backend, "run", marked_run))
         patch(backend, "run", "backend.run")
         if getattr(backend, "_compiled", None) is not None:
             patch(backend, "_compiled", "compiled callable")
@@ -87,19 +108,30 @@ def _patched(totals: dict, module, backend):
 
 
 def stages(module, backend, call: Callable[[], object], calls: int = 2000, cuda: bool = False,
-           before: Callable[[], object] | None = None) -> dict[str, float]:
+           before: Callable[[], object] | None = None, median: bool = False) -> dict[str, float]:
     """Mean host µs per call of each stage of ``calls`` calls of ``call`` (which calls the tuned ``module``,
     served by ``backend``), the device synchronised before each call on CUDA; ``before`` runs untimed before
-    every call (e.g. rewinding a key/value cache). Keys: stage labels, and ``"untimed call"``: the mean of the
-    same calls without timers, measured before."""
-    def run_all():
+    every call (e.g. rewinding a key/value cache). ``median``: each stage's median over the calls instead (a
+    stage a call skipped counts 0 for it), which leaves out the run-time guard's periodic checks against eager and
+    the every-64-calls checks. Keys: stage labels, and ``"untimed loop (sync and before() included)"``: the mean of
+    the same calls without timers, measured before."""
+    per_call: dict[str, list[float]] = {}
+    last: dict[str, int] = {}
+
+    def run_all(totals: dict | None = None):
         started = _CLOCK()
-        for _ in range(calls):
+        for index in range(calls):
             if before is not None:
                 before()
             if cuda:
                 torch.cuda.synchronize()
             call()
+            if totals is not None and median:  # (this call's share of each running total)
+                for label, total in totals.items():
+                    per_call.setdefault(label, [0.0] * index).append(total - last.get(label, 0))
+                    last[label] = total
+                for values in per_call.values():
+                    values.extend([0.0] * (index + 1 - len(values)))
         return (_CLOCK() - started) / 1e3 / calls
 
     with torch.no_grad():
@@ -115,8 +147,11 @@ def stages(module, backend, call: Callable[[], object], calls: int = 2000, cuda:
                     before()
                 call()
             totals.clear()
-            run_all()
-    result = {label: total / 1e3 / calls for label, total in totals.items()}
+            run_all(totals)
+    if median:
+        result = {label: statistics.median(values) / 1e3 for label, values in per_call.items()}
+    else:
+        result = {label: total / 1e3 / calls for label, total in totals.items()}
     result["untimed loop (sync and before() included)"] = plain
     return result
 

@@ -180,7 +180,39 @@ def measure(label: str, config, model, x, args) -> list[dict]:
         if args.stages and not grad:
             print_stages(f"{args.model} on {device}, {label}", stages(tuned, backend, lambda: tuned(x),
                                                                        args.stages, cuda))
+            medians = stages(tuned, backend, lambda: tuned(x), args.stages, cuda, median=True)
+            print_stages(f"{args.model} on {device}, {label}; medians over the calls", medians)
+            if cuda and args.events:
+                events(tuned, backend, x, medians.get("before the launch (Dispatch.call entry to backend.run entry)"))
     return rows
+
+
+def events(tuned, backend, x, before_launch_us: float | None) -> None:
+    """CUDA-event ms per call (GPU synchronised after each; ``aitune.torch.measure.profiling.interleaved_round_ms``,
+    call by call in alternation) of the tuned module, the backend's ``run`` and the ``run`` after the host spins for
+    the dispatch's median time before the launch: where the last matches the tuned module, the host time before the
+    launch is the whole gap."""
+    from aitune.torch.measure.profiling import ProfilingConfig, interleaved_round_ms
+
+    canonical_args, canonical_kwargs = tuned._self_dispatch.signature.normalize((x,), {})
+    spin_ns = int((before_launch_us or 0.0) * 1e3)
+
+    def spun_run():
+        until = time.perf_counter_ns() + spin_ns
+        while time.perf_counter_ns() < until:
+            pass
+        return backend.run(canonical_args, canonical_kwargs, accepted=True)
+
+    config = ProfilingConfig(warmup_rounds=30, warmup_s=0.0, min_rounds=200, max_rounds=10**9, time_budget_s=6.0,
+                             stable_rel_error=0.0)
+    tuned_ms, run_ms, spun_ms = interleaved_round_ms(
+        [lambda: tuned(x), lambda: backend.run(canonical_args, canonical_kwargs, accepted=True), spun_run],
+        torch.device("cuda"), config)
+    ratio = statistics.median(a / b for a, b in zip(tuned_ms, run_ms))
+    spun = statistics.median(a / b for a, b in zip(spun_ms, run_ms))
+    print(f"## CUDA events, ms per call, p50 of {len(tuned_ms)} rounds: tuned {statistics.median(tuned_ms):.4f}, run "
+          f"{statistics.median(run_ms):.4f}, run after a {spin_ns / 1e3:.1f} µs host spin "
+          f"{statistics.median(spun_ms):.4f}; per-round ratios to run (median): tuned {ratio:.4f}x, spun {spun:.4f}x")
 
 
 def profile(tuned, x, cuda: bool, calls: int = 20000) -> None:
@@ -202,6 +234,9 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", type=int, default=0, metavar="CALLS",
                         help="also time the tuned call's stages over CALLS calls (benchmarks/dispatch_stages.py)")
     parser.add_argument("--grad", default="off,on", help="grad modes to time: off, on or off,on")
+    parser.add_argument("--events", action="store_true",
+                        help="CUDA only, with --stages: the tuned module, run and run after the dispatch's host time "
+                             "before the launch, timed by CUDA events call by call")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.grad = [{"off": False, "on": True}[mode] for mode in args.grad.split(",")]
