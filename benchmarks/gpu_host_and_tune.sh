@@ -30,7 +30,7 @@ if [[ " $steps " == *" search "* ]]; then
 fi
 repo=$PWD
 trees=("$PWD")
-[[ -n "${BASELINE:-}" ]] && trees+=("$PWD/$BASELINE")
+[[ -n "${BASELINE:-}" ]] && trees+=("$( [[ "$BASELINE" = /* ]] && echo "$BASELINE" || echo "$PWD/$BASELINE" )")
 if [[ " $steps " == *" wrapper "* ]]; then
   for tree in "${trees[@]}"; do
     name=$( [[ "$tree" == "$PWD" ]] && echo now || echo baseline )

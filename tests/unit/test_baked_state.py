@@ -574,3 +574,52 @@ def test_generates_bookkeeping_may_come_and_go_any_other_attribute_may_not():
         served = tuned.backend_calls
         torch.testing.assert_close(tuned(x), model(x), atol=1e-5, rtol=1e-4)
         assert tuned.backend_calls == served + 1
+
+
+class Listed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.weights = [1.0, 2.0]
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.fc(x) * self.weights[0] * self.scale + self.weights[1]
+
+
+class _Baking:
+    name = "test_baking"
+
+
+def test_an_equal_mutable_attribute_is_compared_by_value_on_every_call_from_then_on():
+    """NOTE [native attribute check]: a list set to an equal new list is found equal by value; a reader of the new
+    list's identity would miss an append to it, so the comparison by value runs on every call from then on and the
+    append is found at the next call."""
+    from aitune.torch.check.baked_state import BakedState
+
+    model = Listed()
+    baked = BakedState(model)
+    assert baked.module_differs(_Baking()) is None
+    model.weights = [1.0, 2.0]
+    assert baked.module_differs(_Baking()) is None and baked.attribute_reader is None
+    model.weights.append(3.0)
+    assert baked.module_differs(_Baking())[0] == "module"
+
+
+def test_an_attribute_set_to_an_equal_new_object_on_every_call_stops_renewing_the_reader():
+    """An equal immutable value in a new object on every call renews the reader at most RENEWALS times; then the
+    comparison by value runs on every call, and still sees a real change."""
+    from aitune.torch.check import native_watch
+    from aitune.torch.check.baked_state import RENEWALS, BakedState
+
+    model = Listed()
+    baked = BakedState(model)
+    if native_watch.native_module() is None:
+        pytest.skip("the extension is not built here")
+    for _ in range(RENEWALS):
+        model.scale = float("1.0")  # == 1.0, a new object each time
+        assert baked.module_differs(_Baking()) is None and baked.attribute_reader is not None
+    model.scale = float("1.0")
+    assert baked.module_differs(_Baking()) is None and baked.attribute_reader is None
+    model.scale = 2.0
+    assert baked.module_differs(_Baking())[0] == "module"

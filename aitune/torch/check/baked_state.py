@@ -70,14 +70,17 @@ from aitune.torch.record.pytree import tree_flatten
 from aitune.torch.record.state import MODULE_INTERNALS
 
 VALUES_CHECK_EVERY = 64  # calls between comparisons of sampled weight values (see the module docstring)
+RENEWALS = 8  # new readers of equal objects, at most, before the comparison by value runs on every call
 SAMPLED_ELEMENTS = 8  # elements per tensor compared by the values check
 
 _INTERNAL = MODULE_INTERNALS - {"training"}  # nn.Module's own bookkeeping; `training` is watched
 _PLAIN = (bool, int, float, str, type(None), enum.Enum, torch.dtype, torch.device)
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-# is autocast on for any device type (one C call, ~0.1 µs; the per-device read only then: ~0.3 µs, torch 2.13)
+# is autocast on for any of these device types (one C call, ~0.1 µs; the per-device read only then: ~0.3 µs, torch
+# 2.13)? It reads the autocast keys of CPU, CUDA, XPU and HPU among others; MPS and MAIA are read per device
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_ANY_AUTOCAST_COVERS = frozenset({"cpu", "cuda", "xpu", "hpu"})
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -207,6 +210,8 @@ class BakedState:
                            for module, attributes in sized}
         self.attributes = self._attributes()
         self.fast_attributes = self._fast_attributes()
+        self.reader_values: list = []  # the objects the reader compares with (set by _attribute_reader)
+        self.reader_rebuilds = 0
         self.attribute_reader = self._attribute_reader()
         self.native_attributes = self.attribute_reader is not None
         tensors = [(f"{name}.{key}".lstrip("."), attributes[key])
@@ -232,8 +237,9 @@ class BakedState:
     def _attribute_reader(self):
         """NOTE [native attribute check]: ``fast_getters``' attributes and ``sized``'s counts in one C call, by identity
         with the objects read here (:func:`~aitune.torch.check.native_watch.attribute_reader`; ~7 ns an attribute
-        against ~35 for the getters, this project's CPU). False sends the call to the comparison by value, after
-        which an unchanged module gets a new reader of the objects there now. None: no extension here."""
+        against ~35 for the getters, this project's CPU). False sends the call to the comparison by value; where
+        that finds the module as captured, :meth:`_renew_reader` decides whether a reader of the objects there now
+        may take over. None: no extension here."""
         dicts, keys, values = [], [], []
         for attributes, names in zip(self.fast_dicts, self.fast_keys):
             for name in names:
@@ -242,7 +248,22 @@ class BakedState:
                 dicts.append(attributes)
                 keys.append(name)
                 values.append(attributes[name])
+        self.reader_values = values
         return attribute_reader(dicts, keys, values, self.sized, self.sizes)
+
+    def _renew_reader(self) -> None:
+        """After the reader said False and the comparison by value found the module as captured: a new reader of the
+        objects there now, where each object that replaced an equal one is an immutable plain value (a mutable one
+        equal now may change in place later, which identity would not see), at most ``RENEWALS`` times (an
+        attribute set to an equal new object on every call would rebuild it every call); else the comparison by
+        value on every call from now on, as without the extension."""
+        before = self.reader_values
+        reader = self._attribute_reader() if self.reader_rebuilds < RENEWALS else None
+        self.reader_rebuilds += 1
+        if reader is None or not all(now is old or _immutable(now) for now, old in zip(self.reader_values, before)):
+            self.attribute_reader, self.native_attributes = None, False
+            return
+        self.attribute_reader = reader
 
     def _capture_values(self) -> None:
         views = [(name, _sampled_view(tensor)) for name, tensor in self._named_tensors()]
@@ -287,7 +308,8 @@ class BakedState:
         policy = entry[1] if entry is not None and entry[0] is backend else self.policy(backend)
         if policy.grad_only:
             return None
-        if policy.autocast and _ANY_AUTOCAST() and torch.is_autocast_enabled(policy.device_type):
+        if (policy.autocast and (_ANY_AUTOCAST() or policy.device_type not in _ANY_AUTOCAST_COVERS)
+                and torch.is_autocast_enabled(policy.device_type)):
             dtype = str(torch.get_autocast_dtype(policy.device_type)).removeprefix("torch.")
             return "autocast", (f"the call runs under torch.autocast({policy.device_type!r}, dtype={dtype}), which "
                                 f"{backend.name} was not built for: eager runs it")
@@ -327,8 +349,8 @@ class BakedState:
             return "module", (f"{self._what_attribute_changed()}; {backend.name} baked the module in as it was at "
                               "tuning, so calls run eager while it differs")
         self.differing = False
-        if not quiet and self.native_attributes:  # as captured by value: identities (or counts) to read from now
-            self.attribute_reader = self._attribute_reader()
+        if not quiet and self.native_attributes:  # as captured by value: identities (or counts) to read from now?
+            self._renew_reader()
         if every:
             reason = self.values_changed()
             if reason is not None:
@@ -429,6 +451,13 @@ def _built_in(module: torch.nn.Module) -> bool:
 
 
 _DELETED = object()
+
+
+def _immutable(value: Any) -> bool:
+    """A plain value no in-place change can alter (NOTE [native attribute check])."""
+    if type(value) is tuple:
+        return all(map(_immutable, value))
+    return isinstance(value, _PLAIN)
 
 
 def _short(value: Any) -> str:

@@ -38,9 +38,8 @@ Two mechanisms protect a tuned module once it serves calls:
     all data pointers, which catches a ``.data`` replaced on one tensor or a ``.to()`` of one submodule within
     16 calls. No hashing. Cost: tens of ns per parameter/buffer per call. Where aitune's small C++ extension is
     built (NOTE [native watch] in :mod:`aitune.torch.check.native_watch`), one C call reads every tensor's version
-    counter, storage, dtype and device instead, several times faster (``benchmarks/state_watch_cost.py`` times
-    both), so a ``.data`` replaced is noticed at the next call too; the data pointers, every ``FULL_SCAN_EVERY``
-    calls.
+    counter, data pointer, dtype and device instead, several times faster (``benchmarks/state_watch_cost.py`` times
+    both), so a ``.data`` replaced is noticed at the next call too.
 """
 
 from __future__ import annotations
@@ -405,13 +404,10 @@ class StateWatch:
         self.first_facts = (self.pointers[0], self.tensors[0].dtype, self.tensors[0].get_device()) \
             if self.tensors else None
         self.calls = 0
-        # NOTE [native watch]: one C call reads every version counter, storage, dtype and device; the data pointers
-        # another, every FULL_SCAN_EVERY calls
+        # NOTE [native watch]: one C call reads every version counter, data pointer, dtype and device
         native = state_reader(self.tensors)
         self.reader = native.state if native is not None else None
-        self.pointer_reader = native.pointers if native is not None else None
         self.reader_state = self.reader() if native is not None else None
-        self.pointer_state = self.pointer_reader() if native is not None else None
 
     def changed(self) -> str | None:
         """None while the state is as tuned; else (and from then on) what changed, e.g.
@@ -419,17 +415,16 @@ class StateWatch:
         if self.reason is not None:
             return self.reason
         reader = self.reader
-        self.calls += 1
         if reader is not None:
             try:
-                if (reader() == self.reader_state and _REGISTRATIONS[0] == self.registrations
-                        and (self.calls % FULL_SCAN_EVERY or self.pointer_reader() == self.pointer_state)):
+                if reader() == self.reader_state and _REGISTRATIONS[0] == self.registrations:
                     return None
-            except RuntimeError:  # a tensor swapped for one whose storage cannot be read: Python reads from now on
+            except RuntimeError:  # a tensor swapped for one whose data torch will not hand out: Python reads from now on
                 logger.debug("native weight watch dropped for this module", exc_info=True)
                 self.reader = reader = None
-        else:
+        if reader is None:
             tensors = self.tensors
+            self.calls += 1
             first = self.first
             if (sum(map(VERSION, tensors)) == self.version_sum and _REGISTRATIONS[0] == self.registrations
                     and (first is None or (first.data_ptr(), first.dtype, first.get_device()) == self.first_facts)
@@ -439,8 +434,10 @@ class StateWatch:
         if self.reason is None:  # a registration elsewhere (another module was built): nothing changed here
             self.registrations = _REGISTRATIONS[0]
             if reader is not None:
-                self.reader_state = reader()
-                self.pointer_state = self.pointer_reader()
+                try:
+                    self.reader_state = reader()
+                except RuntimeError:
+                    self.reader = None
         return self.reason
 
     def changed_now(self) -> str | None:

@@ -1,10 +1,9 @@
 // aitune's per-call checks in one C call each (aitune/torch/check/native_watch.py, NOTE [native watch]).
 //
-// StateReader(tensors) keeps a reference to each tensor (the Python objects) and a weak one to each tensor's storage;
-// state() returns (sum of version counters, index-weighted sum of storage addresses and offsets, index-weighted sum
-// of dtype/device codes) over them, the facts StateWatch compares per call; pointers() the index-weighted sum of
-// their data pointers, which it compares every FULL_SCAN_EVERY calls. Each call unpacks every tensor's current TensorImpl again: a tensor
-// whose TensorImpl was swapped (torch.utils.swap_tensors, which nn.Module._apply uses for wrapper subclasses) is
+// StateReader(tensors) keeps a reference to each tensor (the Python objects); state() returns (sum of version
+// counters, index-weighted sum of data pointers, index-weighted sum of dtype/device codes) over them, the facts
+// StateWatch compares per call. Each call unpacks every tensor's current TensorImpl again: a tensor whose TensorImpl
+// was swapped (torch.utils.swap_tensors, which nn.Module._apply uses for wrapper subclasses) is
 // read as it is now, never through a pointer to the old one. Weighting by position makes two tensors that swapped
 // their data differ. Reading the same facts from Python costs an attribute lookup and an int object per tensor.
 // all_finite(tensor) is the value gate's nan/inf check of a small CPU input without a torch op and a read of its
@@ -18,23 +17,23 @@
 
 #include <cstdint>
 #include <exception>
-#include <vector>
 
 namespace {
 
 struct StateReader {
   PyObject_HEAD
   PyObject* tensors;  // a list of the tensors, as given (references kept)
-  // a weak reference to each tensor's storage at construction: the storage's data is freed as usual when unused,
-  // but its StorageImpl's memory is not, so no later storage can take its address (state() compares addresses)
-  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>* held;
 };
 
-// (sum of version counters, position-weighted sum of storage addresses plus byte offsets, position-weighted sum
-// of dtype/device codes): no read of the storage itself, one cache line fewer per tensor than its data pointer.
+// The data pointer is read through TensorImpl's own storage field (unsafe_storage: no virtual call; the constructor
+// accepted only tensors whose storage() is that field), which costs ~20 % less than storage() on this project's CPU.
 PyObject* reader_state(PyObject* self, PyObject*) {
   PyObject* tensors = reinterpret_cast<StateReader*>(self)->tensors;
-  uint64_t versions = 0, storages = 0, kinds = 0;
+  if (tensors == nullptr) {  // (cleared by the collector)
+    PyErr_SetString(PyExc_RuntimeError, "StateReader: cleared");
+    return nullptr;
+  }
+  uint64_t versions = 0, pointers = 0, kinds = 0;
   try {
     const Py_ssize_t count = PyList_GET_SIZE(tensors);
     for (Py_ssize_t index = 0; index < count; ++index) {
@@ -43,10 +42,11 @@ PyObject* reader_state(PyObject* self, PyObject*) {
       if (!impl->is_inference()) {  // (an inference tensor has no version counter; made so after the check below)
         versions += impl->version_counter().current_version();
       }
-      // (unsafe_storage: TensorImpl's own field, no virtual call; the constructor accepted only tensors whose
-      // storage() is that field)
-      storages += weight * (reinterpret_cast<uintptr_t>(impl->unsafe_storage().unsafeGetStorageImpl()) +
-                            static_cast<uint64_t>(impl->storage_offset()) * impl->itemsize());
+      const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+      if (storage != nullptr) {
+        pointers += weight * (reinterpret_cast<uintptr_t>(storage->data()) +
+                              static_cast<uint64_t>(impl->storage_offset()) * impl->itemsize());
+      }
       const c10::Device device = impl->device();
       kinds += weight * (static_cast<uint64_t>(impl->dtype().toScalarType()) * 1000003u +
                          static_cast<uint64_t>(device.type()) * 1009u + static_cast<uint64_t>(device.index() + 1));
@@ -55,36 +55,25 @@ PyObject* reader_state(PyObject* self, PyObject*) {
     PyErr_SetString(PyExc_RuntimeError, error.what());
     return nullptr;
   }
-  return Py_BuildValue("(KKK)", static_cast<unsigned long long>(versions), static_cast<unsigned long long>(storages),
+  return Py_BuildValue("(KKK)", static_cast<unsigned long long>(versions), static_cast<unsigned long long>(pointers),
                        static_cast<unsigned long long>(kinds));
 }
 
-// The position-weighted sum of the tensors' data pointers (a storage resized in place keeps its address but not
-// its data pointer).
-PyObject* reader_pointers(PyObject* self, PyObject*) {
-  PyObject* tensors = reinterpret_cast<StateReader*>(self)->tensors;
-  uint64_t pointers = 0;
-  try {
-    const Py_ssize_t count = PyList_GET_SIZE(tensors);
-    for (Py_ssize_t index = 0; index < count; ++index) {
-      c10::TensorImpl* impl = THPVariable_Unpack(PyList_GET_ITEM(tensors, index)).unsafeGetTensorImpl();
-      const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
-      if (storage != nullptr) {
-        pointers += (static_cast<uint64_t>(index) + 1) *
-                    (reinterpret_cast<uintptr_t>(storage->data()) +
-                     static_cast<uint64_t>(impl->storage_offset()) * impl->itemsize());
-      }
-    }
-  } catch (const std::exception& error) {
-    PyErr_SetString(PyExc_RuntimeError, error.what());
-    return nullptr;
-  }
-  return PyLong_FromUnsignedLongLong(static_cast<unsigned long long>(pointers));
+// Both reader types hold Python objects (a module's __dict__ among them, which can reach the reader back through the
+// module's own attributes): they take part in the garbage collector's cycle detection.
+int reader_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(reinterpret_cast<StateReader*>(self)->tensors);
+  return 0;
+}
+
+int reader_clear(PyObject* self) {
+  Py_CLEAR(reinterpret_cast<StateReader*>(self)->tensors);
+  return 0;
 }
 
 void reader_dealloc(PyObject* self) {
-  delete reinterpret_cast<StateReader*>(self)->held;
-  Py_XDECREF(reinterpret_cast<StateReader*>(self)->tensors);
+  PyObject_GC_UnTrack(self);
+  reader_clear(self);
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -116,36 +105,30 @@ PyObject* reader_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     Py_DECREF(tensors);
     return nullptr;
   }
-  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>* held = nullptr;
   try {
-    held = new std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>();
     for (Py_ssize_t index = 0; index < PyList_GET_SIZE(tensors); ++index) {
       c10::TensorImpl* impl = THPVariable_Unpack(PyList_GET_ITEM(tensors, index)).unsafeGetTensorImpl();
+      // state() reads the storage field directly: only where storage() is that field and its data can be read
       if (impl->has_storage()) {
-        // state() reads the storage field directly: only where storage() (virtual) is that field
         if (&impl->storage() != &impl->unsafe_storage()) {
-          delete held;
           PyErr_Format(PyExc_TypeError, "StateReader: item %zd keeps its storage elsewhere", index);
           Py_DECREF(tensors);
           return nullptr;
         }
-        held->push_back(impl->storage().getWeakStorageImpl());
+        impl->storage().unsafeGetStorageImpl()->data();  // (throws where the data pointer may not be read)
       }
     }
   } catch (const std::exception& error) {
-    delete held;
     PyErr_Format(PyExc_TypeError, "StateReader: a tensor's storage cannot be read: %s", error.what());
     Py_DECREF(tensors);
     return nullptr;
   }
   auto* reader = reinterpret_cast<StateReader*>(type->tp_alloc(type, 0));
   if (reader == nullptr) {
-    delete held;
     Py_DECREF(tensors);
     return nullptr;
   }
   reader->tensors = tensors;
-  reader->held = held;
   return reinterpret_cast<PyObject*>(reader);
 }
 
@@ -299,6 +282,7 @@ struct AttributeReader {
 
 PyObject* attributes_same(PyObject* self, PyObject*) {
   auto* reader = reinterpret_cast<AttributeReader*>(self);
+  if (reader->dicts == nullptr || reader->sized == nullptr) Py_RETURN_FALSE;  // (cleared by the collector)
   const Py_ssize_t count = PyList_GET_SIZE(reader->dicts);
   for (Py_ssize_t index = 0; index < count; ++index) {
     PyObject* now = PyDict_GetItemWithError(PyList_GET_ITEM(reader->dicts, index), PyList_GET_ITEM(reader->keys, index));
@@ -314,13 +298,28 @@ PyObject* attributes_same(PyObject* self, PyObject*) {
   Py_RETURN_TRUE;
 }
 
-void attributes_dealloc(PyObject* self) {
+int attributes_traverse(PyObject* self, visitproc visit, void* arg) {
   auto* reader = reinterpret_cast<AttributeReader*>(self);
-  Py_XDECREF(reader->dicts);
-  Py_XDECREF(reader->keys);
-  Py_XDECREF(reader->values);
-  Py_XDECREF(reader->sized);
-  PyMem_Free(reader->sizes);
+  Py_VISIT(reader->dicts);
+  Py_VISIT(reader->keys);
+  Py_VISIT(reader->values);
+  Py_VISIT(reader->sized);
+  return 0;
+}
+
+int attributes_clear(PyObject* self) {
+  auto* reader = reinterpret_cast<AttributeReader*>(self);
+  Py_CLEAR(reader->dicts);
+  Py_CLEAR(reader->keys);
+  Py_CLEAR(reader->values);
+  Py_CLEAR(reader->sized);
+  return 0;
+}
+
+void attributes_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  attributes_clear(self);
+  PyMem_Free(reinterpret_cast<AttributeReader*>(self)->sizes);
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -392,10 +391,8 @@ PyMethodDef module_methods[] = {
 
 PyMethodDef reader_methods[] = {
     {"state", reader_state, METH_NOARGS,
-     "(sum of version counters, position-weighted sum of storage addresses plus byte offsets, position-weighted sum "
-     "of dtype/device codes) over the tensors, as ints (modulo 2**64)"},
-    {"pointers", reader_pointers, METH_NOARGS,
-     "position-weighted sum of the tensors' data pointers, as an int (modulo 2**64)"},
+     "(sum of version counters, position-weighted sum of data pointers, position-weighted sum of dtype/device "
+     "codes) over the tensors, as ints (modulo 2**64)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyMethodDef attribute_methods[] = {
@@ -412,14 +409,20 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "aitune_native_watch", nullptr,
 
 PyMODINIT_FUNC PyInit_aitune_native_watch() {
   StateReaderType.tp_basicsize = sizeof(StateReader);
-  StateReaderType.tp_flags = Py_TPFLAGS_DEFAULT;
+  StateReaderType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  StateReaderType.tp_traverse = reader_traverse;
+  StateReaderType.tp_clear = reader_clear;
+  StateReaderType.tp_free = PyObject_GC_Del;
   StateReaderType.tp_new = reader_new;
   StateReaderType.tp_dealloc = reader_dealloc;
   StateReaderType.tp_methods = reader_methods;
   StateReaderType.tp_doc = "StateReader(tensors): state() of a fixed list of tensors in one call";
   if (PyType_Ready(&StateReaderType) < 0) return nullptr;
   AttributeReaderType.tp_basicsize = sizeof(AttributeReader);
-  AttributeReaderType.tp_flags = Py_TPFLAGS_DEFAULT;
+  AttributeReaderType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  AttributeReaderType.tp_traverse = attributes_traverse;
+  AttributeReaderType.tp_clear = attributes_clear;
+  AttributeReaderType.tp_free = PyObject_GC_Del;
   AttributeReaderType.tp_new = attributes_new;
   AttributeReaderType.tp_dealloc = attributes_dealloc;
   AttributeReaderType.tp_methods = attribute_methods;

@@ -7,14 +7,10 @@ counter on every call. From Python that costs an attribute lookup and an int obj
 for ResNet-50's 320 parameters and buffers it was the largest stage of the tuned module's host time on a GPU
 (``benchmarks/wrapper_cost.py --stages``). PyTorch has no call that reads many version counters at once, and no hook
 on in-place writes. ``native_watch.cpp`` is that call: ``StateReader(tensors).state()`` returns the sum of the
-version counters and position-weighted sums of the storages' addresses (with byte offsets) and dtype/device codes of
-a fixed list of tensors (each tensor's current ``TensorImpl`` unpacked per call: one swapped by
-``torch.utils.swap_tensors`` is read as it is now), so the watch compares every tensor's storage on every call,
-where the Python path samples the data pointers (``FULL_SCAN_EVERY``). The reader holds a weak reference to each
-storage it started with: the data is freed as usual, the address is never reused while the reader lives, so a new
-storage always reads differently. ``pointers()`` sums the data pointers themselves (one cache line more a tensor:
-~40 % of the read), which the watch compares every ``FULL_SCAN_EVERY`` calls (a storage resized in place keeps its
-address). ``benchmarks/state_watch_cost.py`` times both paths. The same extension's
+version counters and position-weighted sums of the data pointers and dtype/device codes of a fixed list of tensors
+(each tensor's current ``TensorImpl`` unpacked per call: one swapped by ``torch.utils.swap_tensors`` is read as it
+is now), so the watch also compares every data pointer on every call, where the Python path samples them
+(``FULL_SCAN_EVERY``). ``benchmarks/state_watch_cost.py`` times both paths. The same extension's
 ``all_finite(tensor)`` serves the value gate's nan/inf check of small CPU inputs (exponent bits, no torch op);
 above ``ALL_FINITE_MAX_ELEMENTS`` torch's vectorised, multi-threaded reduction is faster and is used instead.
 
@@ -31,7 +27,7 @@ How it is built and trusted:
   (``verdict.json``) is kept beside the library, so later processes import it directly. A failed compile or check
   is not retried for that key (delete the verdict to retry); a timeout or a build that could not start is not
   kept;
-- built when a tune or ``ait.load`` first needs it (a weight-baking backend's watch, a CPU graph's value gate):
+- built when a tune or ``ait.load`` first needs it (the first tuned module's dispatch keys its calls with it):
   that call waits for the build once per torch installation; ``aitune env --build-native`` builds it ahead;
 - only on Linux; ``AITUNE_NATIVE_WATCH=0`` switches it off. Where it is off or cannot be built (no compiler, no
   torch headers), the watch reads from Python as before: the same promises, the pointer scan sampled. ``aitune
@@ -88,12 +84,10 @@ reader = module.StateReader(tensors)
 def weighted(values):
     return sum((i + 1) * value for i, value in enumerate(values)) % 2 ** 64
 def python_sums():
-    return (sum(t._version for t in tensors),
-            weighted(t.untyped_storage()._cdata + t.storage_offset() * t.element_size() for t in tensors),
-            weighted(t.data_ptr() for t in tensors))
+    return sum(t._version for t in tensors), weighted(t.data_ptr() for t in tensors)
 def check(what):
-    versions, storages, _ = reader.state()
-    assert (versions, storages, reader.pointers()) == python_sums(), (what, reader.state(), python_sums())
+    versions, pointers, _ = reader.state()
+    assert (versions, pointers) == python_sums(), (what, reader.state(), python_sums())
 check("fresh")
 before = reader.state()
 with torch.no_grad():
@@ -107,9 +101,9 @@ check("swap_tensors"); assert reader.state()[1] != swapped[1]
 kinds = reader.state()[2]
 tensors[2].data = tensors[2].data.to(torch.int32)
 check("dtype"); assert reader.state()[2] != kinds
-pointers = reader.pointers()
+pointers = reader.state()[1]
 tensors[2].untyped_storage().resize_(64)
-check("storage resized"); assert reader.pointers() != pointers
+check("storage resized"); assert reader.state()[1] != pointers
 for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
     values = torch.randn(37).to(dtype)
     assert module.all_finite(values) is True, dtype
@@ -148,11 +142,11 @@ print("ok")
 
 
 def state_reader(tensors: list[torch.Tensor]):
-    """The extension's ``StateReader`` of ``tensors`` (it keeps references to them and weak ones to their storages),
-    or None where the extension is off or unavailable (NOTE [native watch]) or a tensor has no version counter (an
-    inference tensor). Its ``state()`` returns ``(sum of version counters, position-weighted sum of storage
-    addresses plus byte offsets, position-weighted sum of dtype/device codes)``, its ``pointers()`` the
-    position-weighted sum of the data pointers (ints modulo 2**64). The first call in a process may build the
+    """The extension's ``StateReader`` of ``tensors`` (it keeps references to them), or None where the extension is
+    off or unavailable (NOTE [native watch]) or a tensor's facts cannot be read in C (an inference tensor has no
+    version counter; a storage kept elsewhere than the tensor's own field, or whose data pointer torch will not hand
+    out). Its ``state()`` returns ``(sum of version counters, position-weighted sum of data pointers,
+    position-weighted sum of dtype/device codes)`` (ints modulo 2**64). The first call in a process may build the
     extension (once per torch installation)."""
     module = native_module()
     if module is None or not tensors:
@@ -232,7 +226,7 @@ def native_status(build: bool = True) -> str:
             return ("not built yet: the first tune or load that needs it builds it (once per torch installation), or "
                     "`aitune env --build-native` now")
     module = native_module()
-    return "in use (one C call per served call)" if module is not None else \
+    return "in use (a served call's route, checks and weight watch in C)" if module is not None else \
         f"not in use: {_STATE.get('reason')}; the watch reads from Python"
 
 
