@@ -37,7 +37,8 @@ if [[ " $steps " == *" wrapper "* ]]; then
     # (run from another directory: `python -m` puts the working directory first on the import path)
     (cd /tmp && PYTHONPATH=$tree:$repo python3 -c "import aitune; print('aitune from', aitune.__file__)"
     PYTHONPATH=$tree:$repo timeout ${WRAPPER_TIMEOUT:-200} python3 -m benchmarks.wrapper_cost --device cuda \
-      --model resnet50 --rounds 3 --calls 200 --grad off --stages 1000 --config captured+freezing+cl ${WRAPPER_ARGS:-} 2>&1 | quiet \
+      --model resnet50 --rounds 3 --calls 200 --grad off --stages 1000 --config captured+freezing+cl \
+      ${WRAPPER_ARGS:-} 2>&1 | quiet \
       | tee "$OUT/wrapper_cost_$name.log")
   done
 fi

@@ -271,7 +271,8 @@ class RecordsInputs(BakedCopy):
     name = "test_records_inputs"
 
     def _infer(self, args, kwargs):
-        self.received = [value.is_contiguous() for value in [*args, *kwargs.values()] if isinstance(value, torch.Tensor)]
+        self.received = [value.is_contiguous() for value in [*args, *kwargs.values()]
+                         if isinstance(value, torch.Tensor)]
         return super()._infer(args, kwargs)
 
 

@@ -419,7 +419,7 @@ class StateWatch:
             try:
                 if reader() == self.reader_state and _REGISTRATIONS[0] == self.registrations:
                     return None
-            except RuntimeError:  # a tensor swapped for one whose data torch will not hand out: Python reads from now on
+            except RuntimeError:  # a tensor swapped for one whose data torch will not hand out: Python reads now
                 logger.debug("native weight watch dropped for this module", exc_info=True)
                 self.reader = reader = None
         if reader is None:

@@ -285,7 +285,8 @@ PyObject* attributes_same(PyObject* self, PyObject*) {
   if (reader->dicts == nullptr || reader->sized == nullptr) Py_RETURN_FALSE;  // (cleared by the collector)
   const Py_ssize_t count = PyList_GET_SIZE(reader->dicts);
   for (Py_ssize_t index = 0; index < count; ++index) {
-    PyObject* now = PyDict_GetItemWithError(PyList_GET_ITEM(reader->dicts, index), PyList_GET_ITEM(reader->keys, index));
+    PyObject* now =
+        PyDict_GetItemWithError(PyList_GET_ITEM(reader->dicts, index), PyList_GET_ITEM(reader->keys, index));
     if (now != PyList_GET_ITEM(reader->values, index)) {
       if (now == nullptr && PyErr_Occurred()) PyErr_Clear();
       Py_RETURN_FALSE;
@@ -405,40 +406,44 @@ PyTypeObject AttributeReaderType = {PyVarObject_HEAD_INIT(nullptr, 0) "aitune_na
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "aitune_native_watch", nullptr, -1, module_methods};
 
+// A reader type: a garbage-collected object with its constructor, methods and documentation.
+int ready_type(PyTypeObject* type, Py_ssize_t size, newfunc make, destructor dealloc, traverseproc traverse,
+               inquiry clear, PyMethodDef* methods, const char* doc) {
+  type->tp_basicsize = size;
+  type->tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  type->tp_traverse = traverse;
+  type->tp_clear = clear;
+  type->tp_free = PyObject_GC_Del;
+  type->tp_new = make;
+  type->tp_dealloc = dealloc;
+  type->tp_methods = methods;
+  type->tp_doc = doc;
+  return PyType_Ready(type);
+}
+
+int add_type(PyObject* module, const char* name, PyTypeObject* type) {
+  Py_INCREF(type);
+  if (PyModule_AddObject(module, name, reinterpret_cast<PyObject*>(type)) < 0) {
+    Py_DECREF(type);
+    return -1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 PyMODINIT_FUNC PyInit_aitune_native_watch() {
-  StateReaderType.tp_basicsize = sizeof(StateReader);
-  StateReaderType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
-  StateReaderType.tp_traverse = reader_traverse;
-  StateReaderType.tp_clear = reader_clear;
-  StateReaderType.tp_free = PyObject_GC_Del;
-  StateReaderType.tp_new = reader_new;
-  StateReaderType.tp_dealloc = reader_dealloc;
-  StateReaderType.tp_methods = reader_methods;
-  StateReaderType.tp_doc = "StateReader(tensors): state() of a fixed list of tensors in one call";
-  if (PyType_Ready(&StateReaderType) < 0) return nullptr;
-  AttributeReaderType.tp_basicsize = sizeof(AttributeReader);
-  AttributeReaderType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
-  AttributeReaderType.tp_traverse = attributes_traverse;
-  AttributeReaderType.tp_clear = attributes_clear;
-  AttributeReaderType.tp_free = PyObject_GC_Del;
-  AttributeReaderType.tp_new = attributes_new;
-  AttributeReaderType.tp_dealloc = attributes_dealloc;
-  AttributeReaderType.tp_methods = attribute_methods;
-  AttributeReaderType.tp_doc = "AttributeReader(dicts, keys, values, sized, sizes): same() by identity in one call";
-  if (PyType_Ready(&AttributeReaderType) < 0) return nullptr;
-  PyObject* module = PyModule_Create(&module_def);
-  if (module == nullptr) return nullptr;
-  Py_INCREF(&StateReaderType);
-  if (PyModule_AddObject(module, "StateReader", reinterpret_cast<PyObject*>(&StateReaderType)) < 0) {
-    Py_DECREF(&StateReaderType);
-    Py_DECREF(module);
+  if (ready_type(&StateReaderType, sizeof(StateReader), reader_new, reader_dealloc, reader_traverse, reader_clear,
+                 reader_methods, "StateReader(tensors): state() of a fixed list of tensors in one call") < 0 ||
+      ready_type(&AttributeReaderType, sizeof(AttributeReader), attributes_new, attributes_dealloc,
+                 attributes_traverse, attributes_clear, attribute_methods,
+                 "AttributeReader(dicts, keys, values, sized, sizes): same() by identity in one call") < 0) {
     return nullptr;
   }
-  Py_INCREF(&AttributeReaderType);
-  if (PyModule_AddObject(module, "AttributeReader", reinterpret_cast<PyObject*>(&AttributeReaderType)) < 0) {
-    Py_DECREF(&AttributeReaderType);
+  PyObject* module = PyModule_Create(&module_def);
+  if (module == nullptr) return nullptr;
+  if (add_type(module, "StateReader", &StateReaderType) < 0 ||
+      add_type(module, "AttributeReader", &AttributeReaderType) < 0) {
     Py_DECREF(module);
     return nullptr;
   }
