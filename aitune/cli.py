@@ -51,7 +51,8 @@ def _env(args) -> int:
         print("native bf16: no — bf16 would be emulated here, so the search adds no bf16 variant")
     from aitune.torch.check.native_watch import native_status
 
-    print(f"stale-weight watch's native reader: {native_status(build=getattr(args, 'build_native', False))}")
+    print(f"aitune's native extension (weight watch, call routes): "
+          f"{native_status(build=getattr(args, 'build_native', False))}")
     rows = []
     for name, backend_class in sorted(registered_backends().items()):
         check = backend_class.availability()
