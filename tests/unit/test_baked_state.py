@@ -595,11 +595,14 @@ def test_an_equal_mutable_attribute_is_compared_by_value_on_every_call_from_then
     """NOTE [native attribute check]: a list set to an equal new list is found equal by value; a reader of the new
     list's identity would miss an append to it, so the comparison by value runs on every call from then on and the
     append is found at the next call."""
+    from aitune.torch.check import native_watch
     from aitune.torch.check.baked_state import BakedState
 
+    if native_watch.native_module() is None:
+        pytest.skip("the extension is not built here")
     model = Listed()
     baked = BakedState(model)
-    assert baked.module_differs(_Baking()) is None
+    assert baked.attribute_reader is not None and baked.module_differs(_Baking()) is None
     model.weights = [1.0, 2.0]
     assert baked.module_differs(_Baking()) is None and baked.attribute_reader is None
     model.weights.append(3.0)

@@ -250,9 +250,11 @@ def test_a_storage_resized_in_place_is_noticed_at_the_next_call(native):
     assert "'1.running_var' holds new data" in watch.changed()
 
 
-def test_a_reader_in_a_reference_cycle_is_collected(native):
-    """The readers take part in the garbage collector: a module whose attribute reaches its own tuned wrapper (and so
-    the readers holding the module's __dict__) is freed once nothing else holds it."""
+@pytest.mark.parametrize("where", ["a submodule's __dict__", "a weight"])
+def test_a_reader_in_a_reference_cycle_is_collected(native, where):
+    """The readers take part in the garbage collector: a cycle through what they hold (a submodule's __dict__, held
+    by the attribute reader; a weight, held by the weight watch's reader) back to them is freed once nothing else
+    holds it."""
     import gc
 
     from aitune.torch.check.baked_state import BakedState
@@ -261,17 +263,19 @@ def test_a_reader_in_a_reference_cycle_is_collected(native):
     holder = type("Holder", (), {})()
     holder.watch, holder.baked = StateWatch(net), BakedState(net)
     assert holder.watch.reader is not None and holder.baked.attribute_reader is not None
-    net.owner = holder  # net.__dict__ -> holder -> readers -> net.__dict__
+    assert gc.is_tracked(holder.baked.attribute_reader.__self__) and gc.is_tracked(holder.watch.reader.__self__)
+    owner = net[1] if where == "a submodule's __dict__" else net[0].weight  # (net[1]: a BatchNorm, `training` read)
+    assert any(attributes is vars(net[1]) for attributes in holder.baked.fast_dicts)
+    owner.owner = holder  # -> holder -> the readers -> that __dict__ / that weight
     alive = weakref.ref(net)
-    del net, holder
+    del net, holder, owner
     gc.collect()
     assert alive() is None
 
 
 def test_a_reader_that_fails_hands_the_watch_to_python(native):
     """Should the reader raise (a tensor swapped for one whose data pointer torch will not hand out; simulated here by
-    a reader that raises), the watch drops it and reads from Python from then on, noticing what Python notices: it
-    never raises into the call."""
+    a reader that raises), the watch drops it and reads from Python from then on, noticing what Python notices."""
     net = _net()
     watch = StateWatch(net)
 

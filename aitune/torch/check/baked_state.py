@@ -75,6 +75,8 @@ SAMPLED_ELEMENTS = 8  # elements per tensor compared by the values check
 
 _INTERNAL = MODULE_INTERNALS - {"training"}  # nn.Module's own bookkeeping; `training` is watched
 _PLAIN = (bool, int, float, str, type(None), enum.Enum, torch.dtype, torch.device)
+_IMMUTABLE = frozenset({bool, int, float, str, type(None), torch.dtype, torch.device})
+_ENUM_EQUALITY = (object.__eq__, enum.Enum.__eq__, int.__eq__, float.__eq__, str.__eq__)
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 # is autocast on for any of these device types (one C call, ~0.1 µs; the per-device read only then: ~0.3 µs, torch
@@ -253,14 +255,16 @@ class BakedState:
 
     def _renew_reader(self) -> None:
         """After the reader said False and the comparison by value found the module as captured: a new reader of the
-        objects there now, where each object that replaced an equal one is an immutable plain value (a mutable one
-        equal now may change in place later, which identity would not see), at most ``RENEWALS`` times (an
+        objects there now, where each object that replaced an equal one, and the one it replaced, is an immutable
+        plain value (a mutable one equal now may change in place later, which identity would not see), at most
+        ``RENEWALS`` times (an
         attribute set to an equal new object on every call would rebuild it every call); else the comparison by
         value on every call from now on, as without the extension."""
         before = self.reader_values
         reader = self._attribute_reader() if self.reader_rebuilds < RENEWALS else None
         self.reader_rebuilds += 1
-        if reader is None or not all(now is old or _immutable(now) for now, old in zip(self.reader_values, before)):
+        if reader is None or not all(now is old or (_immutable(now) and _immutable(old))
+                                     for now, old in zip(self.reader_values, before)):
             self.attribute_reader, self.native_attributes = None, False
             return
         self.attribute_reader = reader
@@ -454,10 +458,15 @@ _DELETED = object()
 
 
 def _immutable(value: Any) -> bool:
-    """A plain value no in-place change can alter (NOTE [native attribute check])."""
-    if type(value) is tuple:
+    """A plain value no in-place change can alter and whose ``==`` is its type's own (NOTE [native attribute check]):
+    exact built-in types (a subclass's ``==`` may read mutable state), enum members compared as such, tuples of
+    these."""
+    kind = type(value)
+    if kind is tuple:
         return all(map(_immutable, value))
-    return isinstance(value, _PLAIN)
+    if isinstance(value, enum.Enum):
+        return kind.__eq__ in _ENUM_EQUALITY
+    return kind in _IMMUTABLE
 
 
 def _short(value: Any) -> str:

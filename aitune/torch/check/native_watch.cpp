@@ -282,7 +282,9 @@ struct AttributeReader {
 
 PyObject* attributes_same(PyObject* self, PyObject*) {
   auto* reader = reinterpret_cast<AttributeReader*>(self);
-  if (reader->dicts == nullptr || reader->sized == nullptr) Py_RETURN_FALSE;  // (cleared by the collector)
+  if (reader->dicts == nullptr || reader->keys == nullptr || reader->values == nullptr || reader->sized == nullptr) {
+    Py_RETURN_FALSE;  // (cleared by the collector)
+  }
   const Py_ssize_t count = PyList_GET_SIZE(reader->dicts);
   for (Py_ssize_t index = 0; index < count; ++index) {
     PyObject* now =
