@@ -15,6 +15,7 @@ import aitune.torch as ait
 from aitune.errors import BackendRuntimeError
 from aitune.torch.backend import (TorchAOBackend, TorchEagerBackend, TorchInductorAotBackend, TorchInductorJitBackend,
                                   TorchInductorJitBackendConfig)
+from aitune.torch.check import native_watch
 from aitune.torch.check.baked_state import VALUES_CHECK_EVERY
 from aitune.torch.measure.profiling import ProfilingConfig
 
@@ -244,7 +245,7 @@ def test_an_attribute_set_again_to_an_equal_object_keeps_the_backend_serving(net
             for _ in range(3):
                 torch.testing.assert_close(tuned(x), expected, rtol=0, atol=0)
         baked = tuned._self_dispatch.baked
-        if name in BAKED and baked.native_attributes:
+        if name in BAKED and native_watch.native_module() is not None:
             assert baked.attribute_reader() is True  # made again from the objects there now
     finally:
         model.scale = original
@@ -595,7 +596,6 @@ def test_an_equal_mutable_attribute_is_compared_by_value_on_every_call_from_then
     """NOTE [native attribute check]: a list set to an equal new list is found equal by value; a reader of the new
     list's identity would miss an append to it, so the comparison by value runs on every call from then on and the
     append is found at the next call."""
-    from aitune.torch.check import native_watch
     from aitune.torch.check.baked_state import BakedState
 
     if native_watch.native_module() is None:
@@ -612,7 +612,6 @@ def test_an_equal_mutable_attribute_is_compared_by_value_on_every_call_from_then
 def test_an_attribute_set_to_an_equal_new_object_on_every_call_stops_renewing_the_reader():
     """An equal immutable value in a new object on every call renews the reader at most RENEWALS times; then the
     comparison by value runs on every call, and still sees a real change."""
-    from aitune.torch.check import native_watch
     from aitune.torch.check.baked_state import RENEWALS, BakedState
 
     model = Listed()

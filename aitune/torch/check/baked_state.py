@@ -215,7 +215,6 @@ class BakedState:
         self.reader_values: list = []  # the objects the reader compares with (set by _attribute_reader)
         self.reader_rebuilds = 0
         self.attribute_reader = self._attribute_reader()
-        self.native_attributes = self.attribute_reader is not None
         tensors = [(f"{name}.{key}".lstrip("."), attributes[key])
                    for name, attributes in zip(self.names, self.dicts)
                    for key in attributes if key not in _INTERNAL and isinstance(attributes[key], torch.Tensor)]
@@ -257,15 +256,14 @@ class BakedState:
         """After the reader said False and the comparison by value found the module as captured: a new reader of the
         objects there now, where each object that replaced an equal one, and the one it replaced, is an immutable
         plain value (a mutable one equal now may change in place later, which identity would not see), at most
-        ``RENEWALS`` times (an
-        attribute set to an equal new object on every call would rebuild it every call); else the comparison by
-        value on every call from now on, as without the extension."""
+        ``RENEWALS`` times (an attribute set to an equal new object on every call would rebuild it every call); else
+        the comparison by value on every call from now on, as without the extension."""
         before = self.reader_values
         reader = self._attribute_reader() if self.reader_rebuilds < RENEWALS else None
         self.reader_rebuilds += 1
         if reader is None or not all(now is old or (_immutable(now) and _immutable(old))
                                      for now, old in zip(self.reader_values, before)):
-            self.attribute_reader, self.native_attributes = None, False
+            self.attribute_reader = None
             return
         self.attribute_reader = reader
 
@@ -353,7 +351,7 @@ class BakedState:
             return "module", (f"{self._what_attribute_changed()}; {backend.name} baked the module in as it was at "
                               "tuning, so calls run eager while it differs")
         self.differing = False
-        if not quiet and self.native_attributes:  # as captured by value: identities (or counts) to read from now?
+        if not quiet and reader is not None:  # as captured by value: identities (or counts) to read from now?
             self._renew_reader()
         if every:
             reason = self.values_changed()
