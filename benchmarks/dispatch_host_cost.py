@@ -14,6 +14,10 @@ The model's input is on the CPU, where the value gate would read it for nan/inf 
 torch's multi-threaded reduction, and noisy); on a GPU route it is skipped (the route holds no CPU tensor), and so
 it is here unless ``--value-gate`` is given.
 
+``--flush MB`` writes an MB-sized buffer before every timed call of both paths (untimed), evicting the caches as a
+CUDA-graph launch's driver work and the wait for the GPU do between a served GPU call and the next: the dispatch's
+reads (the weight watch's walk over every parameter and buffer above all) then miss the caches, as on the GPU host.
+
 Usage (repo root)::
 
     PYTHONPATH=. python -m benchmarks.dispatch_host_cost --rounds 5 --calls 2000 --stages 5000
@@ -90,6 +94,8 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per path per round")
     parser.add_argument("--stages", type=int, default=0, metavar="CALLS")
     parser.add_argument("--value-gate", action="store_true", help="keep the value gate's read of the CPU input")
+    parser.add_argument("--flush", type=float, default=0.0, metavar="MB",
+                        help="write a buffer of MB megabytes before every timed call (untimed): cold caches")
     args = parser.parse_args(argv)
     model, x = resnet50()
     model = Plain(model).eval()
@@ -104,6 +110,7 @@ def main(argv=None) -> int:
     canonical = tuned._self_dispatch.signature.normalize((x,), {})
     paths = {"tuned": lambda: tuned(x), "run": lambda: backend.run(*canonical, accepted=True)}
     samples: dict[str, list[float]] = {path: [] for path in paths}
+    flush = torch.zeros(int(args.flush * 1e6) // 4) if args.flush else None
     clock = time.perf_counter_ns
     with torch.no_grad():
         for _ in range(200):
@@ -115,6 +122,8 @@ def main(argv=None) -> int:
             for path, call in order:
                 values = samples[path]
                 for _ in range(args.calls):
+                    if flush is not None:
+                        flush.add_(1.0)
                     started = clock()
                     call()
                     values.append((clock() - started) / 1e3)
@@ -124,13 +133,15 @@ def main(argv=None) -> int:
                        - statistics.median(samples["run"][i:i + args.calls]), 2)
                  for i in range(0, len(samples["tuned"]), args.calls)]
     gate = "with" if args.value_gate else "without"
-    print(f"# ResNet-50-sized module on the CPU ({gate} the value gate), torch {torch.__version__}, load {load}; "
+    cold = f", a {args.flush:g} MB buffer written before each call" if flush is not None else ""
+    print(f"# ResNet-50-sized module on the CPU ({gate} the value gate{cold}), torch {torch.__version__}, load {load}; "
           "host µs per call, p50")
     print(f"tuned {tuned_p50:.2f}   run {run_p50:.2f}   tuned - run {tuned_p50 - run_p50:.2f}   per round {per_round}"
           f"   served by the backend: {tuned.backend_calls}   guard: {tuned.stats['guard'].get('graph0')}")
     if args.stages:
         print_stages("ResNet-50-sized module, StoredOutput; medians over the calls",
-                     stages(tuned, backend, lambda: tuned(x), args.stages, median=True))
+                     stages(tuned, backend, lambda: tuned(x), args.stages, median=True,
+                            before=(lambda: flush.add_(1.0)) if flush is not None else None))
     return 0
 
 

@@ -7,7 +7,8 @@
 #    first of that model with the AOTInductor crash (if any) already remembered from the BERT tune;
 # 3. benchmarks/wrapper_cost.py on ResNet-50 b1 with aitune's captured variant: host µs per call, stage by stage.
 # 4. the GPU tests of Inductor and CUDA graphs (the weight watch runs in them);
-# 5. "proxy": benchmarks/dispatch_host_cost.py, the dispatch's host cost on that machine's CPU alone (no GPU work).
+# 5. "proxy": benchmarks/dispatch_host_cost.py, the dispatch's host cost on that machine's CPU alone (no GPU work;
+#    PROXY_ARGS, e.g. "--flush 4": its arguments).
 # STEPS: a subset of "watch search wrapper tests proxy" (default: the first four). BASELINE=DIR: the wrapper and
 # proxy steps also run with the aitune package in DIR (a copy of an earlier tree's aitune/, e.g. made with
 # `git archive REV aitune | tar -x -C DIR`) first on the import path, for a before/after on the same machine.
@@ -47,7 +48,7 @@ if [[ " $steps " == *" proxy "* ]]; then
     name=$( [[ "$tree" == "$PWD" ]] && echo now || echo baseline )
     (cd /tmp && PYTHONPATH=$tree:$repo python3 -c "import aitune; print('aitune from', aitune.__file__)"
     PYTHONPATH=$tree:$repo timeout ${PROXY_TIMEOUT:-200} python3 -m benchmarks.dispatch_host_cost --rounds 5 \
-      --calls 2000 2>&1 | quiet | tee "$OUT/dispatch_host_cost_$name.log")
+      --calls 2000 ${PROXY_ARGS:-} 2>&1 | quiet | tee "$OUT/dispatch_host_cost_$name.log")
   done
 fi
 if [[ " $steps " == *" tests "* ]]; then
