@@ -319,8 +319,14 @@ class Dispatch:
             else:
                 rewind = counter_snapshot(cache)
                 before = rewind if isinstance(rewind, torch.Tensor) else None
+        # NOTE [guard after launch]: whether the guard checks this call against eager (RuntimeGuard.due: its shapes
+        # and a count) is asked after the backend's launch, once the weight watch and the module check found
+        # nothing; the check then compares the output the call already has. Not for a call that advances a
+        # key/value cache (an eager rerun must start where the backend started), nor for a guard whose serving p50
+        # is noisy (its check times the backend's own run: NOTE [guard cost]).
+        late_guard = guard is not None and cache is None and not guard.serving_noisy
         try:
-            if guard is not None and guard.due(leaves):
+            if guard is not None and not late_guard and guard.due(leaves):
                 if watch is not None and watch.changed() is not None:
                     return self._stale(*given, backend)
                 if late and (differs := self.baked.module_differs(backend)) is not None:
@@ -348,6 +354,8 @@ class Dispatch:
             return self._stale(*given, backend)
         if late and (differs := self.baked.module_differs(backend)) is not None:
             return self.eager(*given, *differs)
+        if late_guard and guard.due(leaves):
+            return self._guarded_call(tuned, guard, args, kwargs, leaves, (output,))
         self.backend_calls += 1
         return output
 
@@ -434,11 +442,12 @@ class Dispatch:
                                                  "in, so calls run eager until the module is re-tuned "
                                                  "(module.enable_recording(force=True), then ait.tune)")
 
-    def _guarded_call(self, tuned: TunedGraph, guard, args, kwargs, leaves):
-        """One call checked against eager (NOTE [guard cost] in aitune/torch/check/guard.py)."""
+    def _guarded_call(self, tuned: TunedGraph, guard, args, kwargs, leaves, served: tuple | None = None):
+        """One call checked against eager (NOTE [guard cost] in aitune/torch/check/guard.py); ``served``: the
+        backend's output for it in a one-item tuple, where it already ran (NOTE [guard after launch])."""
         backend = tuned.backend
         output, replacement = guard.check(backend, lambda chosen: chosen.run(args, kwargs),
-                                          lambda: self.run_eager(args, kwargs), leaves)
+                                          lambda: self.run_eager(args, kwargs), leaves, served)
         if replacement is backend:
             self.backend_calls += 1
         else:

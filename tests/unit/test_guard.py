@@ -154,6 +154,48 @@ def test_the_interval_widens_so_costly_checks_stay_within_the_overhead():
         assert kept.interval == before
 
 
+def test_a_check_given_the_served_output_compares_it_and_counts_all_its_time():
+    """NOTE [guard after launch]: the dispatch asks ``due`` after the launch and hands the check the output the call
+    already has; the backend does not run again, and the check's whole time is its extra cost (no served call in
+    it to subtract)."""
+    clock, backend, x = _Clock(), TorchEagerBackend(), torch.ones(2)
+    runs = []
+    guard = RuntimeGuard("graph0", GuardConfig(max_overhead=0.25, max_check_every=100),
+                         lambda expected, actual, chosen: clock.spend(10.0), {(torch.Size([2]),)}, speedup=2.0,
+                         serving_s=1.0, clock=clock)
+    output, replacement = guard.check(backend, lambda chosen: runs.append(chosen), lambda: clock.spend(2.0, x), [x],
+                                      served=(x,))
+    assert runs == [] and replacement is backend and torch.equal(output, x)
+    assert guard.check_s == 12.0 and guard.interval == 16  # eager 2 s + comparison 10 s, all of it extra
+
+
+def test_a_checked_call_runs_the_backend_once(fast_profiling, fake_clock):
+    """A call the guard checks compares the output the backend already gave it (NOTE [guard after launch]): one
+    backend run per call, checked or not, and the checked call still returns a right output."""
+    model = PausedNet().eval().requires_grad_(False)
+    runs = []
+
+    class Counted(SlowerButRight):
+        name = "test_counted"
+
+        def _infer(self, args, kwargs):
+            runs.append(1)
+            return super()._infer(args, kwargs)
+
+    strategy = ait.OneBackendStrategy(Counted(), profiling_config=fast_profiling)
+    tuned = ait.Module(model, "counted", strategy=strategy, guard=GuardConfig(check_every=3))
+    ait.tune(tuned, [torch.randn(2, 16)], ready_batches=True)
+    x = torch.randn(2, 16)
+    runs.clear()
+    checks = tuned.stats["guard"]["graph0"]["checks"]
+    outputs = [tuned(x) for _ in range(6)]
+    assert tuned.stats["guard"]["graph0"]["checks"] - checks == 2 and len(runs) == 6
+    with torch.no_grad():
+        expected = model(x)
+    for output in outputs:
+        torch.testing.assert_close(output, expected)
+
+
 def test_a_tune_timed_under_load_does_not_make_the_guard_check_every_call():
     """A tune measured while the machine was loaded can report the backend's p50 far above its real time and a
     speed-up far below 1 (seen: a small MLP at 8-18 ms against ~0.1 ms): N starts at 1, and with that p50 every

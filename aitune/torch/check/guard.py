@@ -204,8 +204,15 @@ class RuntimeGuard:
         shapes count as unchecked again (shapes checked before are then checked once more)."""
         self.seen.discard(signature(leaves))
 
-    def check(self, backend, run_backend: Callable[[Any], Any], run_eager: Callable[[], Any], leaves: list):
+    def check(self, backend, run_backend: Callable[[Any], Any], run_eager: Callable[[], Any], leaves: list,
+              served: Any = None):
         """Run the backend and eager on this call and compare.
+
+        Args:
+            served: a one-item tuple holding the output ``backend`` already gave for this call (NOTE [guard after
+                launch] in aitune/torch/dispatch.py): it is compared instead of running ``backend`` again, and the
+                check's cost is then all of its time; None: ``run_backend(backend)`` runs it (always for a guard
+                whose serving p50 is noisy, which times the backend's own run).
 
         Returns:
             ``(output, replacement)``: the output to return (the backend's when it matches, else eager's) and
@@ -214,15 +221,17 @@ class RuntimeGuard:
         """
         self.checks += 1
         started = self._clock()
-        output, replacement = self._check(backend, run_backend, run_eager, leaves)  # (a check that raised: not
-        self._count_cost(self._clock() - started)  # counted, its short time says nothing of a check's cost)
+        output, replacement = self._check(backend, run_backend, run_eager, leaves, served)  # (a check that raised:
+        self._count_cost(self._clock() - started, served is not None)  # not counted, its short time says nothing)
         if replacement is not backend:  # the retired backend's own times go with it
             self.least_s = self.backend_s = None
         return output, replacement
 
-    def _count_cost(self, elapsed_s: float) -> None:
+    def _count_cost(self, elapsed_s: float, extra_only: bool = False) -> None:
         """Widen the derived interval so that checks costing ``elapsed_s`` stay within ``max_overhead`` of the
         serving time (NOTE [guard cost]); an explicit ``check_every`` and an unknown serving time are kept.
+        ``extra_only``: ``elapsed_s`` holds no run of the served backend (its output was given), so all of it is
+        the check's extra cost.
 
         The interval at most doubles per check: one slow check (a new shape compiling, a cold cache) does not put
         the guard to sleep for ``max_check_every`` calls; a check that stays that costly widens it again next time.
@@ -239,14 +248,16 @@ class RuntimeGuard:
                 # re-running eager at every call
                 serving = self.backend_s
             self.check_s = max(0.0, self.least_s - serving)  # (one reference for every check: the least)
-        else:
-            extra = max(0.0, elapsed_s - serving)  # the checked call stands in for one served call
+        else:  # the checked call stands in for one served call, where it ran one
+            extra = elapsed_s if extra_only else max(0.0, elapsed_s - serving)
             self.check_s = extra if self.check_s is None else min(self.check_s, extra)  # noise only adds
         needed = math.ceil(self.check_s / (self.config.max_overhead * serving))
         self.interval = min(self.config.max_check_every, max(self._base_interval, min(needed, 2 * self.interval)))
 
-    def _check(self, backend, run_backend, run_eager, leaves):
-        if self.serving_noisy:  # (NOTE [guard cost]: the backend's own run, until its output is ready)
+    def _check(self, backend, run_backend, run_eager, leaves, served=None):
+        if served is not None:
+            output = served[0]
+        elif self.serving_noisy:  # (NOTE [guard cost]: the backend's own run, until its output is ready)
             started = self._clock()
             output = run_backend(backend)
             _wait_for(output)
