@@ -22,7 +22,8 @@ if [[ " $steps " == *" watch "* ]]; then
   python3 -m benchmarks.state_watch_cost --device cuda 2>&1 | tee "$OUT/state_watch_cost.log"
 fi
 if [[ " $steps " == *" search "* ]]; then
-  for job in "bert-base 32" "resnet50 1"; do
+  IFS=, read -ra jobs <<< "${SEARCH_JOBS:-bert-base 32,resnet50 1}"  # (SEARCH_JOBS: "model batch,..." to tune)
+  for job in "${jobs[@]}"; do
     set -- $job
     timeout ${SEARCH_TIMEOUT:-280} python3 -m benchmarks.gpu_search --model "$1" --batch "$2" --no-second-tune \
       --json "$OUT/search_$1_b$2.json" 2>&1 | quiet > "$OUT/search_$1_b$2.log"
