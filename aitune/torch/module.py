@@ -41,6 +41,9 @@ class ModuleState(str, enum.Enum):
 # Every live wrapper, in creation order (weak: a wrapper the user dropped is not tuned).
 _REGISTRY: "weakref.WeakValueDictionary[int, Module]" = weakref.WeakValueDictionary()
 _counter = 0
+# (per call, globals cost less than attribute lookups; Dynamo knows is_compiling by the function itself)
+_TUNED = ModuleState.TUNED
+_is_compiling = torch.compiler.is_compiling
 _recording_context: dict[str, Any] = {"batch_size": None}
 
 
@@ -486,13 +489,11 @@ class Module(wrapt.ObjectProxy):
 
     def __call__(self, *args, **kwargs):
         state = self._self_state
-        if torch.compiler.is_compiling():
-            # traced inside the caller's own torch.compile (e.g. transformers' auto-compile of a decode step):
-            # their compiler takes the original module, as if it were not wrapped; nothing is recorded
-            return self.__wrapped__(*args, **kwargs)
-        if state is ModuleState.TUNED:
+        if state is _TUNED and not _is_compiling():  # (a served call: the dispatch, nothing else read first)
             return self._self_dispatch.call(args, kwargs)
-        if state is ModuleState.PASSTHROUGH:
+        # traced inside the caller's own torch.compile (e.g. transformers' auto-compile of a decode step): their
+        # compiler takes the original module, as if it were not wrapped; nothing is recorded
+        if _is_compiling() or state is ModuleState.PASSTHROUGH:
             return self.__wrapped__(*args, **kwargs)
         self._self_state = ModuleState.RECORDING
         return self._self_recorder.record(self.__wrapped__, args, kwargs, _recording_context["batch_size"])
