@@ -321,9 +321,11 @@ class Dispatch:
                 before = rewind if isinstance(rewind, torch.Tensor) else None
         # NOTE [guard after launch]: whether the guard checks this call against eager (RuntimeGuard.due: its shapes
         # and a count) is asked after the backend's launch, once the weight watch and the module check found
-        # nothing; the check then compares the output the call already has. Not for a call that advances a
-        # key/value cache (an eager rerun must start where the backend started), nor for a guard whose serving p50
-        # is noisy (its check times the backend's own run: NOTE [guard cost]).
+        # nothing; the check then compares the output the call already has. A check that raises (eager, the copy
+        # of the output) sends the call to eager, as a check before the launch did. Not for a guard whose serving
+        # p50 is noisy (its check times the backend's own run: NOTE [guard cost]), nor for a call that advances a
+        # key/value cache (an eager rerun must start where the backend started; guard_for gives such a graph, one
+        # that changes its inputs, no guard: kept as a safeguard).
         late_guard = guard is not None and cache is None and not guard.serving_noisy
         try:
             if guard is not None and not late_guard and guard.due(leaves):
@@ -355,7 +357,12 @@ class Dispatch:
         if late and (differs := self.baked.module_differs(backend)) is not None:
             return self.eager(*given, *differs)
         if late_guard and guard.due(leaves):
-            return self._guarded_call(tuned, guard, args, kwargs, leaves, (output,))
+            try:
+                return self._guarded_call(tuned, guard, args, kwargs, leaves, (output,))
+            except Exception as exc:  # noqa: BLE001 - eager (or the copy) raised in the check: eager, as before
+                guard.undo_due(leaves)
+                return self.eager(*given, ("error", graph.name), f"the run-time check of {backend.name} against "
+                                  f"eager raised {type(exc).__name__}: {exc}; running eager instead")
         self.backend_calls += 1
         return output
 

@@ -169,31 +169,77 @@ def test_a_check_given_the_served_output_compares_it_and_counts_all_its_time():
     assert guard.check_s == 12.0 and guard.interval == 16  # eager 2 s + comparison 10 s, all of it extra
 
 
-def test_a_checked_call_runs_the_backend_once(fast_profiling, fake_clock):
-    """A call the guard checks compares the output the backend already gave it (NOTE [guard after launch]): one
-    backend run per call, checked or not, and the checked call still returns a right output."""
-    model = PausedNet().eval().requires_grad_(False)
-    runs = []
+class Counted(SlowerButRight):
+    """Counts its runs: as the dispatch launches them (``accepted``) and as a check runs them itself."""
 
-    class Counted(SlowerButRight):
-        name = "test_counted"
+    name = "test_counted"
 
-        def _infer(self, args, kwargs):
-            runs.append(1)
-            return super()._infer(args, kwargs)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.runs = []
 
-    strategy = ait.OneBackendStrategy(Counted(), profiling_config=fast_profiling)
-    tuned = ait.Module(model, "counted", strategy=strategy, guard=GuardConfig(check_every=3))
+    def _infer(self, args, kwargs):
+        self.runs.append("check")
+        return super()._infer(args, kwargs)
+
+    def _infer_accepted(self, args, kwargs):
+        self.runs.append("launch")
+        return super()._infer(args, kwargs)
+
+
+def _tune_counted(fast_profiling, model):
+    tuned = ait.Module(model, "counted", strategy=ait.OneBackendStrategy(Counted(), profiling_config=fast_profiling),
+                       guard=GuardConfig(check_every=3))
     ait.tune(tuned, [torch.randn(2, 16)], ready_batches=True)
+    backend = tuned.backends["graph0"]  # (the tune's own instance)
+    backend.runs.clear()
+    return tuned, backend, tuned._self_dispatch.guards()["graph0"]
+
+
+def test_a_checked_call_runs_the_backend_once(fast_profiling, fake_clock):
+    """A call the guard checks compares the output the dispatch's launch gave it (NOTE [guard after launch]): one
+    backend run per call, checked or not, each the launch; the checked call still returns a right output. A guard
+    whose serving p50 is noisy is asked before the launch, and its check runs (and times) the backend itself."""
+    model = PausedNet().eval().requires_grad_(False)
+    tuned, backend, guard = _tune_counted(fast_profiling, model)
     x = torch.randn(2, 16)
-    runs.clear()
-    checks = tuned.stats["guard"]["graph0"]["checks"]
+    checks = guard.checks
     outputs = [tuned(x) for _ in range(6)]
-    assert tuned.stats["guard"]["graph0"]["checks"] - checks == 2 and len(runs) == 6
+    assert guard.checks - checks == 2 and backend.runs == ["launch"] * 6
     with torch.no_grad():
         expected = model(x)
     for output in outputs:
         torch.testing.assert_close(output, expected)
+    guard.serving_noisy, guard.backend_s = True, None
+    for _ in range(3):
+        torch.testing.assert_close(tuned(x), expected)
+    assert backend.runs[6:] == ["launch", "launch", "check"] and guard.backend_s is not None
+
+
+class RaisesOnce(PausedNet):
+    """Eager raises on its first call after ``arm()`` (a transient failure, e.g. out of memory in a check)."""
+
+    armed = False
+
+    def forward(self, x):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("out of memory (test)")
+        return super().forward(x)
+
+
+def test_a_check_that_raises_sends_the_call_to_eager(fast_profiling, fake_clock):
+    """Eager raising inside a check after the launch: the call runs eager again, as a check before the launch did,
+    counted as an error fallback; the shapes stay unchecked."""
+    model = RaisesOnce().eval().requires_grad_(False)
+    tuned, backend, guard = _tune_counted(fast_profiling, model)
+    x = torch.randn(2, 16)
+    tuned(x), tuned(x)
+    model.armed = True
+    out = tuned(x)  # the third call is due: its check's eager raises
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
+    assert tuned.stats["eager_fallbacks"] == {"error": 1} and backend.runs == ["launch"] * 3
 
 
 def test_a_tune_timed_under_load_does_not_make_the_guard_check_every_call():

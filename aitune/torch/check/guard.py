@@ -186,7 +186,8 @@ class RuntimeGuard:
         self._clock = clock
 
     def due(self, leaves: list) -> bool:
-        """Should this call be checked? Counts the call."""
+        """Should this call be checked? Counts the call (``stats()['calls']``: the calls that asked, which after the
+        launch are those the backend answered and the weight watch and the module check let through)."""
         self.calls += 1
         if self.interval and self.calls % self.interval == 0:
             return True
@@ -206,19 +207,27 @@ class RuntimeGuard:
 
     def check(self, backend, run_backend: Callable[[Any], Any], run_eager: Callable[[], Any], leaves: list,
               served: Any = None):
-        """Run the backend and eager on this call and compare.
+        """Compare the backend's output for this call (run here, or ``served``) with eager's.
 
         Args:
             served: a one-item tuple holding the output ``backend`` already gave for this call (NOTE [guard after
-                launch] in aitune/torch/dispatch.py): it is compared instead of running ``backend`` again, and the
-                check's cost is then all of its time; None: ``run_backend(backend)`` runs it (always for a guard
-                whose serving p50 is noisy, which times the backend's own run).
+                launch] in aitune/torch/dispatch.py): it is compared instead of running ``backend`` again; the clock
+                starts once it is computed (on CUDA: its stream is waited for), so all of the check's time is its
+                extra cost. None: ``run_backend(backend)`` runs it (always for a guard whose serving p50 is noisy,
+                which times the backend's own run).
+
+        Raises:
+            ValueError: ``served`` given to a guard whose serving p50 is noisy.
 
         Returns:
             ``(output, replacement)``: the output to return (the backend's when it matches, else eager's) and
             the backend that serves this graph from now on (``backend`` itself, a fallback that gets this
             input right, or None for eager).
         """
+        if served is not None:
+            if self.serving_noisy:
+                raise ValueError("a guard whose serving p50 is noisy times the backend's own run: pass no output")
+            _wait_for(served[0])  # (a GPU backend's kernels are not the check's cost)
         self.checks += 1
         started = self._clock()
         output, replacement = self._check(backend, run_backend, run_eager, leaves, served)  # (a check that raised:
