@@ -13,8 +13,9 @@ is now), so the watch also compares every data pointer on every call, where the 
 (``FULL_SCAN_EVERY``). The walk prefetches the tensors a few places ahead, so that their cache misses overlap:
 after a GPU launch, or any work that evicts the caches, the read is otherwise mostly waiting on memory
 (``benchmarks/dispatch_host_cost.py --flush``). ``benchmarks/state_watch_cost.py`` times both paths. The same
-extension's ``all_finite(tensor)`` serves the value gate's nan/inf check of small CPU inputs (exponent bits, no torch op);
-above ``ALL_FINITE_MAX_ELEMENTS`` torch's vectorised, multi-threaded reduction is faster and is used instead.
+extension's ``all_finite(tensor)`` serves the value gate's nan/inf check of small CPU inputs (exponent bits, no
+torch op); above ``ALL_FINITE_MAX_ELEMENTS`` torch's vectorised, multi-threaded reduction is faster and is used
+instead.
 
 How it is built and trusted:
 
